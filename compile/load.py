@@ -1,0 +1,93 @@
+"""Stage 1: a Hugging Face model directory -> a transformers model ready for export.
+
+Input: a directory with ``config.json`` and ``*.safetensors`` (or ``pytorch_model*.bin``) weights.
+Output: :class:`LoadedModel`: the ``*ForCausalLM`` in eval mode with kvforge's attention function,
+its architecture entry and dimensions. Every problem with the directory is a :class:`ModelDirError`
+that says what is missing and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvforge.graphs import lowering
+from kvforge.graphs.architectures import ArchSpec, Dims, lookup
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+class ModelDirError(ValueError):
+    """The model directory cannot be compiled (missing, not a Hugging Face model, ...)."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # *ForCausalLM, eval mode, attn_implementation="kvforge"
+    spec: ArchSpec
+    dims: Dims
+    config: dict  # config.json as written by the model's authors
+    weight_files: list[Path]
+
+
+def read_config(model_dir: str | Path) -> tuple[dict, list[Path]]:
+    """``config.json`` and the weight files of a model directory, or a :class:`ModelDirError`."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise ModelDirError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ModelDirError(f"{str(path)!r} is not a directory; pass a Hugging Face model directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelDirError(
+            f"{str(path)!r} has no config.json: it is not a Hugging Face model directory "
+            "(expected config.json and *.safetensors, as written by save_pretrained)"
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"{config_path} is not valid JSON: {e}") from e
+    weights = sorted(f for pattern in WEIGHT_PATTERNS for f in path.glob(pattern))
+    if not weights:
+        raise ModelDirError(
+            f"{str(path)!r} has a config.json but no weights (*.safetensors or pytorch_model*.bin)"
+        )
+    return config, weights
+
+
+def architecture_of(config: dict) -> str | None:
+    archs = config.get("architectures") or []
+    return archs[0] if archs else None
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
+    """Load the model for export. Checks the directory and the architecture before any weights."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    config, weights = read_config(model_dir)
+    spec = lookup(architecture_of(config))
+
+    from transformers import AutoModelForCausalLM
+
+    lowering.register()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=DTYPES[dtype], attn_implementation=lowering.ATTN_IMPLEMENTATION
+        )
+    except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
+        raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
+    model.eval()
+    return LoadedModel(model, spec, Dims.from_config(model.config), config, weights)
+
+
+def load_reference(model_dir: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """transformers' own model with eager attention, for parity checks (a separate instance with its
+    own config: switching ``_attn_implementation`` on a shared config would switch both models)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation="eager")
+    return model.eval()

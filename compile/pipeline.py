@@ -1,0 +1,239 @@
+"""``compile_model``: a Hugging Face model directory -> a kvforge artifact directory.
+
+Runs the stages in order (load -> export -> shared weights -> parity -> manifest) into a temporary
+sibling directory and renames it into place only when everything succeeded, so an interrupted or
+failed compile never leaves a directory that loads as an artifact. Progress goes to ``progress``
+(stderr by default).
+
+Output layout (see docs/manifest.md)::
+
+    OUT/prefill.onnx  OUT/decode.onnx  OUT/weights.data  OUT/manifest.json
+    OUT/tokenizer.json ... OUT/generation_config.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+import kvforge.compile.export as export_stage
+from kvforge.compile import load as load_stage
+from kvforge.compile import parity as parity_stage
+from kvforge.compile import tokenizer as tokenizer_stage
+from kvforge.compile.weights import write_shared
+from kvforge.graphs import contract, lowering
+from kvforge.graphs import manifest as mf
+from kvforge.graphs.architectures import lookup
+
+Progress = Callable[[str], None]
+
+
+def stderr_progress(message: str) -> None:
+    print(f"[kvforge] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    dtype: str = "float32"
+    max_batch: int = 4
+    max_seq: int = 512
+    lowering: str = "onnx"
+
+    def check(self) -> None:
+        if self.dtype not in load_stage.DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(load_stage.DTYPES)}")
+        if self.lowering not in lowering.LOWERINGS:
+            raise ValueError(f"unknown lowering {self.lowering!r}; choose one of {', '.join(lowering.LOWERINGS)}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.max_seq < 2:
+            raise ValueError(f"max_seq must be at least 2 (one prompt token, one generated), got {self.max_seq}")
+
+
+class OutputDirError(ValueError):
+    pass
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse to replace a directory that is not a kvforge artifact: it may hold the user's files."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / mf.MANIFEST_FILE).exists())):
+        raise OutputDirError(
+            f"output {str(out)!r} exists and is not a kvforge artifact; choose another -o or remove it"
+        )
+
+
+def compile_model(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    max_batch: int = 4,
+    max_seq: int = 512,
+    lowering: str = "onnx",
+    progress: Progress | None = stderr_progress,
+) -> mf.Manifest:
+    """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
+
+    Raises :class:`kvforge.compile.load.ModelDirError` for a missing or non-HF directory,
+    :class:`kvforge.graphs.architectures.UnsupportedArchitectureError` (listing what is supported),
+    ``ValueError`` for bad options. Nothing is written to ``out_dir`` unless compile succeeds.
+    """
+    options = CompileOptions(dtype, max_batch, max_seq, lowering)
+    options.check()
+    say = progress or (lambda _: None)
+    model_dir, out = Path(model_dir), Path(out_dir)
+    config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
+    lookup(load_stage.architecture_of(config))
+    _check_out_dir(out)
+    max_positions = config.get("max_position_embeddings") or config.get("n_positions")
+    if max_positions and max_seq > max_positions:
+        raise ValueError(
+            f"max_seq={max_seq} exceeds the model's max_position_embeddings={max_positions}; "
+            f"use --max-seq {max_positions} or less"
+        )
+
+    started = time.perf_counter()
+    tmp = out.parent / f".{out.name}.tmp-kvforge"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"done in {time.perf_counter() - started:.1f}s -> {out}")
+    return manifest
+
+
+def _compile_into(
+    model_dir: Path,
+    tmp: Path,
+    options: CompileOptions,
+    config: dict,
+    weight_files: list[Path],
+    say: Progress,
+    started: float,
+) -> mf.Manifest:
+    def step(i: int, text: str) -> None:
+        say(f"[{i}/6 {time.perf_counter() - started:6.1f}s] {text}")
+
+    step(1, f"loading {model_dir} ({options.dtype})")
+    loaded = load_stage.load_model(model_dir, options.dtype)
+    dims = loaded.dims
+    step(2, f"exporting prefill graph ({dims.num_layers} layers, lowering {options.lowering})")
+    prefill = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq)
+    step(3, "exporting decode graph")
+    decode = export_stage.export_decode(loaded, options.lowering, options.max_batch, options.max_seq)
+    step(4, "writing graphs and one shared weights file")
+    report = write_shared({"prefill": prefill, "decode": decode}, tmp)
+    del prefill, decode, loaded
+    tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
+    step(5, "checking parity against transformers")
+    reference = load_stage.load_reference(model_dir, options.dtype)
+    parity = parity_stage.measure(tmp, reference, dims, load_stage.DTYPES[options.dtype])
+    del reference
+    step(6, "writing manifest")
+    manifest = _manifest(model_dir, tmp, options, config, weight_files, dims, report.file, tok, parity)
+    mf.write(manifest, tmp)
+    return manifest
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished artifact into place; an older artifact at ``out`` is replaced."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-kvforge"
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def _io(path: Path) -> tuple[list[mf.TensorSpec], list[mf.TensorSpec]]:
+    model = onnx.load(str(path), load_external_data=False)
+
+    def spec(value: onnx.ValueInfoProto) -> mf.TensorSpec:
+        t = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        if t.elem_type == onnx.TensorProto.BFLOAT16:
+            dtype = "bfloat16"
+        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+        return mf.TensorSpec(value.name, dtype, shape)
+
+    return [spec(v) for v in model.graph.input], [spec(v) for v in model.graph.output]
+
+
+def _manifest(
+    model_dir: Path,
+    tmp: Path,
+    options: CompileOptions,
+    config: dict,
+    weight_files: list[Path],
+    dims,
+    weights_file: str,
+    tok: dict,
+    parity: dict,
+) -> mf.Manifest:
+    import onnxruntime
+    import torch
+    import transformers
+
+    graphs = {}
+    for name in ("prefill", "decode"):
+        inputs, outputs = _io(tmp / f"{name}.onnx")
+        graphs[name] = mf.GraphFile(f"{name}.onnx", mf.sha256_file(tmp / f"{name}.onnx"), inputs, outputs)
+    shape = contract.cache_shape(dims.num_layers, options.max_batch, dims.num_kv_heads, options.max_seq, dims.head_dim)
+    itemsize = load_stage.DTYPES[options.dtype].itemsize
+    numel = 1
+    for d in shape:
+        numel *= d
+    return mf.Manifest(
+        schema_version=mf.SCHEMA_VERSION,
+        kvforge_version=mf.kvforge_version(),
+        created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        source={
+            "path": str(model_dir.resolve()),
+            "config_sha256": mf.sha256_file(model_dir / "config.json"),
+            "weights": {f.name: mf.sha256_file(f) for f in weight_files},
+        },
+        model=mf.ModelDims(
+            architecture=load_stage.architecture_of(config),
+            model_type=config.get("model_type", ""),
+            num_layers=dims.num_layers,
+            num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads,
+            head_dim=dims.head_dim,
+            hidden_size=dims.hidden_size,
+            vocab_size=dims.vocab_size,
+        ),
+        dtype=options.dtype,
+        limits=mf.Limits(options.max_batch, options.max_seq, options.max_seq - 1),
+        lowering=options.lowering,
+        kv_cache={
+            "layout": "[layers, 2 (key, value), max_batch, kv_heads, max_seq, head_dim]",
+            "shape": list(shape),
+            "dtype": options.dtype,
+            "bytes": numel * itemsize,
+        },
+        graphs=graphs,
+        weights=mf.FileRef(weights_file, mf.sha256_file(tmp / weights_file), (tmp / weights_file).stat().st_size),
+        tokenizer=tok,
+        generation={"eos_token_ids": tok["eos_token_ids"]},
+        versions={
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "opset": str(export_stage.OPSET),
+        },
+        parity=parity,
+    )

@@ -1,0 +1,97 @@
+"""Export wrappers: torch modules with the explicit tensor signatures of the prefill and decode graphs.
+
+Both wrap one transformers ``*ForCausalLM`` whose attention implementation is ``"kvforge"`` and run
+its own modules (embeddings, RoPE, norms, MLPs) with ``use_cache=False``; the cache lives in the
+wrapper's inputs and outputs. Signatures (names from :mod:`kvforge.graphs.contract`):
+
+prefill(input_ids [B, S], position_ids [B, S], write_indices [B], input_lengths [B], *past)
+    -> (logits [B, V] of each row's last real token, *present)
+decode(input_ids [B, 1], position_ids [B, 1], write_indices [B], *past)
+    -> (logits [B, V], *present)
+
+``past``/``present`` alternate key and value per layer, each ``[B, H_kv, S_max, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.graphs import contract
+from kvforge.graphs.architectures import ArchSpec
+from kvforge.graphs.lowering import LayerCaches
+
+
+class _CausalLMGraph(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, spec: ArchSpec) -> None:
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        config = model.config
+        self.windows = spec.layer_windows(config)  # per layer: None or the sliding window
+        self.final_softcap = spec.final_logit_softcap(config)
+        self.logit_scale = spec.logit_scale(config)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        write_indices: torch.Tensor,
+        past: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states ``[B, S, hidden]`` and the present caches in contract order."""
+        seq_len = input_ids.shape[1]
+        capacity = past[0].shape[2]
+        masks = {w: contract.attention_mask(write_indices, seq_len, capacity, w) for w in set(self.windows)}
+        caches = LayerCaches(
+            past=[(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)],
+            write_indices=write_indices,
+            masks=masks,
+        )
+        decoder = self.model.base_model
+        out = decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            # A 4D mask is passed through untouched by transformers' mask builders; the attention
+            # function ignores it and uses the cache-aware masks above.
+            attention_mask=masks[self.windows[0]],
+            use_cache=False,
+            kvforge_caches=caches,
+        )
+        presents = [t for layer in range(len(caches.past)) for t in caches.present[layer]]
+        return out.last_hidden_state, presents
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [B, hidden]`` -> ``logits [B, V]``, with the family's final scaling."""
+        logits = self.model.get_output_embeddings()(hidden)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+class PrefillGraph(_CausalLMGraph):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        write_indices: torch.Tensor,
+        input_lengths: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
+        last = (input_lengths - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])  # (B, 1, hidden)
+        hidden = torch.gather(hidden, 1, last).squeeze(1)  # (B, hidden)
+        return (self._logits(hidden), *presents)
+
+
+class DecodeGraph(_CausalLMGraph):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        write_indices: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, 1, hidden)
+        return (self._logits(hidden[:, -1]), *presents)
