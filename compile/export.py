@@ -103,9 +103,7 @@ def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_
         tuple({0: batch, 2: capacity} for _ in range(2 * n)),
     )
     module = PrefillGraph(loaded.model, loaded.spec).eval()
-    return _export(
-        module, args, shapes, contract.prefill_input_names(n), contract.output_names(n), lowering_name
-    )
+    return _export(module, args, shapes, contract.prefill_input_names(n), contract.output_names(n), lowering_name)
 
 
 def export_decode(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int):
@@ -121,6 +119,4 @@ def export_decode(loaded: LoadedModel, lowering_name: str, max_batch: int, max_s
     )
     shapes = ({0: batch}, {0: batch}, {0: batch}, tuple({0: batch, 2: capacity} for _ in range(2 * n)))
     module = DecodeGraph(loaded.model, loaded.spec).eval()
-    return _export(
-        module, args, shapes, contract.decode_input_names(n), contract.output_names(n), lowering_name
-    )
+    return _export(module, args, shapes, contract.decode_input_names(n), contract.output_names(n), lowering_name)

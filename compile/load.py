@@ -53,9 +53,7 @@ def read_config(model_dir: str | Path) -> tuple[dict, list[Path]]:
         raise ModelDirError(f"{config_path} is not valid JSON: {e}") from e
     weights = sorted(f for pattern in WEIGHT_PATTERNS for f in path.glob(pattern))
     if not weights:
-        raise ModelDirError(
-            f"{str(path)!r} has a config.json but no weights (*.safetensors or pytorch_model*.bin)"
-        )
+        raise ModelDirError(f"{str(path)!r} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
     return config, weights
 
 

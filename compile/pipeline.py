@@ -33,6 +33,7 @@ from kvforge.graphs import manifest as mf
 from kvforge.graphs.architectures import lookup
 
 Progress = Callable[[str], None]
+DEFAULT_MAX_SEQ = 512
 
 
 def stderr_progress(message: str) -> None:
@@ -43,7 +44,7 @@ def stderr_progress(message: str) -> None:
 class CompileOptions:
     dtype: str = "float32"
     max_batch: int = 4
-    max_seq: int = 512
+    max_seq: int = DEFAULT_MAX_SEQ
     lowering: str = "onnx"
 
     def check(self) -> None:
@@ -75,7 +76,7 @@ def compile_model(
     *,
     dtype: str = "float32",
     max_batch: int = 4,
-    max_seq: int = 512,
+    max_seq: int | None = None,
     lowering: str = "onnx",
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
@@ -83,21 +84,24 @@ def compile_model(
 
     Raises :class:`kvforge.compile.load.ModelDirError` for a missing or non-HF directory,
     :class:`kvforge.graphs.architectures.UnsupportedArchitectureError` (listing what is supported),
-    ``ValueError`` for bad options. Nothing is written to ``out_dir`` unless compile succeeds.
+    ``ValueError`` for bad options. ``max_seq`` defaults to 512, or the model's
+    ``max_position_embeddings`` if that is smaller. Nothing is written to ``out_dir`` unless compile succeeds.
     """
-    options = CompileOptions(dtype, max_batch, max_seq, lowering)
-    options.check()
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
     config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
     lookup(load_stage.architecture_of(config))
-    _check_out_dir(out)
     max_positions = config.get("max_position_embeddings") or config.get("n_positions")
-    if max_positions and max_seq > max_positions:
+    if max_seq is None:
+        max_seq = min(DEFAULT_MAX_SEQ, max_positions or DEFAULT_MAX_SEQ)
+    elif max_positions and max_seq > max_positions:
         raise ValueError(
             f"max_seq={max_seq} exceeds the model's max_position_embeddings={max_positions}; "
             f"use --max-seq {max_positions} or less"
         )
+    options = CompileOptions(dtype, max_batch, max_seq, lowering)
+    options.check()
+    _check_out_dir(out)
 
     started = time.perf_counter()
     tmp = out.parent / f".{out.name}.tmp-kvforge"
@@ -216,7 +220,7 @@ def _manifest(
             vocab_size=dims.vocab_size,
         ),
         dtype=options.dtype,
-        limits=mf.Limits(options.max_batch, options.max_seq, options.max_seq - 1),
+        limits=mf.Limits(options.max_batch, options.max_seq, options.max_seq),
         lowering=options.lowering,
         kv_cache={
             "layout": "[layers, 2 (key, value), max_batch, kv_heads, max_seq, head_dim]",

@@ -49,12 +49,7 @@ class ArchSpec:
         return float(getattr(config, self.logit_scale_attr))
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    spec.architecture: spec
-    for spec in (
-        ArchSpec("LlamaForCausalLM"),
-    )
-}
+ARCHITECTURES: dict[str, ArchSpec] = {spec.architecture: spec for spec in (ArchSpec("LlamaForCausalLM"),)}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -66,9 +61,7 @@ def lookup(architecture: str | None) -> ArchSpec:
     if architecture in ARCHITECTURES:
         return ARCHITECTURES[architecture]
     supported = ", ".join(sorted(ARCHITECTURES))
-    raise UnsupportedArchitectureError(
-        f"architecture {architecture!r} is not supported; kvforge supports: {supported}"
-    )
+    raise UnsupportedArchitectureError(f"architecture {architecture!r} is not supported; kvforge supports: {supported}")
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,7 @@ def query_cache_indices(write_indices: torch.Tensor, seq_len: int) -> torch.Tens
     return write_indices.unsqueeze(1) + steps.unsqueeze(0)  # (B, S)
 
 
-def attention_mask(
-    write_indices: torch.Tensor, seq_len: int, capacity: int, window: int | None = None
-) -> torch.Tensor:
+def attention_mask(write_indices: torch.Tensor, seq_len: int, capacity: int, window: int | None = None) -> torch.Tensor:
     """Boolean mask ``[B, 1, S, S_max]``, True where a query may attend a key.
 
     Query ``s`` of row ``b`` sits at cache index ``i = write_indices[b] + s`` and attends cache

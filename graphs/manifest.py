@@ -60,7 +60,7 @@ class ModelDims:
 class Limits:
     max_batch: int  # rows of the KV cache
     max_seq: int  # cache capacity per row: prompt + generated tokens
-    max_prompt: int  # longest prompt accepted (<= max_seq - 1, so at least one token is generated)
+    max_prompt: int  # longest prompt accepted (= max_seq: a full-length prompt still yields one token)
 
 
 @dataclass(frozen=True)

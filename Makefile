@@ -1,0 +1,40 @@
+# kvforge — `make demo` (set up, compile the bundled model, compare with transformers)
+#           `make test` (set up, lint, run the test suite)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU machines get the CPU build of torch; GPU users: `make setup TORCH_SPEC=torch==<your build>`
+# or install torch into the venv first (any installed torch in the supported range is kept).
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.kvforge-installed
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/kvforge demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/decode_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,44 @@
+"""The KV cache: one allocation per engine, bound in place to both graphs.
+
+``KVCache.buffer`` is a torch tensor ``[L, 2, B_max, H_kv, S_max, D]`` in the artifact's dtype,
+owned by the cache and allocated once. Its per-layer views are what the backends bind to the
+``past_key_values.*`` inputs and, with the same pointer, to the ``present.*`` outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.graphs import contract
+from kvforge.graphs.manifest import Manifest
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class KVCache:
+    def __init__(self, manifest: Manifest, device: str | torch.device = "cpu") -> None:
+        m, limits = manifest.model, manifest.limits
+        self.shape = contract.cache_shape(m.num_layers, limits.max_batch, m.num_kv_heads, limits.max_seq, m.head_dim)
+        self.num_layers = m.num_layers
+        self.max_batch = limits.max_batch
+        self.max_seq = limits.max_seq
+        # Zeros, not empty: rows past a sequence's length are masked, but NaN garbage times a zero
+        # attention weight would still be NaN.
+        self.buffer = torch.zeros(self.shape, dtype=TORCH_DTYPES[manifest.dtype], device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def views(self, batch: int) -> dict[str, torch.Tensor]:
+        """The first ``batch`` rows of every layer's key and value cache, by past-input name.
+
+        Each view ``[batch, H_kv, S_max, D]`` is contiguous and aliases ``buffer``: no copy.
+        """
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"batch {batch} is outside 1..{self.max_batch} (the artifact's max_batch)")
+        views = {}
+        for layer in range(self.num_layers):
+            views[contract.past_key_name(layer)] = self.buffer[layer, 0, :batch]
+            views[contract.past_value_name(layer)] = self.buffer[layer, 1, :batch]
+        return views

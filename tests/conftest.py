@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random models saved to temp dirs, and their compiled artifacts.
+
+Built once per session (compiling takes seconds), so the suite stays fast as it grows. Nothing is
+downloaded: configs are written in-process and saved with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import make_llama
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_artifact(llama_dir, tmp_path_factory) -> Path:
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "llama"
+    compile_model(llama_dir, out, max_batch=4, max_seq=96, progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_reference(llama_dir):
+    """transformers' model of ``llama_dir`` (eager attention), the reference for every comparison."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager").eval()

@@ -1,0 +1,89 @@
+"""Test helpers: tiny model builders, tolerance checks that print the worst element, transformers references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def assert_close(actual, expected, atol: float, rtol: float, what: str = "logits") -> None:
+    """``|actual - expected| <= atol + rtol * |expected|`` everywhere; on failure, report the worst element."""
+    actual = torch.as_tensor(actual).float()
+    expected = torch.as_tensor(expected).float()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    excess = (actual - expected).abs() - (atol + rtol * expected.abs())
+    worst = int(excess.argmax())
+    if excess.flatten()[worst] > 0:
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), actual.shape))
+        raise AssertionError(
+            f"{what} differ beyond atol={atol} rtol={rtol}: worst at {idx}: "
+            f"{float(actual[idx]):.6g} vs reference {float(expected[idx]):.6g} "
+            f"(max |diff| {float((actual - expected).abs().max()):.3g})"
+        )
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generation for one prompt: the generated ids only."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of ``tokens``: ``[T, V]``."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+TEXT = (
+    "The for statement iterates over the items of any sequence. A list is a mutable sequence. "
+    "Exceptions are raised when an error occurs. The while loop repeats while a condition holds. "
+    "Functions are defined with def and return a value. Classes bundle data and behaviour together."
+)
+
+
+def save_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer trained in-process on a few sentences (vocab <= vocab_size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(path / "tokenizer.json"))
+
+
+def make_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random Llama (GQA: 4 query heads, 2 KV heads) with a tokenizer to ``path``."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    config.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=config["eos_token_id"], bos_token_id=0, pad_token_id=0).save_pretrained(path)
+    save_tokenizer(path, config["vocab_size"])
+    return path

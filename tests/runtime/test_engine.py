@@ -1,0 +1,171 @@
+"""The runtime against transformers on a tiny random Llama (fp32): logits per step within tolerance,
+token-exact greedy generation (one prompt, ragged batches, more prompts than max_batch), one cache
+allocation bound in place, chunked prefill equal to one-shot prefill, and clear errors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from kvforge.runtime import ArtifactError, Engine
+from tests.helpers import assert_close, hf_greedy, hf_logits
+
+ATOL, RTOL = 1e-4, 1e-4  # fp32: ORT and torch differ only in summation order
+PROMPTS = [
+    [0, 17, 201, 33, 90, 4, 150, 77, 12],
+    [0, 5, 9],
+    [0, 300, 2, 250, 61, 8],
+    [0, 44],
+    [0, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131],
+]
+
+
+@pytest.fixture(scope="module")
+def engine(llama_artifact):
+    with Engine.load(llama_artifact) as engine:
+        yield engine
+
+
+def test_prefill_and_every_decode_step_match_transformers(engine, llama_reference):
+    prompt, steps = PROMPTS[0], 12
+    tokens = list(prompt)
+    logits = [engine.prefill([prompt])[0].clone()]
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(engine.decode([tokens[-1]])[0].clone())
+    reference = hf_logits(llama_reference, tokens)[len(prompt) - 1 :]
+    assert_close(logits[0], reference[0], ATOL, RTOL, "prefill logits")
+    for step in range(1, steps + 1):
+        assert_close(logits[step], reference[step], ATOL, RTOL, f"decode step {step} logits")
+
+
+def test_ragged_prefill_gives_each_row_its_own_logits(engine, llama_reference):
+    rows = PROMPTS[:4]
+    logits = engine.prefill(rows).clone()
+    for b, row in enumerate(rows):
+        assert_close(logits[b], hf_logits(llama_reference, row)[-1], ATOL, RTOL, f"row {b} prefill logits")
+    # One decode step per row continues each row at its own length.
+    nxt = logits.argmax(-1)
+    step = engine.decode(nxt).clone()
+    for b, row in enumerate(rows):
+        ref = hf_logits(llama_reference, [*row, int(nxt[b])])[-1]
+        assert_close(step[b], ref, ATOL, RTOL, f"row {b} decode logits")
+
+
+def test_greedy_matches_transformers_generate_for_one_prompt(engine, llama_reference):
+    [result] = engine.generate([PROMPTS[0]], max_new_tokens=40)
+    expected = hf_greedy(llama_reference, PROMPTS[0], 40)
+    assert len(result.token_ids) >= 32
+    assert result.token_ids == expected
+    assert result.finish_reason == ("stop" if expected[-1] == 1 else "length")
+    assert result.prompt_tokens == len(PROMPTS[0])
+
+
+def test_ragged_batch_rows_equal_their_batch_1_runs(engine, llama_reference):
+    results = engine.generate(PROMPTS[:4], max_new_tokens=36)
+    for prompt, result in zip(PROMPTS[:4], results):
+        alone = engine.generate([prompt], max_new_tokens=36)[0]
+        assert result.token_ids == alone.token_ids
+        assert result.token_ids == hf_greedy(llama_reference, prompt, 36)
+
+
+def test_more_prompts_than_max_batch_run_in_consecutive_batches(engine, llama_reference):
+    assert engine.max_batch == 4
+    results = engine.generate(PROMPTS, max_new_tokens=8)  # 5 prompts: a batch of 4, then 1
+    assert len(results) == 5
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == hf_greedy(llama_reference, prompt, 8)
+
+
+def test_cache_is_allocated_once_and_bound_in_place(engine):
+    buffer = engine.cache.buffer
+    pointer = buffer.data_ptr()
+    assert tuple(buffer.shape) == (2, 2, 4, 2, 96, 16)
+    logits = engine.prefill(PROMPTS[:2])
+    views = engine.cache.views(2)
+    for graph in ("prefill", "decode"):
+        if graph == "decode":
+            for _ in range(3):
+                logits = engine.decode(logits.argmax(-1))
+                assert engine.cache.buffer.data_ptr() == pointer
+        assert engine.cache.buffer is buffer and buffer.data_ptr() == pointer
+        binding = engine.last_bindings[graph]
+        out_ptrs = engine.backend.bound_output_pointers(binding)
+        # get_outputs() comes back in binding order: logits, then the presents in contract order.
+        for i, past in enumerate(views):
+            assert out_ptrs[1 + i] == views[past].data_ptr(), f"{graph}: present {i} is not bound to {past}"
+            assert binding.tensors[past].data_ptr() == views[past].data_ptr()
+        # Every view lies inside the one allocation.
+        lo, hi = pointer, pointer + buffer.numel() * buffer.element_size()
+        assert all(lo <= p < hi for p in out_ptrs[1:])
+
+
+def test_decode_reuses_its_binding(engine):
+    logits = engine.prefill(PROMPTS[:3])
+    engine.decode(logits.argmax(-1))
+    first = engine.last_bindings["decode"]
+    engine.decode(engine.decode(logits.argmax(-1)).argmax(-1))
+    assert engine.last_bindings["decode"] is first
+
+
+def test_chunked_prefill_equals_one_shot(engine):
+    prompt = PROMPTS[4]
+    one_shot = engine.prefill([prompt]).clone()
+    engine.prefill([prompt[:5]])
+    chunked = engine.prefill([prompt[5:]], start=[5]).clone()
+    assert_close(chunked, one_shot, 1e-5, 1e-5, "chunked prefill logits")
+
+
+def test_eos_stops_a_row(engine):
+    first = engine.generate([PROMPTS[1]], max_new_tokens=5)[0].token_ids[0]
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({first})
+    try:
+        [result] = engine.generate([PROMPTS[1]], max_new_tokens=5)
+    finally:
+        engine.eos_token_ids = saved
+    assert result.token_ids == [first] and result.finish_reason == "stop"
+
+
+def test_generation_stops_when_the_cache_row_is_full(engine):
+    prompt = [0, *range(10, 100)]  # 91 tokens; max_seq 96 leaves room for 6 new tokens
+    [result] = engine.generate([prompt], max_new_tokens=50)
+    assert len(result.token_ids) == 6 or result.finish_reason == "stop"
+    assert result.finish_reason in {"length", "stop"}
+
+
+def test_text_prompts_use_the_artifact_tokenizer(engine):
+    [result] = engine.generate(["The for statement"], max_new_tokens=4)
+    ids = engine.tokenizer.encode("The for statement")
+    assert result.prompt_tokens == len(ids) and len(result.token_ids) == 4
+    assert result.text == engine.tokenizer.decode(result.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([[]], "prompt 0 is empty"),
+        ([""], "prompt 0 is empty"),
+        ([[0, 5], [0, 384]], "prompt 1 has token id 384 outside the vocabulary \\[0, 384\\)"),
+        ([[0]] * 4 + [[5] * 97], "prompt 4 has 97 tokens .* max_seq=96 \\(recompile with --max-seq\\)"),
+        ([], "no prompts"),
+    ],
+)
+def test_bad_prompts_are_refused_before_anything_runs(engine, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts, max_new_tokens=4)
+
+
+def test_truncated_weights_file_is_refused(llama_artifact, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_artifact, broken)
+    weights = broken / "weights.data"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ArtifactError, match="truncated or corrupted; recompile"):
+        Engine.load(broken)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="not a kvforge artifact"):
+        Engine.load(tmp_path)
