@@ -14,7 +14,7 @@ import torch
 
 from kvforge.compile.load import LoadedModel
 from kvforge.graphs import contract, lowering
-from kvforge.graphs.wrappers import DecodeGraph, PrefillGraph
+from kvforge.graphs.wrappers import DecodeGraph, PrefillGraph, ScoreGraph
 
 OPSET = 24
 
@@ -83,27 +83,30 @@ def _name_nodes(model) -> None:
         value.metadata_props.clear()
 
 
-def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int):
-    """The prefill graph: ``input_ids [B, S]`` ... -> ``logits [B, V]``, presents."""
+def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, all_logits: bool = False):
+    """The prefill graph: ``input_ids [B, S]`` ... -> ``logits [B, V]``, presents. With
+    ``all_logits``, the score graph instead: no ``input_lengths`` input, ``logits [B, S, V]``."""
     n = loaded.dims.num_layers
     batch, seq, capacity = _dims(max_batch, max_seq)
     b, s = _EXAMPLE_BATCH, _EXAMPLE_SEQ
+    lengths = [] if all_logits else [torch.full((b,), s, dtype=torch.int64)]
     args = (
         torch.ones(b, s, dtype=torch.int64),
         torch.arange(s).expand(b, s).contiguous(),
         torch.zeros(b, dtype=torch.int64),
-        torch.full((b,), s, dtype=torch.int64),
+        *lengths,
         *_example_past(loaded),
     )
     shapes = (
         {0: batch, 1: seq},
         {0: batch, 1: seq},
         {0: batch},
-        {0: batch},
+        *({0: batch} for _ in lengths),
         tuple({0: batch, 2: capacity} for _ in range(2 * n)),
     )
-    module = PrefillGraph(loaded.model, loaded.spec).eval()
-    return _export(module, args, shapes, contract.prefill_input_names(n), contract.output_names(n), lowering_name)
+    graph = "score" if all_logits else "prefill"
+    module = (ScoreGraph if all_logits else PrefillGraph)(loaded.model, loaded.spec).eval()
+    return _export(module, args, shapes, contract.input_names(graph, n), contract.output_names(n), lowering_name)
 
 
 def export_decode(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int):

@@ -134,11 +134,12 @@ def _compile_into(
     dims = loaded.dims
     step(2, f"exporting prefill graph ({dims.num_layers} layers, lowering {options.lowering})")
     prefill = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq)
-    step(3, "exporting decode graph")
+    step(3, "exporting decode graph, and the score graph (all-position logits, for tools)")
     decode = export_stage.export_decode(loaded, options.lowering, options.max_batch, options.max_seq)
+    score = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq, all_logits=True)
     step(4, "writing graphs and one shared weights file")
-    report = write_shared({"prefill": prefill, "decode": decode}, tmp)
-    del prefill, decode, loaded
+    report = write_shared({"prefill": prefill, "decode": decode, "score": score}, tmp)
+    del prefill, decode, score, loaded
     tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
     step(5, "checking parity against transformers")
     reference = load_stage.load_reference(model_dir, options.dtype)
@@ -192,7 +193,7 @@ def _manifest(
     import transformers
 
     graphs = {}
-    for name in ("prefill", "decode"):
+    for name in contract.GRAPHS:
         inputs, outputs = _io(tmp / f"{name}.onnx")
         graphs[name] = mf.GraphFile(f"{name}.onnx", mf.sha256_file(tmp / f"{name}.onnx"), inputs, outputs)
     shape = contract.cache_shape(dims.num_layers, options.max_batch, dims.num_kv_heads, options.max_seq, dims.head_dim)

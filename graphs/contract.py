@@ -26,7 +26,8 @@ INPUT_IDS = "input_ids"  # [B, S] int64
 POSITION_IDS = "position_ids"  # [B, S] int64
 WRITE_INDICES = "write_indices"  # [B] int64: cache index of each row's first new token
 INPUT_LENGTHS = "input_lengths"  # [B] int64, prefill only: real (unpadded) tokens per row
-LOGITS = "logits"  # [B, V]: logits of each row's last real token
+LOGITS = "logits"  # [B, V]: logits of each row's last real token ([B, S, V] in the score graph)
+GRAPHS = ("prefill", "decode", "score")
 
 
 def past_key_name(layer: int) -> str:
@@ -61,6 +62,11 @@ def prefill_input_names(num_layers: int) -> list[str]:
 
 def decode_input_names(num_layers: int) -> list[str]:
     return [INPUT_IDS, POSITION_IDS, WRITE_INDICES, *past_names(num_layers)]
+
+
+def input_names(graph: str, num_layers: int) -> list[str]:
+    """Input names of ``graph`` ("prefill", "decode" or "score"), in graph order."""
+    return prefill_input_names(num_layers) if graph == "prefill" else decode_input_names(num_layers)
 
 
 def output_names(num_layers: int) -> list[str]:

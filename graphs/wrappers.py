@@ -9,7 +9,12 @@ prefill(input_ids [B, S], position_ids [B, S], write_indices [B], input_lengths 
 decode(input_ids [B, 1], position_ids [B, 1], write_indices [B], *past)
     -> (logits [B, V], *present)
 
-``past``/``present`` alternate key and value per layer, each ``[B, H_kv, S_max, D]``.
+score(input_ids [B, S], position_ids [B, S], write_indices [B], *past)
+    -> (logits [B, S, V] at every position, *present)
+
+``past``/``present`` alternate key and value per layer, each ``[B, H_kv, S_max, D]``. ``score`` is a
+separate graph so that the prefill graph never computes the ``[B, S, V]`` logits of every position
+(only tools such as perplexity need them).
 """
 
 from __future__ import annotations
@@ -61,7 +66,10 @@ class _CausalLMGraph(torch.nn.Module):
         return out.last_hidden_state, presents
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [B, hidden]`` -> ``logits [B, V]``, with the family's final scaling."""
+        """``hidden [B, S, hidden]`` -> ``logits [B, S, V]``, with the family's final scaling.
+
+        Always 3-D, so that the lm_head lowers to the same MatMul (and the same folded weight,
+        stored once) in every graph; a 2-D input would become a Gemm on the unfolded weight."""
         logits = self.model.get_output_embeddings()(hidden)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
@@ -81,8 +89,8 @@ class PrefillGraph(_CausalLMGraph):
     ) -> tuple[torch.Tensor, ...]:
         hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
         last = (input_lengths - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])  # (B, 1, hidden)
-        hidden = torch.gather(hidden, 1, last).squeeze(1)  # (B, hidden)
-        return (self._logits(hidden), *presents)
+        hidden = torch.gather(hidden, 1, last)  # (B, 1, hidden)
+        return (self._logits(hidden).squeeze(1), *presents)
 
 
 class DecodeGraph(_CausalLMGraph):
@@ -94,4 +102,16 @@ class DecodeGraph(_CausalLMGraph):
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, 1, hidden)
-        return (self._logits(hidden[:, -1]), *presents)
+        return (self._logits(hidden).squeeze(1), *presents)  # (B, V)
+
+
+class ScoreGraph(_CausalLMGraph):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        write_indices: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
+        return (self._logits(hidden), *presents)  # (B, S, V)

@@ -101,11 +101,10 @@ class Engine:
     def _check_io(self) -> None:
         """The graphs must have exactly the I/O the manifest and the KV contract name."""
         n = self.manifest.model.num_layers
-        expected = {
-            "prefill": (contract.prefill_input_names(n), contract.output_names(n)),
-            "decode": (contract.decode_input_names(n), contract.output_names(n)),
-        }
-        for graph, (inputs, outputs) in expected.items():
+        for graph in contract.GRAPHS:
+            if graph not in self.manifest.graphs:
+                raise mf.ArtifactError(f"the artifact has no {graph} graph; recompile the model with this kvforge")
+            inputs, outputs = contract.input_names(graph, n), contract.output_names(n)
             got = (self.backend.input_names(graph), self.backend.output_names(graph))
             if sorted(got[0]) != sorted(inputs) or sorted(got[1]) != sorted(outputs):
                 raise mf.ArtifactError(
@@ -144,7 +143,39 @@ class Engine:
         batch = len(rows)
         start = list(start) if start is not None else [0] * batch
         self._check_rows(rows, start)
+        inputs = self._fill_inputs(rows, start, max(len(r) for r in rows))
+        binding = self.backend.bind("prefill", inputs, self._outputs(batch))
+        self.backend.run(binding)
+        self.batch = batch
+        self.last_bindings["prefill"] = binding
+        return binding.tensors[contract.LOGITS]
+
+    def score(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> torch.Tensor:
+        """Like :meth:`prefill`, but returns the logits of every position, ``[B, S, V]`` (a new
+        tensor; positions past a row's length are padding). Runs the separate score graph, for
+        tools such as perplexity; the cache is updated as by :meth:`prefill`."""
+        batch = len(rows)
+        start = list(start) if start is not None else [0] * batch
+        self._check_rows(rows, start)
         seq = max(len(r) for r in rows)
+        inputs = self._fill_inputs(rows, start, seq)
+        del inputs[contract.INPUT_LENGTHS]
+        outputs = self._outputs(batch)
+        logits = outputs[contract.LOGITS] = torch.empty(batch, seq, self.vocab_size, dtype=self._logits.dtype)
+        binding = self.backend.bind("score", inputs, outputs)
+        self.backend.run(binding)
+        self.batch = batch
+        return logits
+
+    def _fill_inputs(self, rows: Sequence[Sequence[int]], start: list[int], seq: int) -> dict[str, torch.Tensor]:
+        """Write a ragged batch, right-padded to ``seq``, into the persistent input buffers."""
+        batch = len(rows)
+        if max(start) + seq > self.max_seq:
+            # Padding is written too: a short row at a late start would write past its cache row.
+            raise ValueError(
+                f"rows padded to {seq} tokens at start {max(start)} would write past max_seq={self.max_seq}; "
+                "prefill such rows in separate calls"
+            )
         ids = self._ids[: batch * seq].view(batch, seq)
         pos = self._pos[: batch * seq].view(batch, seq)
         ids.zero_()  # padding id 0: padded positions are written, masked, then overwritten
@@ -154,18 +185,13 @@ class Engine:
             self._write[b] = s0
             self._input_lengths[b] = len(row)
             self.lengths[b] = s0 + len(row)
-        inputs = {
+        return {
             contract.INPUT_IDS: ids,
             contract.POSITION_IDS: pos,
             contract.WRITE_INDICES: self._write[:batch],
             contract.INPUT_LENGTHS: self._input_lengths[:batch],
             **self.cache.views(batch),
         }
-        binding = self.backend.bind("prefill", inputs, self._outputs(batch))
-        self.backend.run(binding)
-        self.batch = batch
-        self.last_bindings["prefill"] = binding
-        return binding.tensors[contract.LOGITS]
 
     def decode(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Append one token to each row of the current batch; return the next logits ``[B, V]``."""

@@ -169,3 +169,19 @@ def test_truncated_weights_file_is_refused(llama_artifact, tmp_path):
 def test_not_an_artifact(tmp_path):
     with pytest.raises(ArtifactError, match="not a kvforge artifact"):
         Engine.load(tmp_path)
+
+
+def test_score_gives_every_positions_logits(engine, llama_reference):
+    rows = [PROMPTS[0], PROMPTS[2]]
+    logits = engine.score(rows)
+    assert logits.shape == (2, len(PROMPTS[0]), 384)
+    for b, row in enumerate(rows):
+        assert_close(logits[b, : len(row)], hf_logits(llama_reference, row), ATOL, RTOL, f"row {b} score logits")
+    # The cache was filled as by prefill: decoding continues each row.
+    step = engine.decode([5, 6])
+    assert_close(step[1], hf_logits(llama_reference, [*PROMPTS[2], 6])[-1], ATOL, RTOL, "decode after score")
+
+
+def test_padding_past_capacity_is_refused(engine):
+    with pytest.raises(ValueError, match="would write past max_seq=96"):
+        engine.prefill([[1, 2], [3] * 20], start=[90, 0])
