@@ -3,9 +3,13 @@
     kvforge compile MODEL_DIR -o OUT [--dtype float32] [--max-batch 4] [--max-seq 512] [--lowering onnx]
     kvforge generate OUT "prompt" [--max-new-tokens 32]
     kvforge demo [--model DIR] [--prompt TEXT ...]
+    kvforge compare OUT --reference MODEL_DIR [--prompts FILE] [--text FILE] [--steps N] [--json PATH] [--plot PATH]
+    kvforge bench OUT [--reference MODEL_DIR] [--prompt-lens 32,128,512] [--batch-sizes 1,4] [--new-tokens N]
+    kvforge inspect OUT [--json PATH]
 
 User errors (bad paths, unsupported models, corrupted artifacts, bad prompts) print one line
-``kvforge: error: ...`` and exit with status 2; no traceback.
+``kvforge: error: ...`` and exit with status 2; no traceback. ``compare`` exits with 1 when it finds a
+mismatch. The JSON written by ``--json`` is documented in docs/tools.md.
 """
 
 from __future__ import annotations
@@ -93,12 +97,123 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, args.prompt, args.out, args.max_new_tokens)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 32,128, got {text!r}")
+    return values
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="accuracy of an artifact against transformers on the same inputs")
+    p.add_argument("artifact", help="artifact directory written by kvforge compile")
+    p.add_argument("--reference", required=True, metavar="MODEL_DIR", help="the Hugging Face model directory")
+    p.add_argument("--prompts", default=None, metavar="FILE", help="one prompt per line (default: bundled prompts)")
+    p.add_argument("--text", default=None, metavar="FILE", help="text for the perplexity (default: bundled text)")
+    p.add_argument("--steps", type=int, default=None, help="decode and greedy steps per prompt (default 32)")
+    p.add_argument("--atol", type=float, default=None, help="max |logit diff| allowed (default by dtype: fp32 1e-3)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the per-step differences")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.set_defaults(run=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from kvforge.tools import compare
+    from kvforge.tools.report import Progress, pyplot, write_json
+
+    if args.plot:
+        pyplot()  # fail before the work when matplotlib is missing
+    result = compare.run_compare(
+        args.artifact,
+        args.reference,
+        compare.load_prompts(args.prompts),
+        compare.load_text(args.text),
+        steps=compare.DEFAULT_STEPS if args.steps is None else args.steps,
+        atol=args.atol,
+        verify=not args.no_verify,
+        threads=args.threads,
+        progress=Progress("compare"),
+    )
+    print(compare.format_report(result))
+    if args.json:
+        print(f"wrote {write_json(result, args.json)}")
+    if args.plot:
+        print(f"wrote {compare.plot_compare(result, args.plot)}")
+    return 0 if result["verdict"]["ok"] else 1
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="latency, throughput and memory of an artifact (and of transformers)")
+    p.add_argument("artifact", help="artifact directory written by kvforge compile")
+    p.add_argument("--reference", default=None, metavar="MODEL_DIR", help="also time transformers eager on it")
+    # Defaults live in BenchOptions; None here means "not given".
+    p.add_argument("--prompt-lens", type=_int_list, default=None, metavar="N,N,...", help="default 32,128,512")
+    p.add_argument("--batch-sizes", type=_int_list, default=None, metavar="N,N,...", help="default 1,4")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 32)")
+    p.add_argument("--repeat", type=int, default=None, help="timed runs per cell (default 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs per cell first (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the timings")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from kvforge.tools import bench
+    from kvforge.tools.report import pyplot, write_json
+
+    if args.plot:
+        pyplot()
+    given = {
+        "prompt_lens": tuple(args.prompt_lens) if args.prompt_lens else None,
+        "batch_sizes": tuple(args.batch_sizes) if args.batch_sizes else None,
+        "new_tokens": args.new_tokens,
+        "repeat": args.repeat,
+        "warmup": args.warmup,
+        "threads": args.threads,
+    }
+    options = bench.BenchOptions(**{name: value for name, value in given.items() if value is not None})
+    result = bench.run_bench(args.artifact, args.reference, options)
+    print(bench.format_report(result))
+    if args.json:
+        print(f"wrote {write_json(result, args.json)}")
+    if args.plot:
+        print(f"wrote {bench.plot_bench(result, args.plot)}")
+    return 0
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="graphs, I/O, op histogram, file sizes and a TensorRT compatibility check")
+    p.add_argument("artifact", help="artifact directory (or a single .onnx file)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
+    p.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from kvforge.tools import inspect_artifact
+    from kvforge.tools.report import write_json
+
+    result = inspect_artifact.inspect(args.artifact)
+    print(inspect_artifact.format_report(result))
+    if args.json:
+        print(f"wrote {write_json(result, args.json)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compile(sub)
     _add_generate(sub)
     _add_demo(sub)
+    _add_compare(sub)
+    _add_bench(sub)
+    _add_inspect(sub)
     return parser
 
 

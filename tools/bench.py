@@ -1,0 +1,371 @@
+"""``kvforge bench``: how fast is an artifact, and how fast is transformers on the same prompts?
+
+Input: an artifact directory and, optionally, the Hugging Face model directory it was compiled
+from. Output: a report dict (JSON schema in docs/tools.md), printed as a table, optionally written
+as JSON and plotted.
+
+For every cell (prompt length P, batch size B) both sides get the same B random prompts of exactly
+P tokens (seeded; equal lengths, so transformers needs no padding) and decode ``new_tokens`` greedy
+tokens per row, never stopping at eos. kvforge runs through the engine's step API (``prefill``,
+then ``decode``); transformers eager runs its own forward with its default cache (``DynamicCache``),
+``logits_to_keep=1`` at prefill as its ``generate`` does, without ``generate``'s per-step
+bookkeeping. Each cell runs ``warmup`` untimed times, then ``repeat`` timed times:
+
+* ``ttft_ms``: prefill until the first token of every row is known (median over repeats);
+* ``decode_ms_per_token_p50/p90``: one decode step, i.e. the time between two consecutive tokens of
+  a row (over every step of every repeat); ``decode_tokens_per_s = B * 1000 / p50``;
+* ``e2e_ms``: TTFT plus every decode step (median over repeats);
+* ``rss_peak_bytes``: the process's peak resident memory during the cell (``VmHWM``, reset before
+  the cell where the kernel allows, see ``rss_peak_reset``); it is process-wide, so it includes
+  Python, torch and whatever the process already held. kvforge's cells run before the reference
+  model is loaded. ``device_peak_bytes``: torch's CUDA peak where the side runs on CUDA, else null;
+* ``kv_cache_bytes``: kvforge's one cache allocation (fixed by the artifact's limits); for
+  transformers, the bytes of its cache tensors at the end of the run (grown to B x (P + new_tokens)).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvforge.runtime import Engine
+from kvforge.tools import reference
+from kvforge.tools.report import Progress, artifact_summary, describe_artifact, pyplot
+
+SCHEMA = "kvforge.bench"
+SCHEMA_VERSION = 1
+SIDES = ("kvforge", "transformers")
+RATIO_KEYS = (
+    "ttft_ms",
+    "decode_ms_per_token_p50",
+    "decode_ms_per_token_p90",
+    "decode_tokens_per_s",
+    "e2e_ms",
+    "rss_peak_bytes",
+    "kv_cache_bytes",
+)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    prompt_lens: tuple[int, ...] = (32, 128, 512)
+    batch_sizes: tuple[int, ...] = (1, 4)
+    new_tokens: int = 32
+    repeat: int = 3
+    warmup: int = 1
+    threads: int | None = None  # ORT intra-op threads and torch threads; None: each library's default
+    seed: int = 0
+
+    def check(self, max_batch: int, max_seq: int) -> None:
+        if self.new_tokens < 1:
+            raise ValueError(f"--new-tokens must be at least 1, got {self.new_tokens}")
+        if self.repeat < 1 or self.warmup < 0:
+            raise ValueError(f"--repeat must be at least 1 and --warmup at least 0, got {self.repeat}, {self.warmup}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        too_big = [b for b in self.batch_sizes if b > max_batch]
+        if too_big:
+            raise ValueError(
+                f"batch size {too_big[0]} exceeds this artifact's max_batch={max_batch} "
+                "(recompile with --max-batch, or pass smaller --batch-sizes)"
+            )
+        too_long = [p for p in self.prompt_lens if p + self.new_tokens > max_seq]
+        if too_long:
+            raise ValueError(
+                f"prompt length {too_long[0]} + {self.new_tokens} new tokens exceeds this artifact's "
+                f"max_seq={max_seq} (recompile with --max-seq, or pass shorter --prompt-lens / fewer --new-tokens)"
+            )
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
+def reset_rss_peak() -> bool:
+    """Reset the process's peak RSS (Linux ``clear_refs`` 5); False where the kernel refuses."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def rss_peak_bytes() -> int | None:
+    """Peak resident set size of this process, bytes (``VmHWM``; ``ru_maxrss`` where /proc is absent)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if platform.system() == "Darwin":
+            kib //= 1024  # bytes there
+    return kib * 1024
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _kvforge_run(engine: Engine, rows: list[list[int]], new_tokens: int) -> reference.TimedRun:
+    start = time.perf_counter()
+    next_ids = engine.prefill(rows).argmax(-1)  # (B,)
+    ttft = time.perf_counter() - start
+    generated, steps = [next_ids], []
+    for _ in range(new_tokens - 1):
+        t = time.perf_counter()
+        next_ids = engine.decode(next_ids).argmax(-1)
+        steps.append(time.perf_counter() - t)
+        generated.append(next_ids)
+    e2e = time.perf_counter() - start
+    return reference.TimedRun(ttft, steps, e2e, torch.stack(generated, 1).tolist(), engine.cache.nbytes)
+
+
+def _measure(run, options: BenchOptions, device: str, progress: Progress, what: str) -> tuple[dict[str, Any], list]:
+    """Warm up, then time ``run()`` ``repeat`` times: the side's metrics for one cell, and the
+    tokens of its last run (``[B][new_tokens]``)."""
+    peak_reset = reset_rss_peak()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(options.warmup):
+        run()
+        progress.advance(f"{what} (warm-up)")
+    runs = []
+    for _ in range(options.repeat):
+        runs.append(run())
+        progress.advance(what)
+    steps_ms = [s * 1e3 for r in runs for s in r.step_s]
+    p50 = statistics.median(steps_ms) if steps_ms else None
+    batch = len(runs[0].tokens)
+    e2e_ms = statistics.median(r.e2e_s * 1e3 for r in runs)
+    side = {
+        "ttft_ms": statistics.median(r.ttft_s * 1e3 for r in runs),
+        "decode_ms_per_token_p50": p50,
+        "decode_ms_per_token_p90": float(np.percentile(steps_ms, 90)) if steps_ms else None,
+        "decode_tokens_per_s": batch * 1e3 / p50 if p50 else None,
+        "e2e_ms": e2e_ms,
+        "e2e_tokens_per_s": batch * options.new_tokens * 1e3 / e2e_ms,
+        "rss_peak_bytes": rss_peak_bytes(),
+        "rss_peak_reset": peak_reset,
+        "device_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "kv_cache_bytes": runs[-1].cache_bytes,
+        "ttft_ms_runs": [r.ttft_s * 1e3 for r in runs],
+        "e2e_ms_runs": [r.e2e_s * 1e3 for r in runs],
+    }
+    return side, runs[-1].tokens
+
+
+def _prompts(options: BenchOptions, vocab: int) -> dict[tuple[int, int], torch.Tensor]:
+    """The same random prompts for both sides: ``[B, P]`` int64 per cell."""
+    generator = torch.Generator().manual_seed(options.seed)
+    return {
+        (p, b): torch.randint(0, vocab, (b, p), generator=generator)
+        for p in options.prompt_lens
+        for b in options.batch_sizes
+    }
+
+
+def run_bench(
+    artifact: str | Path,
+    reference_dir: str | Path | None = None,
+    options: BenchOptions = BenchOptions(),
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Time kvforge (and transformers with ``reference_dir``) on every cell; the report dict."""
+    cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
+    sides = 2 if reference_dir else 1
+    progress = progress or Progress("bench", total=len(cells) * sides * (options.warmup + options.repeat))
+    if options.threads:
+        torch.set_num_threads(options.threads)
+
+    with Engine.load(artifact, threads=options.threads) as engine:
+        manifest = engine.manifest
+        options.check(engine.max_batch, engine.max_seq)
+        prompts = _prompts(options, manifest.model.vocab_size)
+        device = str(engine.backend.device)
+        ours, tokens = {}, {}
+        for p, b in cells:
+            rows = prompts[p, b].tolist()
+            run = lambda rows=rows: _kvforge_run(engine, rows, options.new_tokens)  # noqa: E731
+            ours[p, b], tokens["kvforge", p, b] = _measure(run, options, device, progress, _cell("kvforge", p, b))
+    gc.collect()
+
+    theirs: dict[tuple[int, int], dict[str, Any]] = {}
+    if reference_dir:
+        progress.say(f"loading the reference {reference_dir} (transformers eager, {manifest.dtype})")
+        model = reference.load(reference_dir, manifest).to(device)
+        for p, b in cells:
+            ids = prompts[p, b].to(device)
+            run = lambda ids=ids: reference.timed_greedy(model, ids, options.new_tokens)  # noqa: E731
+            theirs[p, b], tokens["transformers", p, b] = _measure(
+                run, options, device, progress, _cell("transformers", p, b)
+            )
+        del model
+        gc.collect()
+
+    results = []
+    for p, b in cells:
+        mine, ref = ours[p, b], theirs.get((p, b))
+        cell = {"prompt_len": p, "batch_size": b, "kvforge": mine, "transformers": ref, "ratio": None}
+        if ref is not None:
+            cell["ratio"] = {k: _ratio(mine[k], ref[k]) for k in RATIO_KEYS}
+            cell["greedy_tokens_identical"] = tokens["kvforge", p, b] == tokens["transformers", p, b]
+        results.append(cell)
+    return {
+        "kind": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "artifact": artifact_summary(artifact, manifest),
+        "reference": (
+            {
+                "path": str(reference_dir),
+                "implementation": "transformers eager, default cache (DynamicCache)",
+                "dtype": manifest.dtype,
+                "matches_source": reference.matches_source(manifest, reference_dir),
+            }
+            if reference_dir
+            else None
+        ),
+        "settings": {
+            **asdict(options),
+            "prompt_lens": list(options.prompt_lens),
+            "batch_sizes": list(options.batch_sizes),
+        },
+        "environment": _environment(device),
+        "cells": results,
+    }
+
+
+def _cell(side: str, p: int, b: int) -> str:
+    return f"{side} prompt {p} batch {b}"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import onnxruntime
+    import transformers
+
+    return {
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+# ---------------------------------------------------------------- terminal
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    s, env = result["settings"], result["environment"]
+    lines = [
+        f"kvforge bench: {describe_artifact(result['artifact'])}",
+        f"  on {env['device']} ({env['cpu_count']} CPUs, torch threads {env['torch_threads']}); "
+        f"{s['new_tokens']} new tokens per row; median of {s['repeat']} runs after {s['warmup']} warm-up(s); "
+        f"random prompts (seed {s['seed']})",
+    ]
+    if result["reference"]:
+        lines.append(f"  reference: {result['reference']['implementation']} ({result['reference']['path']})")
+    lines.append("")
+    lines.append(
+        f"{'prompt':>6}{'batch':>6}  {'':14}{'TTFT ms':>9}{'decode ms/tok p50':>19}{'p90':>8}{'tok/s':>9}"
+        f"{'e2e ms':>9}{'peak RSS MiB':>13}{'KV MiB':>8}"
+    )
+    for cell in result["cells"]:
+        rows = [("kvforge", cell["kvforge"])]
+        if cell["transformers"]:
+            rows.append(("transformers", cell["transformers"]))
+        for i, (name, m) in enumerate(rows):
+            lead = f"{cell['prompt_len']:6d}{cell['batch_size']:6d}" if i == 0 else " " * 12
+            lines.append(
+                f"{lead}  {name:14}{_fmt(m['ttft_ms'], '9.2f')}{_fmt(m['decode_ms_per_token_p50'], '19.3f')}"
+                f"{_fmt(m['decode_ms_per_token_p90'], '8.3f')}{_fmt(m['decode_tokens_per_s'], '9.1f')}"
+                f"{_fmt(m['e2e_ms'], '9.1f')}{_mib(m['rss_peak_bytes']):>13}{_mib(m['kv_cache_bytes']):>8}"
+            )
+        if cell["ratio"]:
+            r = cell["ratio"]
+            lines.append(
+                f"{'':12}  {'kvforge/hf':14}{_fmt(r['ttft_ms'], '8.2f')}x{_fmt(r['decode_ms_per_token_p50'], '18.2f')}x"
+                f"{_fmt(r['decode_ms_per_token_p90'], '7.2f')}x{_fmt(r['decode_tokens_per_s'], '8.2f')}x"
+                f"{_fmt(r['e2e_ms'], '8.2f')}x{_fmt(r['rss_peak_bytes'], '12.2f')}x{_fmt(r['kv_cache_bytes'], '7.2f')}x"
+            )
+    if result["reference"]:
+        same = all(c.get("greedy_tokens_identical") for c in result["cells"])
+        lines += [
+            "",
+            "ratio = kvforge / transformers: below 1 is faster (times) or smaller (memory); tok/s above 1 is faster",
+            f"greedy tokens identical on both sides in every cell: {'yes' if same else 'NO'}",
+        ]
+    return "\n".join(lines)
+
+
+def plot_bench(result: dict[str, Any], path: str | Path) -> Path:
+    """TTFT and decode time per token of each cell, kvforge next to transformers."""
+    plt = pyplot()
+    cells = result["cells"]
+    labels = [f"P{c['prompt_len']} B{c['batch_size']}" for c in cells]
+    sides = [s for s in SIDES if all(c[s] for c in cells)]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(cells) + 4), 4))
+    width = 0.8 / len(sides)
+    x = np.arange(len(cells))
+    for ax, key, title in (
+        (axes[0], "ttft_ms", "time to first token (ms)"),
+        (axes[1], "decode_ms_per_token_p50", "decode ms / token (p50; bar: p90)"),
+    ):
+        for i, side in enumerate(sides):
+            values = [c[side][key] or 0.0 for c in cells]
+            bars = ax.bar(x + (i - (len(sides) - 1) / 2) * width, values, width, label=side)
+            if key == "decode_ms_per_token_p50":
+                p90 = [c[side]["decode_ms_per_token_p90"] or 0.0 for c in cells]
+                ax.errorbar(
+                    [b.get_x() + b.get_width() / 2 for b in bars],
+                    values,
+                    yerr=[[0] * len(p90), [max(q - v, 0) for q, v in zip(p90, values)]],
+                    fmt="none",
+                    ecolor="black",
+                    capsize=2,
+                )
+        ax.set_xticks(x, labels, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    artifact = result["artifact"]
+    fig.suptitle(f"kvforge bench: {artifact['architecture']} {artifact['dtype']} on {result['environment']['device']}")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
