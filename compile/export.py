@@ -40,6 +40,9 @@ def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple, input_n
     with warnings.catch_warnings(), torch.no_grad():
         # The exporter warns about things that do not concern us (missing torchvision ops, ...).
         warnings.simplefilter("ignore")
+        # One eager call first: some modules create buffers lazily on their first forward (Phi-3's
+        # longrope frequencies); created during tracing, they would be fake tensors, not constants.
+        module(*args)
         program = torch.onnx.export(
             module,
             args,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvforge.graphs import lowering
-from kvforge.graphs.architectures import ArchSpec, Dims, lookup
+from kvforge.graphs.architectures import ArchSpec, Dims, UnsupportedArchitectureError, lookup, supported
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -62,19 +62,46 @@ def architecture_of(config: dict) -> str | None:
     return archs[0] if archs else None
 
 
+def resolve_spec(config: dict) -> ArchSpec:
+    """The architecture entry, or the generic (unverified) spec for a causal LM whose transformers
+    modules dispatch attention through ``AttentionInterface``; otherwise an error naming the
+    verified families."""
+    architecture = architecture_of(config)
+    spec = lookup(architecture, generic=True)
+    if spec.verified:
+        return spec
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_class = getattr(transformers, architecture, None)
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type")) == architecture
+    if model_class is None or not causal:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported: it is not a decoder-only causal LM that "
+            f"transformers {transformers.__version__} knows; kvforge verifies: {supported()}"
+        )
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported: its transformers modules do not dispatch "
+            f"attention through AttentionInterface; kvforge verifies: {supported()}"
+        )
+    return spec
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
     """Load the model for export. Checks the directory and the architecture before any weights."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     config, weights = read_config(model_dir)
-    spec = lookup(architecture_of(config))
+    spec = resolve_spec(config)
 
     from transformers import AutoModelForCausalLM
 
     lowering.register()
+    extra = {"experts_implementation": spec.experts_implementation} if spec.experts_implementation else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[dtype], attn_implementation=lowering.ATTN_IMPLEMENTATION
+            str(model_dir), dtype=DTYPES[dtype], attn_implementation=lowering.ATTN_IMPLEMENTATION, **extra
         )
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e

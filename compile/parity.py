@@ -85,3 +85,20 @@ def measure(out_dir: Path, reference: torch.nn.Module, dims: Dims, dtype: torch.
         "decode_max_abs_diff": max(diffs[1:]),
         "greedy_match": bool(all(int(a.argmax()) == int(b.argmax()) for a, b in zip(ours, theirs))),
     }
+
+
+# Largest max |logit diff| the generic path accepts, per dtype (verified families are held to the
+# tighter tolerances of the test matrix).
+GENERIC_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
+
+
+def failure(parity: dict[str, Any], dtype: str) -> str | None:
+    """Why ``parity`` is not good enough for an unverified family, or None if it is."""
+    if "skipped" in parity or dtype not in GENERIC_TOLERANCE:
+        return f"parity cannot be measured for {dtype} on CPU; compile it in float32 first"
+    worst = max(parity["prefill_max_abs_diff"], parity["decode_max_abs_diff"])
+    if worst > GENERIC_TOLERANCE[dtype]:
+        return f"max |logit diff| {worst:.3g} > {GENERIC_TOLERANCE[dtype]}"
+    if not parity["greedy_match"]:
+        return "greedy tokens differ"
+    return None

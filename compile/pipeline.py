@@ -30,7 +30,7 @@ from kvforge.compile import tokenizer as tokenizer_stage
 from kvforge.compile.weights import write_shared
 from kvforge.graphs import contract, lowering
 from kvforge.graphs import manifest as mf
-from kvforge.graphs.architectures import lookup
+from kvforge.graphs.architectures import UnsupportedArchitectureError, supported
 
 Progress = Callable[[str], None]
 DEFAULT_MAX_SEQ = 512
@@ -90,7 +90,12 @@ def compile_model(
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
     config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
-    lookup(load_stage.architecture_of(config))
+    spec = load_stage.resolve_spec(config)
+    if not spec.verified:
+        say(
+            f"{spec.architecture} is not in kvforge's verified table: taking the generic path; "
+            "the parity check against transformers decides"
+        )
     max_positions = config.get("max_position_embeddings") or config.get("n_positions")
     if max_seq is None:
         max_seq = min(DEFAULT_MAX_SEQ, max_positions or DEFAULT_MAX_SEQ)
@@ -131,12 +136,23 @@ def _compile_into(
 
     step(1, f"loading {model_dir} ({options.dtype})")
     loaded = load_stage.load_model(model_dir, options.dtype)
-    dims = loaded.dims
-    step(2, f"exporting prefill graph ({dims.num_layers} layers, lowering {options.lowering})")
-    prefill = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq)
-    step(3, "exporting decode graph, and the score graph (all-position logits, for tools)")
-    decode = export_stage.export_decode(loaded, options.lowering, options.max_batch, options.max_seq)
-    score = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq, all_logits=True)
+    dims, loaded_spec = loaded.dims, loaded.spec
+    try:
+        step(2, f"exporting prefill graph ({dims.num_layers} layers, lowering {options.lowering})")
+        prefill = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq)
+        step(3, "exporting decode graph, and the score graph (all-position logits, for tools)")
+        decode = export_stage.export_decode(loaded, options.lowering, options.max_batch, options.max_seq)
+        score = export_stage.export_prefill(
+            loaded, options.lowering, options.max_batch, options.max_seq, all_logits=True
+        )
+    except Exception as e:
+        if loaded_spec.verified:
+            raise
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UnsupportedArchitectureError(
+            f"{loaded_spec.architecture} took the generic path and could not be exported "
+            f"({type(e).__name__}: {first_line}); kvforge verifies: {supported()}"
+        ) from e
     step(4, "writing graphs and one shared weights file")
     report = write_shared({"prefill": prefill, "decode": decode, "score": score}, tmp)
     del prefill, decode, score, loaded
@@ -145,6 +161,14 @@ def _compile_into(
     reference = load_stage.load_reference(model_dir, options.dtype)
     parity = parity_stage.measure(tmp, reference, dims, load_stage.DTYPES[options.dtype])
     del reference
+    if not loaded_spec.verified:
+        problem = parity_stage.failure(parity, options.dtype)
+        if problem:
+            raise UnsupportedArchitectureError(
+                f"{loaded_spec.architecture} took the generic path and failed its parity check ({problem}); "
+                f"kvforge verifies: {supported()}"
+            )
+    parity["verified_family"] = loaded_spec.verified
     step(6, "writing manifest")
     manifest = _manifest(model_dir, tmp, options, config, weight_files, dims, report.file, tok, parity)
     mf.write(manifest, tmp)

@@ -15,53 +15,83 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """What kvforge needs to know about one family.
+    """What kvforge needs to know about one family beyond transformers' own modules.
 
     architecture: the ``config.architectures[0]`` string.
-    sliding_window: whether ``config.sliding_window`` applies (to every layer, or to the layers
-        that ``config.layer_types`` marks ``"sliding_attention"``).
-    final_softcap_attr / logit_scale_attr: config attributes holding a final logit soft-cap
-        (``tanh(x / c) * c``) or a logit multiplier, applied after the lm_head.
+    final_softcap_attr: config attribute of a final logit soft-cap ``tanh(x / c) * c`` that the
+        family's ``*ForCausalLM.forward`` applies after the lm_head (Gemma 2).
+    logit_divisor_attr: config attribute the logits are divided by after the lm_head (Granite).
+    experts_implementation: transformers experts implementation to export MoE blocks with. The
+        default ("eager") loops over experts with data-dependent shapes, which does not export;
+        "batched_mm" gathers each token's expert weights and runs batched matmuls: static shapes.
+    verified: False for the generic path (a family not in the table), which compile accepts only
+        when its parity check passes.
+    notes: what the family needed beyond the shared path (documentation).
     """
 
     architecture: str
-    sliding_window: bool = False
     final_softcap_attr: str | None = None
-    logit_scale_attr: str | None = None
-
-    def layer_windows(self, config: Any) -> list[int | None]:
-        """Per layer: the sliding window in tokens, or None for full causal attention."""
-        n = config.num_hidden_layers
-        window = getattr(config, "sliding_window", None) if self.sliding_window else None
-        if not window:
-            return [None] * n
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is None:
-            return [int(window)] * n
-        return [int(window) if t == "sliding_attention" else None for t in layer_types]
+    logit_divisor_attr: str | None = None
+    experts_implementation: str | None = None
+    verified: bool = True
+    notes: str = ""
 
     def final_logit_softcap(self, config: Any) -> float:
         return float(getattr(config, self.final_softcap_attr, None) or 0.0) if self.final_softcap_attr else 0.0
 
     def logit_scale(self, config: Any) -> float:
-        if not self.logit_scale_attr:
-            return 1.0
-        return float(getattr(config, self.logit_scale_attr))
+        return 1.0 / float(getattr(config, self.logit_divisor_attr)) if self.logit_divisor_attr else 1.0
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {spec.architecture: spec for spec in (ArchSpec("LlamaForCausalLM"),)}
+_MOE = "batched_mm"
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    spec.architecture: spec
+    for spec in (
+        ArchSpec("LlamaForCausalLM", notes="shared path; RoPE scaling (llama3, linear, ...) is transformers' own"),
+        ArchSpec("MistralForCausalLM", notes="sliding window: the window transformers passes per layer"),
+        ArchSpec("Qwen2ForCausalLM", notes="shared path (qkv bias, optional sliding layers via layer_types)"),
+        ArchSpec("Qwen3ForCausalLM", notes="shared path (q/k norm inside transformers' attention module)"),
+        ArchSpec("Phi3ForCausalLM", notes="shared path (fused qkv and gate/up; longrope picks its factors traceably)"),
+        ArchSpec("GemmaForCausalLM", notes="shared path (embedding scale, GeLU MLP)"),
+        ArchSpec(
+            "Gemma2ForCausalLM",
+            final_softcap_attr="final_logit_softcapping",
+            notes="attention soft-cap (Attention softcap attribute), final logit soft-cap, alternating windows",
+        ),
+        ArchSpec(
+            "Gemma3ForCausalLM",
+            final_softcap_attr="final_logit_softcapping",
+            notes="local/global RoPE and windows per layer type; optional final logit soft-cap",
+        ),
+        ArchSpec("GPT2LMHeadModel", notes="learned absolute positions from position_ids; Conv1D; multi-head"),
+        ArchSpec("GPTNeoXForCausalLM", notes="shared path (partial rotary, parallel residual)"),
+        ArchSpec("GraniteForCausalLM", logit_divisor_attr="logits_scaling", notes="logits divided by logits_scaling"),
+        ArchSpec("Olmo2ForCausalLM", notes="shared path (q/k norm over the projections, post-norms)"),
+        ArchSpec("MixtralForCausalLM", experts_implementation=_MOE, notes="MoE experts exported with batched_mm"),
+        ArchSpec("Qwen3MoeForCausalLM", experts_implementation=_MOE, notes="MoE experts exported with batched_mm"),
+    )
+}
 
 
 class UnsupportedArchitectureError(ValueError):
     pass
 
 
-def lookup(architecture: str | None) -> ArchSpec:
-    """The entry for ``architecture``; an error that lists the supported ones if there is none."""
+def supported() -> str:
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def lookup(architecture: str | None, generic: bool = False) -> ArchSpec:
+    """The entry for ``architecture``. Without one: the generic, unverified spec if ``generic``,
+    else an error that lists the supported families."""
     if architecture in ARCHITECTURES:
         return ARCHITECTURES[architecture]
-    supported = ", ".join(sorted(ARCHITECTURES))
-    raise UnsupportedArchitectureError(f"architecture {architecture!r} is not supported; kvforge supports: {supported}")
+    if generic and architecture:
+        return ArchSpec(architecture, verified=False, notes="generic path, unverified")
+    raise UnsupportedArchitectureError(
+        f"architecture {architecture!r} is not supported; kvforge verifies: {supported()}"
+    )
 
 
 @dataclass(frozen=True)

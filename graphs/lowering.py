@@ -85,13 +85,22 @@ def translation_table(lowering: str) -> dict:
 class LayerCaches:
     """The cache tensors of one graph call, handed to the attention function through transformers'
     kwargs. ``past`` holds each layer's (key, value) inputs; the attention function fills
-    ``present`` with the op's outputs, layer by layer, for the export wrapper to return.
+    ``present`` with the op's outputs, layer by layer, for the export wrapper to return. ``masks``
+    holds one boolean mask per distinct sliding window (None = full causal), built on first use so
+    the graph computes each mask once for all the layers that share it.
     """
 
     past: list[tuple[torch.Tensor, torch.Tensor]]
     write_indices: torch.Tensor  # (B,) int64
-    masks: dict[int | None, torch.Tensor]  # window (None = full) -> (B, 1, S, S_max) bool
+    seq_len: int
     present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            capacity = self.past[0][0].shape[2]
+            self.masks[window] = contract.attention_mask(self.write_indices, self.seq_len, capacity, window)
+        return self.masks[window]
 
 
 ATTN_IMPLEMENTATION = "kvforge"
@@ -105,22 +114,24 @@ def kvforge_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     kvforge_caches: LayerCaches | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function (registered as ``"kvforge"``).
 
     Receives post-RoPE ``query [B, H_q, S, D]`` and ``key``/``value [B, H_kv, S, D]`` of layer
-    ``module.layer_idx``; returns ``([B, S, H_q, D], None)`` as transformers expects. The mask that
-    transformers built is ignored: the cache-aware mask comes from ``kvforge_caches``.
+    ``module.layer_idx``, and the layer's ``sliding_window`` and ``softcap`` as transformers passes
+    them to every attention implementation; returns ``([B, S, H_q, D], None)`` as transformers
+    expects. The mask transformers built is ignored: the cache-aware mask comes from
+    ``kvforge_caches``.
     """
     if kvforge_caches is None:
         raise RuntimeError("the kvforge attention runs only inside a kvforge export wrapper")
     layer = module.layer_idx
     past_key, past_value = kvforge_caches.past[layer]
-    window = getattr(module, "sliding_window", None)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-    softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)
     output, present_key, present_value = cached_attention(
         query,
         key.to(past_key.dtype),
@@ -128,9 +139,9 @@ def kvforge_attention(
         past_key,
         past_value,
         kvforge_caches.write_indices,
-        kvforge_caches.masks[window],
+        kvforge_caches.mask(int(sliding_window) if sliding_window else None),
         scale,
-        softcap,
+        float(softcap or 0.0),
     )
     kvforge_caches.present[layer] = (present_key, present_value)
     return output.transpose(1, 2), None  # (B, S, H_q, D)

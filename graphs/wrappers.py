@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.graphs import contract
 from kvforge.graphs.architectures import ArchSpec
 from kvforge.graphs.lowering import LayerCaches
 
@@ -31,10 +30,8 @@ class _CausalLMGraph(torch.nn.Module):
         super().__init__()
         self.model = model
         self.spec = spec
-        config = model.config
-        self.windows = spec.layer_windows(config)  # per layer: None or the sliding window
-        self.final_softcap = spec.final_logit_softcap(config)
-        self.logit_scale = spec.logit_scale(config)
+        self.final_softcap = spec.final_logit_softcap(model.config)
+        self.logit_scale = spec.logit_scale(model.config)
 
     def _run(
         self,
@@ -44,13 +41,10 @@ class _CausalLMGraph(torch.nn.Module):
         past: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Hidden states ``[B, S, hidden]`` and the present caches in contract order."""
-        seq_len = input_ids.shape[1]
-        capacity = past[0].shape[2]
-        masks = {w: contract.attention_mask(write_indices, seq_len, capacity, w) for w in set(self.windows)}
         caches = LayerCaches(
             past=[(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)],
             write_indices=write_indices,
-            masks=masks,
+            seq_len=input_ids.shape[1],
         )
         decoder = self.model.base_model
         out = decoder(
@@ -58,7 +52,7 @@ class _CausalLMGraph(torch.nn.Module):
             position_ids=position_ids,
             # A 4D mask is passed through untouched by transformers' mask builders; the attention
             # function ignores it and uses the cache-aware masks above.
-            attention_mask=masks[self.windows[0]],
+            attention_mask=caches.mask(None),
             use_cache=False,
             kvforge_caches=caches,
         )

@@ -1,0 +1,138 @@
+"""Tiny test configs, one or more per entry of ``kvforge.graphs.architectures.ARCHITECTURES``.
+
+The mirror of the architecture table (tests/graphs/test_architectures.py fails when an entry has
+no config here). Each case is (id, architecture, transformers config class, kwargs). Weights are
+random with a larger ``initializer_range`` than real models, so greedy choices are not near-ties
+that float rounding could flip. Windows are 8 tokens so that test sequences cross them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,  # no early stop: the tests compare full-length greedy runs
+    pad_token_id=None,
+)
+WINDOW = 8
+
+CASES: list[tuple[str, str, str, dict]] = [
+    ("llama", "LlamaForCausalLM", "LlamaConfig", {}),
+    (
+        "llama-rope-llama3",
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    (
+        "llama-rope-linear",
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+    ),
+    ("mistral-window", "MistralForCausalLM", "MistralConfig", {"sliding_window": WINDOW}),
+    ("qwen2-bias-tied", "Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": True}),
+    (
+        "qwen2-sliding-layers",
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
+    ("qwen3-qk-norm", "Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 16}),
+    (
+        "phi3-longrope",
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        {
+            "max_position_embeddings": 128,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [1.5 + 0.2 * i for i in range(8)],
+                "original_max_position_embeddings": 32,  # test sequences cross it
+            },
+        },
+    ),
+    ("gemma", "GemmaForCausalLM", "GemmaConfig", {"head_dim": 16}),
+    (
+        "gemma2-softcap-window",
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "attn_logit_softcapping": 5.0,  # small caps, so the soft-cap is exercised
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+    (
+        "gemma3-text",
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    (
+        "gpt2",
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_inner": 128},
+    ),
+    ("gpt-neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", {"rotary_pct": 0.25, "use_parallel_residual": True}),
+    (
+        "granite",
+        "GraniteForCausalLM",
+        "GraniteConfig",
+        {"embedding_multiplier": 6.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5, "logits_scaling": 4.0},
+    ),
+    ("olmo2", "Olmo2ForCausalLM", "Olmo2Config", {}),
+    ("mixtral", "MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    (
+        "qwen3-moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    ),
+]
+
+# Keys some config classes do not take (GPT-2 names its sizes n_*).
+_GPT2_DROP = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"}
+
+
+def build(path: Path, architecture: str, config_class: str, overrides: dict, seed: int = 0) -> Path:
+    """Save a tiny random model of the given family to ``path`` (config.json + model.safetensors)."""
+    import transformers
+
+    kwargs = dict(COMMON)
+    if config_class == "GPT2Config":
+        kwargs = {k: v for k, v in kwargs.items() if k not in _GPT2_DROP and k != "max_position_embeddings"}
+    if config_class == "GPTNeoXConfig":  # multi-head attention only: no num_key_value_heads
+        del kwargs["num_key_value_heads"]
+    kwargs.update(overrides)
+    config = getattr(transformers, config_class)(**kwargs)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    model.save_pretrained(path)
+    return path
