@@ -189,6 +189,7 @@ def run_bench(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Time kvforge (and transformers with ``reference_dir``) on every cell; the report dict."""
+    load_before = _load_average()
     cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
     sides = 2 if reference_dir else 1
     progress = progress or Progress("bench", total=len(cells) * sides * (options.warmup + options.repeat))
@@ -247,7 +248,7 @@ def run_bench(
             "prompt_lens": list(options.prompt_lens),
             "batch_sizes": list(options.batch_sizes),
         },
-        "environment": _environment(device),
+        "environment": _environment(device, load_before),
         "cells": results,
     }
 
@@ -260,7 +261,12 @@ def _ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs if ours is not None and theirs else None
 
 
-def _environment(device: str) -> dict[str, Any]:
+def _load_average() -> float | None:
+    """The 1-minute load average: other processes on the machine skew every timing."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _environment(device: str, load_before: float | None) -> dict[str, Any]:
     import onnxruntime
     import transformers
 
@@ -268,6 +274,7 @@ def _environment(device: str) -> dict[str, Any]:
         "device": device,
         "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or None,
         "cpu_count": os.cpu_count(),
+        "load_average_1m_before": load_before,
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -292,7 +299,9 @@ def format_report(result: dict[str, Any]) -> str:
     s, env = result["settings"], result["environment"]
     lines = [
         f"kvforge bench: {describe_artifact(result['artifact'])}",
-        f"  on {env['device']} ({env['cpu_count']} CPUs, torch threads {env['torch_threads']}); "
+        f"  on {env['device']} ({env['cpu_count']} CPUs, load average {_fmt(env['load_average_1m_before'], '.1f')} "
+        f"before the run, "
+        f"torch threads {env['torch_threads']}); "
         f"{s['new_tokens']} new tokens per row; median of {s['repeat']} runs after {s['warmup']} warm-up(s); "
         f"random prompts (seed {s['seed']})",
     ]

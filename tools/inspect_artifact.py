@@ -10,8 +10,9 @@ in ``tools/data/tensorrt_onnx_ops.json``, the operator table of the ONNX-TensorR
 targeted TensorRT version (its source is named in the file). An op of another domain than the
 default ONNX one (``com.microsoft.GroupQueryAttention``, ...) is unsupported. For ``Attention`` and
 ``TensorScatter``, the ops of kvforge's ``onnx`` lowering, the parser's restrictions are also
-checked on each node; the restrictions of other ops are listed for the user to check. Graphs are
-read without their external weights, so inspecting a large artifact is fast (hashing aside).
+checked on each node, and so is a constant ``axes`` input where the parser needs one; the other
+restrictions of the ops present are listed for the user to check. Graphs are read without their
+external weights, so inspecting a large artifact is fast (hashing aside).
 """
 
 from __future__ import annotations
