@@ -20,10 +20,19 @@ import torch
 TOP_K = 5
 
 
-def per_position(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each metric per position: a dict of ``[N]`` float32 tensors."""
+def per_position(ours: torch.Tensor, ref: torch.Tensor, chunk: int = 64) -> dict[str, torch.Tensor]:
+    """Each metric per position: a dict of ``[N]`` float32 tensors. Computed ``chunk`` positions at
+    a time, so a long text on a large vocabulary does not hold N x V float64 temporaries."""
     if ours.shape != ref.shape or ours.dim() != 2:
         raise ValueError(f"logits to compare must both be [N, V]; got {tuple(ours.shape)} and {tuple(ref.shape)}")
+    parts = [_per_position(ours[i : i + chunk], ref[i : i + chunk]) for i in range(0, ours.shape[0], chunk)]
+    return concat(parts) if parts else {key: torch.zeros(0) for key in KEYS}
+
+
+KEYS = ("max_abs_diff", "mean_abs_diff", "kl", "top1", "top5")
+
+
+def _per_position(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
     ours, ref = ours.float(), ref.float()
     diff = (ours - ref).abs()  # (N, V)
     # KL in float64: in float32 its rounding floor (~1e-8) would hide the differences of an exact artifact.
@@ -61,7 +70,7 @@ def summarize(per: dict[str, torch.Tensor]) -> dict[str, Any]:
 def concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-position metrics of several comparisons, joined along the position axis."""
     if not parts:
-        return {"kl": torch.zeros(0)}
+        return {key: torch.zeros(0) for key in KEYS}
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
 

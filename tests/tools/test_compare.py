@@ -166,6 +166,11 @@ def test_metrics_follow_their_definitions():
     assert summary["positions"] == 2 and summary["top1_agreement"] == 0.5
     assert summary["mean_abs_diff"] == pytest.approx(12.0 / 14)
 
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(130, 50, generator=generator), torch.randn(130, 50, generator=generator)
+    chunked, whole = metrics.per_position(a, b, chunk=64), metrics.per_position(a, b, chunk=1000)
+    assert all(torch.allclose(chunked[k], whole[k]) for k in metrics.KEYS)
+
     nll = metrics.token_nll(ref, torch.tensor([6, 0]))
     assert nll[0].item() == pytest.approx(-float(torch.log_softmax(ref[0], -1)[6]))
 
