@@ -40,7 +40,7 @@ import torch
 
 from kvforge.runtime import Engine
 from kvforge.tools import reference
-from kvforge.tools.report import Progress, artifact_summary, describe_artifact, pyplot
+from kvforge.tools.report import Progress, artifact_summary, describe_artifact, pyplot, torch_threads
 
 SCHEMA = "kvforge.bench"
 SCHEMA_VERSION = 1
@@ -189,12 +189,17 @@ def run_bench(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Time kvforge (and transformers with ``reference_dir``) on every cell; the report dict."""
+    with torch_threads(options.threads):
+        return _run_bench(artifact, reference_dir, options, progress)
+
+
+def _run_bench(
+    artifact: str | Path, reference_dir: str | Path | None, options: BenchOptions, progress: Progress | None
+) -> dict[str, Any]:
     load_before = _load_average()
     cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
     sides = 2 if reference_dir else 1
     progress = progress or Progress("bench", total=len(cells) * sides * (options.warmup + options.repeat))
-    if options.threads:
-        torch.set_num_threads(options.threads)
 
     with Engine.load(artifact, threads=options.threads) as engine:
         manifest = engine.manifest

@@ -31,7 +31,18 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="cache capacity per row, prompt + output (default 512, or the model's max positions if fewer)",
     )
-    p.add_argument("--lowering", default="onnx", choices=["onnx"], help="attention lowering (default onnx)")
+    p.add_argument(
+        "--lowering",
+        default="onnx",
+        choices=["onnx", "gqa"],
+        help="attention lowering: onnx (standard opset 24, TensorRT) or gqa (ORT GroupQueryAttention)",
+    )
+    p.add_argument(
+        "--no-score-graph",
+        dest="score_graph",
+        action="store_false",
+        help="skip score.onnx (all-position logits, used by kvforge compare for perplexity)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_run_compile)
 
@@ -47,6 +58,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_seq=args.max_seq,
         lowering=args.lowering,
+        score_graph=args.score_graph,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity
@@ -118,7 +130,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the per-step differences")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
     p.set_defaults(run=_run_compare)
 
 

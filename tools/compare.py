@@ -28,7 +28,15 @@ import torch
 
 from kvforge.runtime import Engine
 from kvforge.tools import metrics, reference
-from kvforge.tools.report import Progress, artifact_summary, data_file, describe_artifact, pyplot, read_user_file
+from kvforge.tools.report import (
+    Progress,
+    artifact_summary,
+    data_file,
+    describe_artifact,
+    pyplot,
+    read_user_file,
+    torch_threads,
+)
 
 SCHEMA = "kvforge.compare"
 SCHEMA_VERSION = 1
@@ -64,7 +72,23 @@ def run_compare(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run both sides and return the report (see docs/tools.md). ``verify=False`` skips the sha256
-    check of the artifact's files (to measure a modified artifact)."""
+    check of the artifact's files (to measure a modified artifact); ``threads`` sets ONNX Runtime's
+    and torch's thread counts (None: each library's default)."""
+    with torch_threads(threads):
+        return _run_compare(artifact, reference_dir, prompts, text, steps, atol, verify, threads, progress)
+
+
+def _run_compare(
+    artifact: str | Path,
+    reference_dir: str | Path,
+    prompts: list[str],
+    text: str,
+    steps: int,
+    atol: float | None,
+    verify: bool,
+    threads: int | None,
+    progress: Progress | None,
+) -> dict[str, Any]:
     say = progress or Progress("compare", enabled=False)
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")

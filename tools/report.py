@@ -6,9 +6,11 @@ Nothing here measures anything; the tools stay thin layers over the public APIs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -125,3 +127,20 @@ def describe_artifact(artifact: dict[str, Any]) -> str:
         f"{artifact['path']} ({artifact['architecture']}, {artifact['num_layers']} layers, "
         f"{artifact['dtype']}, lowering {artifact['lowering']})"
     )
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` for the duration of a tool's run (None: leave as is); the
+    previous count is restored, since it is global to the process."""
+    import torch
+
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

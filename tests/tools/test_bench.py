@@ -23,7 +23,7 @@ PROMPT, NEW, REPEAT = 8, 4, 2
 def test_bench_reports_both_sides_and_their_ratio(llama_artifact, llama_dir, tmp_path, capsys):
     argv = ["bench", str(llama_artifact), "--reference", str(llama_dir), "--prompt-lens", str(PROMPT)]
     argv += ["--batch-sizes", "1,2", "--new-tokens", str(NEW), "--repeat", str(REPEAT), "--warmup", "1"]
-    argv += ["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    argv += ["--threads", "1", "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     assert main(argv) == 0
     printed = capsys.readouterr()
     result = json.loads((tmp_path / "b.json").read_text())
@@ -33,6 +33,7 @@ def test_bench_reports_both_sides_and_their_ratio(llama_artifact, llama_dir, tmp
     assert set(result) == {"kind", "schema_version", "artifact", "reference", "settings", "environment", "cells"}
     assert result["reference"]["matches_source"] is True
     assert result["settings"]["prompt_lens"] == [PROMPT] and result["settings"]["batch_sizes"] == [1, 2]
+    assert result["settings"]["threads"] == 1 and result["environment"]["torch_threads"] == 1
     assert [(c["prompt_len"], c["batch_size"]) for c in result["cells"]] == [(PROMPT, 1), (PROMPT, 2)]
     for cell in result["cells"]:
         batch = cell["batch_size"]

@@ -25,9 +25,12 @@ SECTION_KEYS = {"positions", "max_abs_diff", "mean_abs_diff", "kl_mean", "kl_max
 @pytest.fixture(scope="module")
 def exact_report(llama_artifact, llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    argv = ["compare", str(llama_artifact), "--reference", str(llama_dir), "--steps", str(STEPS)]
+    argv = ["compare", str(llama_artifact), "--reference", str(llama_dir), "--steps", str(STEPS), "--threads", "1"]
     argv += ["--json", str(out / "c.json"), "--plot", str(out / "c.png")]
-    return main(argv), out
+    threads = torch.get_num_threads()
+    status = main(argv)
+    assert torch.get_num_threads() == threads  # --threads 1 held for the run only
+    return status, out
 
 
 def test_bare_compare_passes_with_documented_json(exact_report, capsys):
@@ -116,7 +119,10 @@ def test_compare_flags_perturbed_weights(llama_artifact, llama_dir, tmp_path, ca
     broken = tmp_path / "broken"
     shutil.copytree(llama_artifact, broken)
     _perturb_weights(broken)
-    argv = ["compare", str(broken), "--reference", str(llama_dir), "--steps", "2"]
+    (tmp_path / "prompts.txt").write_text("The for statement\nA list is a mutable sequence\n")
+    (tmp_path / "text.txt").write_text("Functions are defined with def and return a value.")
+    argv = ["compare", str(broken), "--reference", str(llama_dir), "--steps", "2", "--threads", "1"]
+    argv += ["--prompts", str(tmp_path / "prompts.txt"), "--text", str(tmp_path / "text.txt")]
 
     assert main(argv) == 2  # hashes are checked by default: the modified file is refused
     assert "does not match its sha256" in capsys.readouterr().err
