@@ -18,9 +18,11 @@ bookkeeping. Each cell runs ``warmup`` untimed times, then ``repeat`` timed time
 * ``rss_peak_bytes``: the process's peak resident memory during the cell (``VmHWM``, reset before
   the cell where the kernel allows, see ``rss_peak_reset``); it is process-wide, so it includes
   Python, torch and whatever the process already held. kvforge's cells run before the reference
-  model is loaded. ``device_peak_bytes``: torch's CUDA peak where the side runs on CUDA, else null;
+  model is loaded. ``rss_added_bytes``: that peak minus the resident memory just before the side's
+  engine or model was loaded: what the side costs. ``device_peak_bytes``: torch's CUDA peak where
+  the side runs on CUDA, else null;
 * ``kv_cache_bytes``: kvforge's one cache allocation (fixed by the artifact's limits); for
-  transformers, the bytes of its cache tensors at the end of the run (grown to B x (P + new_tokens)).
+  transformers, the bytes of its cache tensors at the end of the run (B x (P + new_tokens - 1) positions).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ RATIO_KEYS = (
     "decode_tokens_per_s",
     "e2e_ms",
     "rss_peak_bytes",
+    "rss_added_bytes",
     "kv_cache_bytes",
 )
 
@@ -106,6 +109,19 @@ def reset_rss_peak() -> bool:
     except OSError:
         return False
     return True
+
+
+def rss_bytes() -> int | None:
+    """Current resident set size of this process, bytes (``VmRSS``; None where /proc is absent)."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def _add_rss_before(side: dict[str, Any], before: int | None) -> None:
+    """What loading and running the side added to the process's resident memory."""
+    side["rss_before_load_bytes"] = before
+    peak = side["rss_peak_bytes"]
+    side["rss_added_bytes"] = max(peak - before, 0) if before is not None and peak is not None else None
 
 
 def rss_peak_bytes() -> int | None:
@@ -201,6 +217,7 @@ def _run_bench(
     sides = 2 if reference_dir else 1
     progress = progress or Progress("bench", total=len(cells) * sides * (options.warmup + options.repeat))
 
+    rss_before = rss_bytes()
     with Engine.load(artifact, threads=options.threads) as engine:
         manifest = engine.manifest
         options.check(engine.max_batch, engine.max_seq)
@@ -211,11 +228,13 @@ def _run_bench(
             rows = prompts[p, b].tolist()
             run = lambda rows=rows: _kvforge_run(engine, rows, options.new_tokens)  # noqa: E731
             ours[p, b], tokens["kvforge", p, b] = _measure(run, options, device, progress, _cell("kvforge", p, b))
+            _add_rss_before(ours[p, b], rss_before)
     gc.collect()
 
     theirs: dict[tuple[int, int], dict[str, Any]] = {}
     if reference_dir:
         progress.say(f"loading the reference {reference_dir} (transformers eager, {manifest.dtype})")
+        rss_before = rss_bytes()
         model = reference.load(reference_dir, manifest).to(device)
         for p, b in cells:
             ids = prompts[p, b].to(device)
@@ -223,6 +242,7 @@ def _run_bench(
             theirs[p, b], tokens["transformers", p, b] = _measure(
                 run, options, device, progress, _cell("transformers", p, b)
             )
+            _add_rss_before(theirs[p, b], rss_before)
         del model
         gc.collect()
 
@@ -315,7 +335,7 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"{'prompt':>6}{'batch':>6}  {'':14}{'TTFT ms':>9}{'decode ms/tok p50':>19}{'p90':>8}{'tok/s':>9}"
-        f"{'e2e ms':>9}{'peak RSS MiB':>13}{'KV MiB':>8}"
+        f"{'e2e ms':>9}{'peak RSS MiB':>13}{'added MiB':>11}{'KV MiB':>8}"
     )
     for cell in result["cells"]:
         rows = [("kvforge", cell["kvforge"])]
@@ -326,14 +346,16 @@ def format_report(result: dict[str, Any]) -> str:
             lines.append(
                 f"{lead}  {name:14}{_fmt(m['ttft_ms'], '9.2f')}{_fmt(m['decode_ms_per_token_p50'], '19.3f')}"
                 f"{_fmt(m['decode_ms_per_token_p90'], '8.3f')}{_fmt(m['decode_tokens_per_s'], '9.1f')}"
-                f"{_fmt(m['e2e_ms'], '9.1f')}{_mib(m['rss_peak_bytes']):>13}{_mib(m['kv_cache_bytes']):>8}"
+                f"{_fmt(m['e2e_ms'], '9.1f')}{_mib(m['rss_peak_bytes']):>13}{_mib(m['rss_added_bytes']):>11}"
+                f"{_mib(m['kv_cache_bytes']):>8}"
             )
         if cell["ratio"]:
             r = cell["ratio"]
             lines.append(
                 f"{'':12}  {'kvforge/hf':14}{_fmt(r['ttft_ms'], '8.2f')}x{_fmt(r['decode_ms_per_token_p50'], '18.2f')}x"
                 f"{_fmt(r['decode_ms_per_token_p90'], '7.2f')}x{_fmt(r['decode_tokens_per_s'], '8.2f')}x"
-                f"{_fmt(r['e2e_ms'], '8.2f')}x{_fmt(r['rss_peak_bytes'], '12.2f')}x{_fmt(r['kv_cache_bytes'], '7.2f')}x"
+                f"{_fmt(r['e2e_ms'], '8.2f')}x{_fmt(r['rss_peak_bytes'], '12.2f')}x"
+                f"{_fmt(r['rss_added_bytes'], '10.2f')}x{_fmt(r['kv_cache_bytes'], '7.2f')}x"
             )
     if result["reference"]:
         same = all(c.get("greedy_tokens_identical") for c in result["cells"])

@@ -15,7 +15,7 @@ from kvforge.tools.report import Progress
 SIDE_KEYS = {
     "ttft_ms", "decode_ms_per_token_p50", "decode_ms_per_token_p90", "decode_tokens_per_s", "e2e_ms",
     "e2e_tokens_per_s", "rss_peak_bytes", "rss_peak_reset", "device_peak_bytes", "kv_cache_bytes",
-    "ttft_ms_runs", "e2e_ms_runs",
+    "ttft_ms_runs", "e2e_ms_runs", "rss_before_load_bytes", "rss_added_bytes",
 }  # fmt: skip
 PROMPT, NEW, REPEAT = 8, 4, 2
 
@@ -46,6 +46,7 @@ def test_bench_reports_both_sides_and_their_ratio(llama_artifact, llama_dir, tmp
             assert m["decode_tokens_per_s"] == pytest.approx(batch * 1e3 / m["decode_ms_per_token_p50"])
             assert m["e2e_tokens_per_s"] == pytest.approx(batch * NEW * 1e3 / m["e2e_ms"])
             assert m["rss_peak_bytes"] > 10 * 2**20 and m["device_peak_bytes"] is None  # CPU run
+            assert m["rss_added_bytes"] == max(m["rss_peak_bytes"] - m["rss_before_load_bytes"], 0)
         # kvforge: its one allocation; transformers: K and V of every layer for P + N - 1 positions.
         assert cell["kvforge"]["kv_cache_bytes"] == manifest["kv_cache"]["bytes"]
         m = manifest["model"]
