@@ -46,6 +46,7 @@ class CompileOptions:
     max_batch: int = 4
     max_seq: int = DEFAULT_MAX_SEQ
     lowering: str = "onnx"
+    score_graph: bool = True
 
     def check(self) -> None:
         if self.dtype not in load_stage.DTYPES:
@@ -78,6 +79,7 @@ def compile_model(
     max_batch: int = 4,
     max_seq: int | None = None,
     lowering: str = "onnx",
+    score_graph: bool = True,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -85,7 +87,8 @@ def compile_model(
     Raises :class:`kvforge.compile.load.ModelDirError` for a missing or non-HF directory,
     :class:`kvforge.graphs.architectures.UnsupportedArchitectureError` (listing what is supported),
     ``ValueError`` for bad options. ``max_seq`` defaults to 512, or the model's
-    ``max_position_embeddings`` if that is smaller. Nothing is written to ``out_dir`` unless compile succeeds.
+    ``max_position_embeddings`` if that is smaller. ``score_graph`` adds ``score.onnx`` (logits of
+    every position, for perplexity and comparisons; it shares the weights file). Nothing is written to ``out_dir`` unless compile succeeds.
     """
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
@@ -104,7 +107,7 @@ def compile_model(
             f"max_seq={max_seq} exceeds the model's max_position_embeddings={max_positions}; "
             f"use --max-seq {max_positions} or less"
         )
-    options = CompileOptions(dtype, max_batch, max_seq, lowering)
+    options = CompileOptions(dtype, max_batch, max_seq, lowering, score_graph)
     options.check()
     _check_out_dir(out)
 
@@ -140,11 +143,13 @@ def _compile_into(
     try:
         step(2, f"exporting prefill graph ({dims.num_layers} layers, lowering {options.lowering})")
         prefill = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq)
-        step(3, "exporting decode graph, and the score graph (all-position logits, for tools)")
-        decode = export_stage.export_decode(loaded, options.lowering, options.max_batch, options.max_seq)
-        score = export_stage.export_prefill(
-            loaded, options.lowering, options.max_batch, options.max_seq, all_logits=True
-        )
+        step(3, "exporting decode graph" + (" and score graph (all-position logits)" if options.score_graph else ""))
+        graphs = {"prefill": prefill}
+        graphs["decode"] = export_stage.export_decode(loaded, options.lowering, options.max_batch, options.max_seq)
+        if options.score_graph:
+            graphs["score"] = export_stage.export_prefill(
+                loaded, options.lowering, options.max_batch, options.max_seq, all_logits=True
+            )
     except Exception as e:
         if loaded_spec.verified:
             raise
@@ -154,8 +159,8 @@ def _compile_into(
             f"({type(e).__name__}: {first_line}); kvforge verifies: {supported()}"
         ) from e
     step(4, "writing graphs and one shared weights file")
-    report = write_shared({"prefill": prefill, "decode": decode, "score": score}, tmp)
-    del prefill, decode, score, loaded
+    report = write_shared(graphs, tmp)
+    del prefill, graphs, loaded
     tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
     step(5, "checking parity against transformers")
     reference = load_stage.load_reference(model_dir, options.dtype)
@@ -217,7 +222,7 @@ def _manifest(
     import transformers
 
     graphs = {}
-    for name in contract.GRAPHS:
+    for name in [g for g in contract.GRAPHS if (tmp / f"{g}.onnx").exists()]:
         inputs, outputs = _io(tmp / f"{name}.onnx")
         graphs[name] = mf.GraphFile(f"{name}.onnx", mf.sha256_file(tmp / f"{name}.onnx"), inputs, outputs)
     shape = contract.cache_shape(dims.num_layers, options.max_batch, dims.num_kv_heads, options.max_seq, dims.head_dim)

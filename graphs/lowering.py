@@ -8,6 +8,12 @@ the op with the translation of the chosen lowering:
 
 * ``onnx``: opset-24 ``TensorScatter`` (axis -2) for the cache update and ``Attention`` with a
   boolean mask. TensorRT >= 10.15 parses both; ORT's CPU provider runs them in place.
+* ``gqa``: ONNX Runtime's ``com.microsoft.GroupQueryAttention`` with the past and present caches
+  in one shared buffer (ORT's fast path, CPU and CUDA). It derives its lengths from the same
+  inputs: ``seqlens_k[b] = write_indices[b] + S - 1`` (the index of the row's last new token;
+  right padding counts as tokens, is written, never attended by a real token, and is overwritten
+  later) and ``total_sequence_length = max(seqlens_k) + 1``. A sliding window of ``w`` tokens
+  (transformers: keys ``(i - w, i]``) is ``local_window_size = w``, checked against transformers.
 
 The op is functional (it returns new present tensors, it never mutates its inputs) because the
 exporter requires it; "in place" is a property of the runtime binding (past and present share a
@@ -23,7 +29,7 @@ import torch
 
 from kvforge.graphs import contract
 
-LOWERINGS = ("onnx",)
+LOWERINGS = ("onnx", "gqa")
 
 
 @torch.library.custom_op("kvforge::cached_attention", mutates_args=())
@@ -37,12 +43,14 @@ def cached_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's cache update and attention.
 
     query ``[B, H_q, S, D]``, key/value ``[B, H_kv, S, D]`` (post-RoPE), past_key/past_value
-    ``[B, H_kv, S_max, D]``, write_indices ``[B]`` int64, mask ``[B, 1, S, S_max]`` bool.
-    Returns ``(output [B, H_q, S, D], present_key, present_value)``.
+    ``[B, H_kv, S_max, D]``, write_indices ``[B]`` int64, mask ``[B, 1, S, S_max]`` bool (which
+    already encodes ``window``, the sliding window in tokens or 0; the ``gqa`` lowering needs it as
+    a number). Returns ``(output [B, H_q, S, D], present_key, present_value)``.
     """
     present_key = contract.reference_update(past_key, key, write_indices)
     present_value = contract.reference_update(past_value, value, write_indices)
@@ -51,7 +59,7 @@ def cached_attention(
 
 
 @cached_attention.register_fake
-def _(query, key, value, past_key, past_value, write_indices, mask, scale, softcap):
+def _(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
@@ -61,7 +69,7 @@ def _onnx_translation() -> Callable:
 
     op = values.Opset("", 24)
 
-    def cached_attention_onnx(query, key, value, past_key, past_value, write_indices, mask, scale, softcap):
+    def cached_attention_onnx(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
         present_key = op.TensorScatter(past_key, key, write_indices, axis=-2)
         present_value = op.TensorScatter(past_value, value, write_indices, axis=-2)
         # Attention returns (Y, present_key, present_value, qk_matmul_output); only Y is used.
@@ -74,11 +82,80 @@ def _onnx_translation() -> Callable:
     return cached_attention_onnx
 
 
+def _gqa_schema():
+    """The part of ORT's ``GroupQueryAttention`` schema that the exporter needs to trace a call
+    (onnx ships no schemas for ONNX Runtime's contrib ops)."""
+    from onnx.defs import OpSchema
+
+    param, attr, kind = OpSchema.FormalParameter, OpSchema.Attribute, OpSchema.AttrType
+    names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+    return OpSchema(
+        "GroupQueryAttention",
+        "com.microsoft",
+        1,
+        inputs=[param(n, "M" if n in ("seqlens_k", "total_sequence_length") else "T") for n in names],
+        outputs=[param(n, "T") for n in ("output", "present_key", "present_value")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and cache"),
+            ("M", ["tensor(int32)"], "lengths"),
+        ],
+        attributes=[
+            attr("num_heads", kind.INT, "query heads"),
+            attr("kv_num_heads", kind.INT, "key/value heads"),
+            attr("scale", kind.FLOAT, "score scale", required=False),
+            attr("softcap", kind.FLOAT, "score soft-cap", required=False),
+            attr("local_window_size", kind.INT, "sliding window - 1, or -1", required=False),
+        ],
+    )
+
+
+def _gqa_translation() -> Callable:
+    """The ``gqa`` lowering: ``com.microsoft.GroupQueryAttention`` on the shared cache buffer."""
+    from onnxscript import values
+
+    op = values.Opset("", 18)
+    group_query_attention = values.Op(values.Opset("com.microsoft", 1), "GroupQueryAttention", _gqa_schema())
+
+    def cached_attention_gqa(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
+        num_heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]  # static ints
+        # [B, H, S, D] -> GQA's [B, S, H * D]
+        bs = op.Shape(query, start=0, end=1)
+        seq = op.Shape(query, start=2, end=3)
+        flat = op.Concat(bs, seq, op.Constant(value_ints=[-1]), axis=0)
+        q = op.Reshape(op.Transpose(query, perm=[0, 2, 1, 3]), flat)
+        k = op.Reshape(op.Transpose(key, perm=[0, 2, 1, 3]), flat)
+        v = op.Reshape(op.Transpose(value, perm=[0, 2, 1, 3]), flat)
+        last = op.Sub(op.Add(write_indices, seq), op.Constant(value_ints=[1]))  # index of each row's last new token
+        seqlens_k = op.Cast(last, to=6)  # int32
+        total = op.Cast(op.Add(op.ReduceMax(last, keepdims=0), op.Constant(value_int=1)), to=6)
+        output, present_key, present_value = group_query_attention(
+            q,
+            k,
+            v,
+            past_key,
+            past_value,
+            seqlens_k,
+            total,
+            num_heads=num_heads,
+            kv_num_heads=kv_heads,
+            scale=scale,
+            softcap=softcap,
+            local_window_size=window if window > 0 else -1,
+            _outputs=3,
+        )
+        unflat = op.Concat(bs, seq, op.Constant(value_ints=[num_heads, head_dim]), axis=0)
+        output = op.Transpose(op.Reshape(output, unflat), perm=[0, 2, 1, 3])  # (B, H_q, S, D)
+        return output, present_key, present_value
+
+    return cached_attention_gqa
+
+
 def translation_table(lowering: str) -> dict:
     """``custom_translation_table`` for ``torch.onnx.export`` under the given lowering."""
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; choose one of {', '.join(LOWERINGS)}")
-    return {torch.ops.kvforge.cached_attention.default: _onnx_translation()}
+    translate = _onnx_translation() if lowering == "onnx" else _gqa_translation()
+    return {torch.ops.kvforge.cached_attention.default: translate}
 
 
 @dataclass
@@ -142,6 +219,7 @@ def kvforge_attention(
         kvforge_caches.mask(int(sliding_window) if sliding_window else None),
         scale,
         float(softcap or 0.0),
+        int(sliding_window or 0),
     )
     kvforge_caches.present[layer] = (present_key, present_value)
     return output.transpose(1, 2), None  # (B, S, H_q, D)

@@ -103,6 +103,8 @@ class Engine:
         n = self.manifest.model.num_layers
         for graph in contract.GRAPHS:
             if graph not in self.manifest.graphs:
+                if graph == "score":  # optional: only tools that need all-position logits use it
+                    continue
                 raise mf.ArtifactError(f"the artifact has no {graph} graph; recompile the model with this kvforge")
             inputs, outputs = contract.input_names(graph, n), contract.output_names(n)
             got = (self.backend.input_names(graph), self.backend.output_names(graph))
@@ -154,6 +156,8 @@ class Engine:
         """Like :meth:`prefill`, but returns the logits of every position, ``[B, S, V]`` (a new
         tensor; positions past a row's length are padding). Runs the separate score graph, for
         tools such as perplexity; the cache is updated as by :meth:`prefill`."""
+        if "score" not in self.manifest.graphs:
+            raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
         batch = len(rows)
         start = list(start) if start is not None else [0] * batch
         self._check_rows(rows, start)

@@ -65,7 +65,7 @@ def test_custom_op_is_update_then_attention():
     pk, pv = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     wi = torch.tensor([0, 5])
     mask = contract.attention_mask(wi, 3, 10)
-    out, k2, v2 = lowering.cached_attention(q, k, v, pk, pv, wi, mask, 0.5, 0.0)
+    out, k2, v2 = lowering.cached_attention(q, k, v, pk, pv, wi, mask, 0.5, 0.0, 0)
     torch.testing.assert_close(k2, contract.reference_update(pk, k, wi))
     torch.testing.assert_close(v2, contract.reference_update(pv, v, wi))
     torch.testing.assert_close(out, contract.reference_attention(q, k2, v2, mask, 0.5))

@@ -1,4 +1,4 @@
-"""Every verified family end to end (tests/families.py): compile with the onnx lowering, then
+"""Every verified family end to end (tests/families.py), under both lowerings: compile, then
 prefill and decode logits within tolerance of transformers, and 36 greedy tokens identical to
 transformers' generate for batch 1 and for a ragged batch of 2. Prompts + outputs cross the
 8-token sliding windows and Phi-3's 32-token longrope switch."""
@@ -45,15 +45,18 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lowering", ["onnx", "gqa"])
 @pytest.mark.parametrize(
     ("case", "architecture", "config_class", "overrides"), families.CASES, ids=[c[0] for c in families.CASES]
 )
-def test_family(case, architecture, config_class, overrides, tmp_path):
+def test_family(case, architecture, config_class, overrides, lowering, tmp_path):
     import transformers
 
     model_dir = families.build(tmp_path / "model", architecture, config_class, overrides)
     out = tmp_path / "out"
-    manifest = compile_model(model_dir, out, max_batch=2, max_seq=64, progress=None)
+    manifest = compile_model(
+        model_dir, out, max_batch=2, max_seq=64, lowering=lowering, score_graph=False, progress=None
+    )
     assert manifest.model.architecture == architecture
     assert manifest.parity["greedy_match"] and manifest.parity["verified_family"]
     reference = getattr(transformers, architecture).from_pretrained(model_dir, attn_implementation="eager").eval()
