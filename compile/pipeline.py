@@ -88,7 +88,8 @@ def compile_model(
     :class:`kvforge.graphs.architectures.UnsupportedArchitectureError` (listing what is supported),
     ``ValueError`` for bad options. ``max_seq`` defaults to 512, or the model's
     ``max_position_embeddings`` if that is smaller. ``score_graph`` adds ``score.onnx`` (logits of
-    every position, for perplexity and comparisons; it shares the weights file). Nothing is written to ``out_dir`` unless compile succeeds.
+    every position, for perplexity and comparisons; it shares the weights file). Nothing is
+    written to ``out_dir`` unless compile succeeds.
     """
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
