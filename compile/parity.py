@@ -26,16 +26,19 @@ def _ort_dtype_ok(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.float16)
 
 
-def measure(out_dir: Path, reference: torch.nn.Module, dims: Dims, dtype: torch.dtype) -> dict[str, Any]:
-    """Compare the graphs in ``out_dir`` with ``reference`` (a transformers model, eager attention)."""
+def measure(
+    out_dir: Path, files: dict[str, str], reference: torch.nn.Module, dims: Dims, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Compare the ``files["prefill"]`` and ``files["decode"]`` graphs in ``out_dir`` with
+    ``reference`` (a transformers model, eager attention)."""
     if not _ort_dtype_ok(dtype):
         return {"skipped": f"ONNX Runtime's CPU provider cannot run {dtype} graphs"}
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    prefill = ort.InferenceSession(str(out_dir / "prefill.onnx"), options, providers=["CPUExecutionProvider"])
-    decode = ort.InferenceSession(str(out_dir / "decode.onnx"), options, providers=["CPUExecutionProvider"])
+    prefill = ort.InferenceSession(str(out_dir / files["prefill"]), options, providers=["CPUExecutionProvider"])
+    decode = ort.InferenceSession(str(out_dir / files["decode"]), options, providers=["CPUExecutionProvider"])
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, dims.vocab_size, (1, PROMPT_TOKENS), generator=generator)
@@ -79,6 +82,7 @@ def measure(out_dir: Path, reference: torch.nn.Module, dims: Dims, dtype: torch.
     return {
         "reference": "transformers eager",
         "provider": "CPUExecutionProvider",
+        "graphs": [files["prefill"], files["decode"]],
         "prompt_tokens": PROMPT_TOKENS,
         "decode_steps": DECODE_STEPS,
         "prefill_max_abs_diff": diffs[0],

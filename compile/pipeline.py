@@ -25,7 +25,9 @@ import onnx
 
 import kvforge.compile.export as export_stage
 from kvforge.compile import load as load_stage
+from kvforge.compile import optimize as optimize_stage
 from kvforge.compile import parity as parity_stage
+from kvforge.compile import quantize as quantize_stage
 from kvforge.compile import tokenizer as tokenizer_stage
 from kvforge.compile.weights import write_shared
 from kvforge.graphs import contract, lowering
@@ -47,6 +49,9 @@ class CompileOptions:
     max_seq: int = DEFAULT_MAX_SEQ
     lowering: str = "onnx"
     score_graph: bool = True
+    quantize: str | None = None  # "int4" | "int8": MatMul weights as MatMulNBits (ORT only)
+    block_size: int = quantize_stage.DEFAULT_BLOCK_SIZE
+    optimize: bool = True  # also write ORT-optimized <graph>.ort.onnx
 
     def check(self) -> None:
         if self.dtype not in load_stage.DTYPES:
@@ -57,6 +62,10 @@ class CompileOptions:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.max_seq < 2:
             raise ValueError(f"max_seq must be at least 2 (one prompt token, one generated), got {self.max_seq}")
+        if self.quantize is not None and self.quantize not in quantize_stage.QUANTIZE_BITS:
+            raise ValueError(
+                f"unknown quantization {self.quantize!r}; choose one of {', '.join(quantize_stage.QUANTIZE_BITS)}"
+            )
 
 
 class OutputDirError(ValueError):
@@ -80,6 +89,9 @@ def compile_model(
     max_seq: int | None = None,
     lowering: str = "onnx",
     score_graph: bool = True,
+    quantize: str | None = None,
+    block_size: int = quantize_stage.DEFAULT_BLOCK_SIZE,
+    optimize: bool = True,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -88,7 +100,9 @@ def compile_model(
     :class:`kvforge.graphs.architectures.UnsupportedArchitectureError` (listing what is supported),
     ``ValueError`` for bad options. ``max_seq`` defaults to 512, or the model's
     ``max_position_embeddings`` if that is smaller. ``score_graph`` adds ``score.onnx`` (logits of
-    every position, for perplexity and comparisons; it shares the weights file). Nothing is
+    every position, for perplexity and comparisons; it shares the weights file). ``quantize``
+    ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only).
+    ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs. Nothing is
     written to ``out_dir`` unless compile succeeds.
     """
     say = progress or (lambda _: None)
@@ -108,7 +122,7 @@ def compile_model(
             f"max_seq={max_seq} exceeds the model's max_position_embeddings={max_positions}; "
             f"use --max-seq {max_positions} or less"
         )
-    options = CompileOptions(dtype, max_batch, max_seq, lowering, score_graph)
+    options = CompileOptions(dtype, max_batch, max_seq, lowering, score_graph, quantize, block_size, optimize)
     options.check()
     _check_out_dir(out)
 
@@ -135,8 +149,10 @@ def _compile_into(
     say: Progress,
     started: float,
 ) -> mf.Manifest:
+    total = 7 if options.optimize else 6
+
     def step(i: int, text: str) -> None:
-        say(f"[{i}/6 {time.perf_counter() - started:6.1f}s] {text}")
+        say(f"[{i}/{total} {time.perf_counter() - started:6.1f}s] {text}")
 
     step(1, f"loading {model_dir} ({options.dtype})")
     loaded = load_stage.load_model(model_dir, options.dtype)
@@ -159,15 +175,31 @@ def _compile_into(
             f"{loaded_spec.architecture} took the generic path and could not be exported "
             f"({type(e).__name__}: {first_line}); kvforge verifies: {supported()}"
         ) from e
-    step(4, "writing graphs and one shared weights file")
-    report = write_shared(graphs, tmp)
-    del prefill, graphs, loaded
+    del prefill, loaded
+    if options.quantize:
+        step(
+            4,
+            f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size}), "
+            "then writing graphs and one shared weights file",
+        )
+        graphs = quantize_stage.quantize(graphs, options.quantize, options.block_size)
+    else:
+        step(4, "writing graphs and one shared weights file")
+    names = list(graphs)
+    weights = write_shared(graphs, tmp)
+    del graphs
+    optimized = {}
+    if options.optimize:
+        step(5, "optimizing the graphs for ONNX Runtime (fusions, offline graph optimization)")
+        optimized = optimize_stage.optimize_graphs(tmp, names, weights)
+    report = weights.report()
     tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
-    step(5, "checking parity against transformers")
+    step(total - 1, "checking parity against transformers")
     reference = load_stage.load_reference(model_dir, options.dtype)
-    parity = parity_stage.measure(tmp, reference, dims, load_stage.DTYPES[options.dtype])
+    run_files = {g: optimized.get(g, f"{g}.onnx") for g in ("prefill", "decode")}  # what the runtime runs
+    parity = parity_stage.measure(tmp, run_files, reference, dims, load_stage.DTYPES[options.dtype])
     del reference
-    if not loaded_spec.verified:
+    if not loaded_spec.verified and not options.quantize:
         problem = parity_stage.failure(parity, options.dtype)
         if problem:
             raise UnsupportedArchitectureError(
@@ -175,8 +207,8 @@ def _compile_into(
                 f"kvforge verifies: {supported()}"
             )
     parity["verified_family"] = loaded_spec.verified
-    step(6, "writing manifest")
-    manifest = _manifest(model_dir, tmp, options, config, weight_files, dims, report.file, tok, parity)
+    step(total, "writing manifest")
+    manifest = _manifest(model_dir, tmp, options, config, weight_files, dims, report.file, tok, parity, optimized)
     mf.write(manifest, tmp)
     return manifest
 
@@ -217,6 +249,7 @@ def _manifest(
     weights_file: str,
     tok: dict,
     parity: dict,
+    optimized: dict[str, str],
 ) -> mf.Manifest:
     import onnxruntime
     import torch
@@ -225,7 +258,15 @@ def _manifest(
     graphs = {}
     for name in [g for g in contract.GRAPHS if (tmp / f"{g}.onnx").exists()]:
         inputs, outputs = _io(tmp / f"{name}.onnx")
-        graphs[name] = mf.GraphFile(f"{name}.onnx", mf.sha256_file(tmp / f"{name}.onnx"), inputs, outputs)
+        ort_file = optimized.get(name)
+        graphs[name] = mf.GraphFile(
+            f"{name}.onnx",
+            mf.sha256_file(tmp / f"{name}.onnx"),
+            inputs,
+            outputs,
+            ort_file=ort_file,
+            ort_sha256=mf.sha256_file(tmp / ort_file) if ort_file else None,
+        )
     shape = contract.cache_shape(dims.num_layers, options.max_batch, dims.num_kv_heads, options.max_seq, dims.head_dim)
     itemsize = load_stage.DTYPES[options.dtype].itemsize
     numel = 1
@@ -271,4 +312,18 @@ def _manifest(
             "opset": str(export_stage.OPSET),
         },
         parity=parity,
+        quantization=None
+        if not options.quantize
+        else {
+            "scheme": options.quantize,
+            "block_size": options.block_size,
+            "op": "com.microsoft.MatMulNBits",
+            "symmetric": True,
+            "accuracy_level": 4,
+            "lm_head": "quantized",
+            "embedding": options.dtype,
+        },
+        ort_optimization=None
+        if not optimized
+        else {"optimized_for": optimize_stage.OPTIMIZED_FOR, "level": "ORT_ENABLE_EXTENDED", "fusions": "onnxscript"},
     )

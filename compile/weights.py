@@ -1,7 +1,8 @@
-"""Stage 3: two in-memory graphs -> two ``.onnx`` files that read ONE external weights file.
+"""Stage 3: in-memory graphs -> ``.onnx`` files that all read ONE external weights file.
 
-Input: the prefill and decode ``onnx_ir.Model`` from :mod:`kvforge.compile.export`. Output:
-``prefill.onnx``, ``decode.onnx`` and ``weights.data`` in the output directory. Every tensor of
+Input: ``onnx_ir.Model`` graphs (from :mod:`kvforge.compile.export`, and later the optimized ones
+from :mod:`kvforge.compile.optimize`). Output: ``<name>.onnx`` for each and ``weights.data`` in
+the output directory. Every tensor of
 ``SHARE_THRESHOLD`` bytes or more is stored once: tensors are keyed by their content (dtype, shape,
 bytes), not by name, because the exporter names constant-folded tensors (transposed weights, ...)
 differently in each graph. Tensors are aligned to ``ALIGNMENT`` bytes so the file can be memory
@@ -30,39 +31,66 @@ class WeightsReport:
     references: int  # initializers of all graphs that point into the file
 
 
-def write_shared(models: dict[str, ir.Model], out_dir: Path) -> WeightsReport:
-    """Move the large initializers of every model into ``out_dir/weights.data`` (each distinct
-    tensor once) and save each model as ``out_dir/<name>.onnx``."""
-    stored: dict[tuple, tuple[int, int]] = {}  # content key -> (offset, length)
-    references = 0
-    with open(out_dir / WEIGHTS_FILE, "wb") as f:
-        for model in models.values():
-            for value in _initializers(model):
-                tensor = value.const_value
-                if tensor is None or tensor.nbytes < SHARE_THRESHOLD:
-                    continue
-                data = tensor.tobytes()
-                key = (tensor.dtype, tuple(tensor.shape), hashlib.sha256(data).digest())
-                if key not in stored:
-                    offset = -f.tell() % ALIGNMENT + f.tell()
-                    f.seek(offset)
-                    f.write(data)
-                    stored[key] = (offset, len(data))
-                offset, length = stored[key]
-                value.const_value = ir.ExternalTensor(
-                    location=WEIGHTS_FILE,
-                    offset=offset,
-                    length=length,
-                    dtype=tensor.dtype,
-                    shape=tensor.shape,
-                    name=value.name,
-                    base_dir=out_dir,
-                )
-                references += 1
-        size = f.tell()
-    for name, model in models.items():
-        ir.save(model, out_dir / f"{name}.onnx")
-    return WeightsReport(WEIGHTS_FILE, size, len(stored), references)
+class SharedWeights:
+    """The artifact's one weights file. :meth:`add` moves the large initializers of graphs into it
+    (each distinct tensor once, across every call) and saves each graph as ``<name>.onnx``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / WEIGHTS_FILE
+        self.path.write_bytes(b"")
+        self._by_content: dict[tuple, tuple[int, int]] = {}  # (dtype, shape, sha256) -> (offset, length)
+        self._locations: set[tuple[int, int]] = set()
+        self.references = 0
+
+    def add(self, models: dict[str, ir.Model]) -> None:
+        with open(self.path, "r+b") as f:
+            for model in models.values():
+                for value in _initializers(model):
+                    tensor = value.const_value
+                    if tensor is None or tensor.nbytes < SHARE_THRESHOLD:
+                        continue
+                    offset, length = self._store(f, tensor)
+                    value.const_value = ir.ExternalTensor(
+                        location=WEIGHTS_FILE,
+                        offset=offset,
+                        length=length,
+                        dtype=tensor.dtype,
+                        shape=tensor.shape,
+                        name=value.name,
+                        base_dir=self.out_dir,
+                    )
+                    self.references += 1
+        for name, model in models.items():
+            ir.save(model, self.out_dir / f"{name}.onnx")
+
+    def _store(self, f, tensor) -> tuple[int, int]:
+        if (
+            isinstance(tensor, ir.ExternalTensor)
+            and Path(tensor.path).resolve() == self.path.resolve()
+            and (tensor.offset or 0, tensor.length) in self._locations
+        ):
+            return tensor.offset or 0, tensor.length  # already in the file (a graph re-saved after a pass)
+        data = tensor.tobytes()
+        key = (tensor.dtype, tuple(tensor.shape), hashlib.sha256(data).digest())
+        if key not in self._by_content:
+            end = f.seek(0, 2)
+            offset = end + (-end % ALIGNMENT)
+            f.seek(offset)
+            f.write(data)
+            self._by_content[key] = (offset, len(data))
+            self._locations.add((offset, len(data)))
+        return self._by_content[key]
+
+    def report(self) -> WeightsReport:
+        return WeightsReport(WEIGHTS_FILE, self.path.stat().st_size, len(self._by_content), self.references)
+
+
+def write_shared(models: dict[str, ir.Model], out_dir: Path) -> SharedWeights:
+    """Start the artifact's weights file with ``models`` (see :class:`SharedWeights`)."""
+    weights = SharedWeights(out_dir)
+    weights.add(models)
+    return weights
 
 
 def _initializers(model: ir.Model) -> Iterable[ir.Value]:

@@ -35,6 +35,8 @@ class GraphFile:
     sha256: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    ort_file: str | None = None  # ONNX Runtime-optimized variant (same I/O), if compiled
+    ort_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class Manifest:
     generation: dict[str, Any]  # eos_token_ids, from generation_config.json
     versions: dict[str, str]  # torch, transformers, onnx, onnxruntime, opset used at compile
     parity: dict[str, Any]  # measured at compile time against transformers
+    quantization: dict[str, Any] | None = None  # scheme, block_size, op, ... when weights are quantized
+    ort_optimization: dict[str, Any] | None = None  # how the <graph>.ort.onnx files were optimized
     engines: dict[str, Any] = field(default_factory=dict)  # TensorRT plans, when built
 
     def to_json(self) -> str:
@@ -113,6 +117,8 @@ def _graph(data: dict[str, Any]) -> GraphFile:
         sha256=data["sha256"],
         inputs=[TensorSpec(**t) for t in data["inputs"]],
         outputs=[TensorSpec(**t) for t in data["outputs"]],
+        ort_file=data.get("ort_file"),
+        ort_sha256=data.get("ort_sha256"),
     )
 
 
@@ -162,6 +168,7 @@ def read(artifact_dir: str | Path, verify: bool = True) -> Manifest:
         raise ArtifactError(f"{path} is not a kvforge manifest; recompile the model with kvforge compile")
     manifest = Manifest.from_dict({k: v for k, v in data.items() if k != "format"})
     files = [(g.file, g.sha256, None) for g in manifest.graphs.values()]
+    files += [(g.ort_file, g.ort_sha256, None) for g in manifest.graphs.values() if g.ort_file]
     files.append((manifest.weights.file, manifest.weights.sha256, manifest.weights.bytes))
     for name, digest, size in files:
         file = root / name

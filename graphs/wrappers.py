@@ -62,9 +62,13 @@ class _CausalLMGraph(torch.nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [B, S, hidden]`` -> ``logits [B, S, V]``, with the family's final scaling.
 
-        Always 3-D, so that the lm_head lowers to the same MatMul (and the same folded weight,
-        stored once) in every graph; a 2-D input would become a Gemm on the unfolded weight."""
-        logits = self.model.get_output_embeddings()(hidden)
+        The lm_head runs on a 2-D ``[B * S, hidden]`` view so that it lowers to ``Gemm`` with
+        ``transB=1`` on the stored ``[V, hidden]`` weight in every graph. A 3-D MatMul would need
+        the weight transposed: a second copy on disk (constant-folded) or, for a weight tied to
+        the embedding, in memory (folded again by ONNX Runtime at every load)."""
+        batch, seq, width = hidden.shape
+        logits = self.model.get_output_embeddings()(hidden.reshape(batch * seq, width))  # (B*S, V)
+        logits = logits.view(batch, seq, -1)  # (B, S, V)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         if self.final_softcap:

@@ -80,12 +80,18 @@ class Engine:
         artifact_dir: str | Path,
         *,
         threads: int | None = None,
+        spin: bool = True,
+        prepack: bool = False,
+        optimized: bool = True,
         verify: bool = True,
     ) -> Engine:
         """Load an artifact on ONNX Runtime's CPU provider.
 
-        ``verify`` checks every file's sha256 against the manifest (sizes are always checked).
-        Raises :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
+        ``threads``, ``spin``, ``prepack``, ``optimized``: ONNX Runtime session settings, see
+        :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults keep one copy of the weights
+        in memory and run the compile-time-optimized graphs). ``verify`` checks every file's
+        sha256 against the manifest (sizes are always checked). Raises
+        :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.
         """
         root = Path(artifact_dir)
@@ -95,8 +101,10 @@ class Engine:
                 "this artifact is bfloat16, which ONNX Runtime's CPU provider cannot run; "
                 "recompile with --dtype float32 (or float16) for CPU"
             )
-        graph_files = {name: root / g.file for name, g in manifest.graphs.items()}
-        return cls(root, manifest, OrtBackend(graph_files, OrtOptions(threads=threads)))
+        options = OrtOptions(threads=threads, spin=spin, prepack=prepack, optimized=optimized)
+        use_ort = {name for name, g in manifest.graphs.items() if optimized and g.ort_file}
+        graph_files = {name: root / (g.ort_file if name in use_ort else g.file) for name, g in manifest.graphs.items()}
+        return cls(root, manifest, OrtBackend(graph_files, options, preoptimized=use_ort))
 
     def _check_io(self) -> None:
         """The graphs must have exactly the I/O the manifest and the KV contract name."""

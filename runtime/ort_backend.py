@@ -25,9 +25,23 @@ _NP_DTYPES = {
 
 @dataclass(frozen=True)
 class OrtOptions:
-    """Session options. ``threads=None`` lets ORT use one thread per physical core."""
+    """Session options (``Engine.load`` passes them through).
+
+    threads: intra-op threads; None lets ORT use one per physical core.
+    spin: let idle intra-op threads spin between ops (lower latency per step, burns CPU while
+        waiting); ORT's default is on.
+    prepack: let ORT repack constant MatMul weights per session at load. Repacked weights are
+        anonymous memory owned by each session, so with prepacking every graph (prefill, decode)
+        holds its own copy. Off (the default), the sessions read the memory-mapped weights file
+        directly: one copy of the weights in memory, shared by all graphs.
+    optimized: run the ORT-optimized ``<graph>.ort.onnx`` files when the artifact has them,
+        without optimizing again at load.
+    """
 
     threads: int | None = None
+    spin: bool = True
+    prepack: bool = False
+    optimized: bool = True
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     log_severity: int = 3  # errors only
 
@@ -42,17 +56,23 @@ class Binding:
 class OrtBackend:
     name = "ort"
 
-    def __init__(self, graph_files: dict[str, Path], options: OrtOptions = OrtOptions()) -> None:
+    def __init__(self, graph_files: dict[str, Path], options: OrtOptions = OrtOptions(), preoptimized=()) -> None:
+        """``graph_files``: graph name -> .onnx path; ``preoptimized``: the names whose file was
+        optimized at compile time (loaded without optimizing again)."""
         import onnxruntime as ort
 
-        so = ort.SessionOptions()
-        so.log_severity_level = options.log_severity
-        if options.threads is not None:
-            so.intra_op_num_threads = options.threads
-        self.sessions = {
-            name: ort.InferenceSession(str(path), so, providers=list(options.providers))
-            for name, path in graph_files.items()
-        }
+        self.sessions = {}
+        for name, path in graph_files.items():
+            so = ort.SessionOptions()
+            so.log_severity_level = options.log_severity
+            if options.threads is not None:
+                so.intra_op_num_threads = options.threads
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
+            if not options.prepack:
+                so.add_session_config_entry("session.disable_prepacking", "1")
+            if name in preoptimized:
+                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
         self.device = "cpu"
 
     def input_names(self, graph: str) -> list[str]:

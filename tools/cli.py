@@ -38,6 +38,19 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         help="attention lowering: onnx (standard opset 24, TensorRT) or gqa (ORT GroupQueryAttention)",
     )
     p.add_argument(
+        "--quantize",
+        choices=["int4", "int8"],
+        default=None,
+        help="weight-only quantization of every MatMul (lm_head included) to MatMulNBits; ORT only",
+    )
+    p.add_argument("--block-size", type=int, default=32, help="quantization block size (default 32)")
+    p.add_argument(
+        "--no-optimize",
+        dest="optimize",
+        action="store_false",
+        help="skip the ONNX Runtime-optimized <graph>.ort.onnx files",
+    )
+    p.add_argument(
         "--no-score-graph",
         dest="score_graph",
         action="store_false",
@@ -59,6 +72,9 @@ def _run_compile(args: argparse.Namespace) -> int:
         max_seq=args.max_seq,
         lowering=args.lowering,
         score_graph=args.score_graph,
+        quantize=args.quantize,
+        block_size=args.block_size,
+        optimize=args.optimize,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity

@@ -54,8 +54,16 @@ def test_family(case, architecture, config_class, overrides, lowering, tmp_path)
 
     model_dir = families.build(tmp_path / "model", architecture, config_class, overrides)
     out = tmp_path / "out"
+    # onnx: the portable graph as TensorRT gets it; gqa: ORT's fast path, with the ORT-optimized graphs.
     manifest = compile_model(
-        model_dir, out, max_batch=2, max_seq=64, lowering=lowering, score_graph=False, progress=None
+        model_dir,
+        out,
+        max_batch=2,
+        max_seq=64,
+        lowering=lowering,
+        score_graph=False,
+        optimize=lowering == "gqa",
+        progress=None,
     )
     assert manifest.model.architecture == architecture
     assert manifest.parity["greedy_match"] and manifest.parity["verified_family"]
