@@ -125,8 +125,14 @@ def _run_compare(
         ours_greedy = [engine.generate([row], max_new_tokens=steps)[0].token_ids for row in rows]
         say.say("kvforge: padded batches")
         batch = _batch_check(engine, rows, continuations, ours, ours_greedy, atol)
-        say.say(f"perplexity of the text ({len(text_ids)} tokens)")
-        perplexity = _perplexity(engine, model, text_ids)
+        if "score" in manifest.graphs:
+            say.say(f"perplexity of the text ({len(text_ids)} tokens)")
+            perplexity = _perplexity(engine, model, text_ids)
+        else:
+            perplexity = {
+                "skipped": "the artifact has no score graph (all-position logits); recompile it "
+                "without --no-score-graph to measure perplexity"
+            }
 
     prefill_parts, decode_parts = [], []
     for row, mine, theirs in zip(rows, ours, ref_logits):
@@ -287,6 +293,8 @@ def _perplexity(engine: Engine, model: torch.nn.Module, ids: list[int]) -> dict[
 def _verdict(result: dict[str, Any], atol: float) -> dict[str, Any]:
     failures = []
     for section in ("prefill", "decode", "perplexity"):
+        if "skipped" in result[section]:
+            continue
         value = result[section].get("max_abs_diff")
         if value is None or not value <= atol:  # NaN fails too
             shown = "NaN" if value is None or value != value else f"{value:.3g}"
@@ -324,18 +332,23 @@ def format_report(result: dict[str, Any]) -> str:
         ("text (score graph)", result["perplexity"]),
     )
     for name, s in sections:
+        if "skipped" in s:
+            continue
         lines.append(
             f"{name:28}{s['positions']:9d}{_fmt(s.get('max_abs_diff'), '11.2e')}{_fmt(s.get('mean_abs_diff'), '11.2e')}"
             f"{_fmt(s.get('kl_mean'), '12.2e')}{_fmt(s.get('top1_agreement'), '7.3f')}"
             f"{_fmt(s.get('top5_agreement'), '7.3f')}"
         )
     p = result["perplexity"]
-    lines += [
-        "",
-        f"perplexity ({p['scored_tokens']} tokens, {p['windows']} window(s) of {p['window_tokens']}): "
-        f"kvforge {_fmt(p['kvforge'], '.4f')}, transformers {_fmt(p['reference'], '.4f')} "
-        f"(|diff| {_fmt(p['abs_diff'], '.2e')})",
-    ]
+    lines.append("")
+    if "skipped" in p:
+        lines.append(f"perplexity: skipped ({p['skipped']})")
+    else:
+        lines.append(
+            f"perplexity ({p['scored_tokens']} tokens, {p['windows']} window(s) of {p['window_tokens']}): "
+            f"kvforge {_fmt(p['kvforge'], '.4f')}, transformers {_fmt(p['reference'], '.4f')} "
+            f"(|diff| {_fmt(p['abs_diff'], '.2e')})"
+        )
     g = result["greedy"]
     diverged = [r for r in g["per_prompt"] if r["diverged_at"] is not None]
     lines.append(

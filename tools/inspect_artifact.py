@@ -219,6 +219,8 @@ def _manifest_summary(manifest: mf.Manifest) -> dict[str, Any]:
         "eos_token_ids": list(manifest.generation.get("eos_token_ids", [])),
         "versions": dict(manifest.versions),
         "parity": dict(manifest.parity),
+        "quantization": getattr(manifest, "quantization", None),
+        "ort_optimization": getattr(manifest, "ort_optimization", None),
         "engines": dict(manifest.engines),
     }
 
@@ -230,24 +232,37 @@ def inspect(path: str | Path) -> dict[str, Any]:
     """
     root = Path(path)
     table = tensorrt_table()
+    # name -> (file, graph it implements, variant): "onnx" graphs are what TensorRT builds from,
+    # "ort" graphs the ONNX Runtime-optimized copies (same I/O) the CPU runtime loads by default.
+    graph_files: dict[str, tuple[Path, str, str]] = {}
+    digests: dict[str, str] = {}
     if root.is_file() and root.suffix == ".onnx":
-        manifest, graph_files, digests = None, {root.stem: root}, {}
-        files = [root]
+        manifest, files = None, [root]
+        stem = root.name[: -len(".onnx")]
+        variant = "ort" if stem.endswith(".ort") else "onnx"
+        graph_files[stem] = (root, stem.removesuffix(".ort"), variant)
     elif root.is_dir():
         manifest = mf.read(root, verify=False)  # missing, foreign or truncated artifacts are refused here
-        graph_files = {name: root / g.file for name, g in manifest.graphs.items()}
-        digests = {g.file: g.sha256 for g in manifest.graphs.values()}
+        for name, g in manifest.graphs.items():
+            graph_files[name] = (root / g.file, name, "onnx")
+            digests[g.file] = g.sha256
+            ort_file = getattr(g, "ort_file", None)
+            if ort_file:
+                graph_files[f"{name}.ort"] = (root / ort_file, name, "ort")
+                digests[ort_file] = g.ort_sha256
         digests[manifest.weights.file] = manifest.weights.sha256
         files = sorted(f for f in root.iterdir() if f.is_file())
     else:
         raise ValueError(f"{str(root)!r} is neither an artifact directory nor an .onnx file")
 
     graphs, checks = {}, {}
-    for name, file in graph_files.items():
+    for name, (file, graph, variant) in graph_files.items():
         info, model = graph_info(file)
+        info["graph"], info["variant"] = graph, variant
         info["sha256_ok"] = mf.sha256_file(file) == digests[file.name] if file.name in digests else None
         graphs[name] = info
-        checks[name] = tensorrt_check(model, table)
+        if variant == "onnx":
+            checks[name] = tensorrt_check(model, table)
     file_rows = [
         {
             "file": f.name,
@@ -326,17 +341,18 @@ def format_report(result: dict[str, Any]) -> str:
             )
     for name, g in result["graphs"].items():
         integrity = {True: "sha256 ok", False: "sha256 MISMATCH", None: "no recorded sha256"}[g["sha256_ok"]]
-        opset = ", ".join(f"{k} {v}" for k, v in g["opset"].items())
+        opset = g["opset"].get("ai.onnx", "?")  # other domains: see the op names (JSON: every import)
         lines += [
             "",
             f"graph {name} ({g['file']}, {_size(g['bytes'])}, {integrity}): {g['nodes']} nodes, opset {opset}, "
             f"{g['initializers']} initializers ({g['external_initializers']} external, {_size(g['external_bytes'])})",
-            "  inputs:",
-            *_tensor_lines(g["inputs"]),
-            "  outputs:",
-            *_tensor_lines(g["outputs"]),
-            "  ops: " + ", ".join(f"{op} {n}" for op, n in g["ops"].items()),
         ]
+        base = result["graphs"].get(g["graph"])
+        if g["variant"] == "ort" and base and (base["inputs"], base["outputs"]) == (g["inputs"], g["outputs"]):
+            lines.append(f"  ONNX Runtime-optimized {g['graph']} graph; inputs and outputs as {g['graph']}")
+        else:
+            lines += ["  inputs:", *_tensor_lines(g["inputs"]), "  outputs:", *_tensor_lines(g["outputs"])]
+        lines.append("  ops: " + ", ".join(f"{op} {n}" for op, n in g["ops"].items()))
     lines += ["", "files:"]
     for f in result["files"]:
         flag = {True: "", False: "  (sha256 MISMATCH)", None: ""}[f["sha256_ok"]]

@@ -139,6 +139,23 @@ def test_compare_flags_perturbed_weights(llama_artifact, llama_dir, tmp_path, ca
     assert result["batch"]["all_consistent"]  # still self-consistent: only the weights are wrong
 
 
+def test_compare_without_score_graph_skips_perplexity(llama_artifact, llama_dir, tmp_path, capsys):
+    """Artifacts compiled with --no-score-graph still compare; only the perplexity is skipped."""
+    art = tmp_path / "art"
+    shutil.copytree(llama_artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    for name in (manifest["graphs"].pop("score")["file"], "score.ort.onnx"):
+        (art / name).unlink(missing_ok=True)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "prompts.txt").write_text("The for statement\nA list is\n")
+    argv = ["compare", str(art), "--reference", str(llama_dir), "--steps", "2", "--threads", "1"]
+    assert main([*argv, "--prompts", str(tmp_path / "prompts.txt"), "--json", str(tmp_path / "c.json")]) == 0
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert "no score graph" in result["perplexity"]["skipped"] and result["verdict"]["ok"]
+    assert result["decode"]["top1_agreement"] == 1.0
+    assert "perplexity: skipped (the artifact has no score graph" in capsys.readouterr().out
+
+
 def test_compare_user_errors_are_one_line(llama_artifact, llama_dir, tmp_path, capsys):
     base = ["compare", str(llama_artifact), "--reference", str(llama_dir)]
     assert main([*base, "--steps", "500"]) == 2

@@ -26,8 +26,15 @@ def test_inspect_artifact_json(llama_artifact, tmp_path, capsys):
     assert set(result) == {"kind", "schema_version", "path", "manifest", "graphs", "files", "total_bytes", "tensorrt"}
     assert result["manifest"]["model"] == manifest["model"] and result["manifest"]["lowering"] == "onnx"
     assert result["manifest"]["kv_cache"]["bytes"] == manifest["kv_cache"]["bytes"]
-    assert set(result["graphs"]) == set(contract.GRAPHS)
+    plain = {name: g for name, g in result["graphs"].items() if g["variant"] == "onnx"}
+    assert set(plain) == set(contract.GRAPHS) and all(g["graph"] == name for name, g in plain.items())
     for name, graph in result["graphs"].items():
+        if graph["variant"] == "ort":  # ONNX Runtime-optimized copy: same I/O as the graph it optimizes
+            base = plain[graph["graph"]]
+            assert name == f"{graph['graph']}.ort" and graph["file"] == manifest["graphs"][graph["graph"]]["ort_file"]
+            assert (graph["inputs"], graph["outputs"]) == (base["inputs"], base["outputs"])
+            assert graph["sha256_ok"] is True and sum(graph["ops"].values()) == graph["nodes"]
+    for name, graph in plain.items():
         assert [t["name"] for t in graph["inputs"]] == contract.input_names(name, layers), name
         assert [t["name"] for t in graph["outputs"]] == contract.output_names(layers), name
         assert graph["inputs"][0] == {
@@ -40,17 +47,19 @@ def test_inspect_artifact_json(llama_artifact, tmp_path, capsys):
         assert sum(graph["ops"].values()) == graph["nodes"]
         assert graph["bytes"] == (llama_artifact / graph["file"]).stat().st_size
         assert graph["external_bytes"] <= manifest["weights"]["bytes"]
-    logits = {name: g["outputs"][0]["shape"] for name, g in result["graphs"].items()}
+    logits = {name: g["outputs"][0]["shape"] for name, g in plain.items()}
     assert logits == {"prefill": ["batch", vocab], "decode": ["batch", vocab], "score": ["batch", "seq", vocab]}
 
     files = {f["file"]: f for f in result["files"]}
     assert files["weights.data"]["bytes"] == manifest["weights"]["bytes"] and files["weights.data"]["sha256_ok"]
+    assert all(files[g["file"]]["sha256_ok"] for g in result["graphs"].values())
     assert files["manifest.json"]["sha256_ok"] is None  # no recorded hash
     assert result["total_bytes"] == sum(f.stat().st_size for f in llama_artifact.iterdir() if f.is_file())
 
     trt = result["tensorrt"]
     assert trt["tensorrt_version"] == "10.15" and "onnx/onnx-tensorrt" in trt["source"]
     assert trt["compatible"] is True and trt["unsupported_ops"] == []
+    assert set(trt["graphs"]) == set(plain)  # TensorRT builds from the plain graphs, not ORT's copies
     assert all(not c["unsupported"] and not c["violations"] and c["opset_ok"] for c in trt["graphs"].values())
     assert "compatible: every op of every graph is supported" in printed
     assert "past_key_values.*.key" in printed and f"x{layers}" in printed  # per-layer tensors folded
