@@ -33,7 +33,7 @@ import platform
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,23 +59,41 @@ RATIO_KEYS = (
 )
 
 
+DEFAULT_PROMPT_LENS = (32, 128, 512)
+DEFAULT_BATCH_SIZES = (1, 4)
+
+
 @dataclass(frozen=True)
 class BenchOptions:
-    prompt_lens: tuple[int, ...] = (32, 128, 512)
-    batch_sizes: tuple[int, ...] = (1, 4)
+    # None: the defaults above, each capped to what the artifact holds (max_seq - new_tokens, max_batch)
+    prompt_lens: tuple[int, ...] | None = None
+    batch_sizes: tuple[int, ...] | None = None
     new_tokens: int = 32
     repeat: int = 3
     warmup: int = 1
     threads: int | None = None  # ORT intra-op threads and torch threads; None: each library's default
     seed: int = 0
 
-    def check(self, max_batch: int, max_seq: int) -> None:
+    def resolve(self, max_batch: int, max_seq: int) -> BenchOptions:
+        """These options with the default cells filled in for an artifact, and checked: a default
+        length or batch is capped to what the artifact holds; a length or batch given explicitly
+        that does not fit is an error."""
+        longest = max_seq - self.new_tokens
+        prompt_lens = self.prompt_lens or tuple(sorted({min(p, longest) for p in DEFAULT_PROMPT_LENS if longest >= 1}))
+        batch_sizes = self.batch_sizes or tuple(sorted({min(b, max_batch) for b in DEFAULT_BATCH_SIZES}))
+        resolved = replace(self, prompt_lens=prompt_lens, batch_sizes=batch_sizes)
+        resolved._check(max_batch, max_seq)
+        return resolved
+
+    def _check(self, max_batch: int, max_seq: int) -> None:
         if self.new_tokens < 1:
             raise ValueError(f"--new-tokens must be at least 1, got {self.new_tokens}")
         if self.repeat < 1 or self.warmup < 0:
             raise ValueError(f"--repeat must be at least 1 and --warmup at least 0, got {self.repeat}, {self.warmup}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        if not self.prompt_lens:
+            raise ValueError(f"--new-tokens {self.new_tokens} leaves no room for a prompt in max_seq={max_seq}")
         too_big = [b for b in self.batch_sizes if b > max_batch]
         if too_big:
             raise ValueError(
@@ -213,14 +231,13 @@ def _run_bench(
     artifact: str | Path, reference_dir: str | Path | None, options: BenchOptions, progress: Progress | None
 ) -> dict[str, Any]:
     load_before = _load_average()
-    cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
-    sides = 2 if reference_dir else 1
-    progress = progress or Progress("bench", total=len(cells) * sides * (options.warmup + options.repeat))
-
     rss_before = rss_bytes()
     with Engine.load(artifact, threads=options.threads) as engine:
         manifest = engine.manifest
-        options.check(engine.max_batch, engine.max_seq)
+        options = options.resolve(engine.max_batch, engine.max_seq)
+        cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
+        progress = progress or Progress("bench")
+        progress.total = len(cells) * (2 if reference_dir else 1) * (options.warmup + options.repeat)
         prompts = _prompts(options, manifest.model.vocab_size)
         device = str(engine.backend.device)
         ours, tokens = {}, {}

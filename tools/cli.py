@@ -180,8 +180,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("artifact", help="artifact directory written by kvforge compile")
     p.add_argument("--reference", default=None, metavar="MODEL_DIR", help="also time transformers eager on it")
     # Defaults live in BenchOptions; None here means "not given".
-    p.add_argument("--prompt-lens", type=_int_list, default=None, metavar="N,N,...", help="default 32,128,512")
-    p.add_argument("--batch-sizes", type=_int_list, default=None, metavar="N,N,...", help="default 1,4")
+    p.add_argument(
+        "--prompt-lens", type=_int_list, default=None, metavar="N,N,...", help="default 32,128,512 (capped to fit)"
+    )
+    p.add_argument("--batch-sizes", type=_int_list, default=None, metavar="N,N,...", help="default 1,4 (capped)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 32)")
     p.add_argument("--repeat", type=int, default=None, help="timed runs per cell (default 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per cell first (default 1)")

@@ -72,6 +72,16 @@ def test_bench_without_reference(llama_artifact):
     assert "transformers" not in bench.format_report(result).split("\n", 3)[-1]
 
 
+def test_default_cells_are_capped_to_the_artifact():
+    """A bare ``kvforge bench OUT`` fits any artifact; explicit cells that do not fit are errors."""
+    resolved = bench.BenchOptions(new_tokens=16).resolve(max_batch=4, max_seq=96)
+    assert resolved.prompt_lens == (32, 80) and resolved.batch_sizes == (1, 4)
+    resolved = bench.BenchOptions().resolve(max_batch=2, max_seq=512)
+    assert resolved.prompt_lens == (32, 128, 480) and resolved.batch_sizes == (1, 2)
+    with pytest.raises(ValueError, match="max_batch=2"):
+        bench.BenchOptions(batch_sizes=(4,)).resolve(max_batch=2, max_seq=512)
+
+
 def test_bench_refuses_cells_the_artifact_cannot_hold(llama_artifact, capsys):
     base = ["bench", str(llama_artifact), "--repeat", "1"]
     assert main([*base, "--batch-sizes", "8", "--prompt-lens", "4"]) == 2
