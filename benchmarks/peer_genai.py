@@ -1,0 +1,630 @@
+"""kvforge vs onnxruntime-genai vs transformers eager: one model, the same prompts, one run, ratios.
+
+Builds a random Llama of a named shape (no download), turns that one Hugging Face directory into a
+kvforge artifact (``compile_model``) and into an onnxruntime-genai model (its own builder,
+``python -m onnxruntime_genai.models.builder -i MODEL_DIR``), then runs each side in its own
+subprocess, so every side's peak RSS is its own. Each side gets the same ``B`` random prompts of
+exactly ``--prompt-len`` tokens (seeded, token ids, no tokenizer in the loop) and decodes
+``--new-tokens`` greedy tokens per row without stopping at eos.
+
+* TTFT: prompt in until the first token of every row is known. kvforge: ``Engine.prefill`` plus
+  argmax; genai: ``Generator.append_tokens`` plus the first ``generate_next_token``;
+  transformers: ``generate(max_new_tokens=1)``.
+* decode ms/step: the time of the N-1 decode steps divided by N-1 (for transformers
+  ``(t_N - t_1) / (N - 1)`` from two ``generate`` calls). kvforge and genai also report the median
+  single step (``decode_ms_step_p50``, over every step of every repeat).
+* Every number is the median of ``--repeat`` timed runs after one untimed warm-up.
+* peak RSS: the worker process's ``VmHWM`` (Python, torch and the libraries included);
+  ``+RSS``: that peak minus the RSS just before the side loaded its model.
+
+Built artifacts are cached under ``--work-dir`` (keyed by shape, precision, limits and a hash of
+kvforge's compile code), so a rerun only measures. Setup and examples: benchmarks/README.md.
+
+    python benchmarks/peer_genai.py --shape tiny4
+    python benchmarks/peer_genai.py --shape smollm --lowering onnx gqa --json peer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SIDES = ("transformers", "genai", "kvforge")
+PRECISIONS = ("fp32", "int4", "int8")
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama shape; ``eos_token_id`` exists only because genai's builder requires one."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    max_positions: int = 2048
+    eos_token_id: int = 0
+
+
+SHAPES = {
+    # SmolLM-135M's shape (HuggingFaceTB/SmolLM-135M config), random weights.
+    "smollm": Shape(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, tied=True),
+    # benchmarks/decode_speed.py's default model.
+    "tiny4": Shape(layers=4, hidden=256, heads=8, kv_heads=4, intermediate=1024, vocab=32000, tied=False),
+}
+
+TOKENIZER_TEXT = (
+    "The for statement iterates over the items of any sequence. A list is a mutable sequence. "
+    "Functions are defined with def and return a value. Classes bundle data and behaviour together."
+)
+
+
+# ---------------------------------------------------------------------------- memory and env
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int | None:
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else None
+
+
+def peak_rss_bytes() -> int:
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def source_hash(*packages: str) -> str:
+    """A short hash of the Python sources of ``packages``: a cached artifact is rebuilt when they change."""
+    import importlib.util
+
+    digest = hashlib.sha256()
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        for root in spec.submodule_search_locations or []:
+            for f in sorted(Path(root).rglob("*.py")):
+                digest.update(f.name.encode())
+                digest.update(f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------- workers (subprocesses)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    """``batch`` rows of ``length`` random ids in ``[2, vocab)``, the same for every side (numpy seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(2, vocab, (batch, length)).tolist()
+
+
+def build_model(job: dict[str, Any]) -> dict[str, Any]:
+    """Save a random Llama of ``job["shape"]`` plus a tiny byte-level BPE tokenizer (genai's builder
+    reads one for its special ids; the benchmark itself feeds token ids)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape, path = Shape(**job["shape"]), Path(job["model_dir"])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=shape.tied,
+        bos_token_id=None,
+        eos_token_id=shape.eos_token_id,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(shape.vocab, 512),
+        special_tokens=["<|endoftext|>"],  # id 0 = eos_token_id
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+def compile_kvforge(job: dict[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    from kvforge.compile import compile_model
+
+    kwargs = dict(max_batch=job["batch"], max_seq=job["max_seq"], lowering=job["lowering"], progress=None)
+    if job["quantize"]:
+        kwargs["quantize"] = job["quantize"]  # the parent checked that compile_model accepts it
+    if "score_graph" in inspect.signature(compile_model).parameters:
+        kwargs["score_graph"] = False  # the benchmark never runs it
+    start = time.perf_counter()
+    compile_model(job["model_dir"], job["out"], **kwargs)
+    return {"compile_s": time.perf_counter() - start}
+
+
+def _result(ttft: list[float], step_mean: list[float], steps: list[float], tokens, before: int | None) -> dict:
+    peak = peak_rss_bytes()
+    return {
+        "ttft_ms": 1e3 * statistics.median(ttft),
+        "decode_ms_step": 1e3 * statistics.median(step_mean),
+        "decode_ms_step_p50": 1e3 * statistics.median(steps) if steps else None,
+        "rss_peak_bytes": peak,
+        "rss_added_bytes": peak - before if before is not None else None,
+        "tokens": tokens,
+    }
+
+
+def run_transformers(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    before = rss_bytes()
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], attn_implementation="eager").eval()
+    ids = torch.tensor(job["prompts"])
+    n = job["new_tokens"]
+
+    def generate(k: int) -> tuple[float, torch.Tensor]:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=k,
+                min_new_tokens=k,
+                do_sample=False,
+                pad_token_id=job["eos_token_id"],
+            )
+        return time.perf_counter() - start, out
+
+    _, out = generate(n)  # warm-up
+    tokens = out[:, ids.shape[1] :].tolist()
+    ttft, step_mean = [], []
+    for _ in range(job["repeat"]):
+        t1, _ = generate(1)
+        tn, _ = generate(n)
+        ttft.append(t1)
+        step_mean.append((tn - t1) / (n - 1))
+    return _result(ttft, step_mean, [], tokens, before)
+
+
+def run_genai(job: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    before = rss_bytes()
+    model = og.Model(job["genai_dir"])
+    ids = np.asarray(job["prompts"], dtype=np.int32)
+    batch, length = ids.shape
+    n = job["new_tokens"]
+
+    def once() -> tuple[float, list[float], list[list[int]]]:
+        params = og.GeneratorParams(model)
+        # min_length: never stop at eos, like the other sides; the KV buffer holds exactly this.
+        params.set_search_options(max_length=length + n, min_length=length + n, do_sample=False, batch_size=batch)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(ids)  # prefill: computes the logits of the last position
+        generator.generate_next_token()  # picks the first token (no model run)
+        ttft = time.perf_counter() - start
+        steps = []
+        for _ in range(n - 1):
+            start = time.perf_counter()
+            generator.generate_next_token()  # one decode run + greedy pick
+            steps.append(time.perf_counter() - start)
+        tokens = [generator.get_sequence(b)[length:].tolist() for b in range(batch)]
+        del generator
+        return ttft, steps, tokens
+
+    _, _, tokens = once()  # warm-up
+    ttft, step_mean, all_steps = [], [], []
+    for _ in range(job["repeat"]):
+        t, steps, _ = once()
+        ttft.append(t)
+        step_mean.append(sum(steps) / len(steps))
+        all_steps += steps
+    return _result(ttft, step_mean, all_steps, tokens, before)
+
+
+def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    import torch
+
+    from kvforge.runtime import Engine
+
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    load_kwargs = {}
+    if job["threads"] and "threads" in inspect.signature(Engine.load).parameters:
+        load_kwargs["threads"] = job["threads"]
+    before = rss_bytes()
+    rows, n = job["prompts"], job["new_tokens"]
+    with Engine.load(job["out"], **load_kwargs) as engine:
+        next_ids = torch.zeros(len(rows), dtype=torch.int64)
+
+        def once() -> tuple[float, list[float], list[list[int]]]:
+            generated = []
+            start = time.perf_counter()
+            torch.argmax(engine.prefill(rows), dim=-1, out=next_ids)
+            ttft = time.perf_counter() - start
+            generated.append(next_ids.tolist())
+            steps = []
+            for _ in range(n - 1):
+                start = time.perf_counter()
+                torch.argmax(engine.decode(next_ids), dim=-1, out=next_ids)
+                steps.append(time.perf_counter() - start)
+                generated.append(next_ids.tolist())
+            return ttft, steps, [list(col) for col in zip(*generated)]
+
+        _, _, tokens = once()  # warm-up
+        ttft, step_mean, all_steps = [], [], []
+        for _ in range(job["repeat"]):
+            t, steps, _ = once()
+            ttft.append(t)
+            step_mean.append(sum(steps) / len(steps))
+            all_steps += steps
+        kv_bytes = engine.cache.buffer.numel() * engine.cache.buffer.element_size()
+    result = _result(ttft, step_mean, all_steps, tokens, before)
+    result["kv_cache_bytes"] = kv_bytes
+    return result
+
+
+WORKERS = {
+    "build-model": build_model,
+    "compile-kvforge": compile_kvforge,
+    "transformers": run_transformers,
+    "genai": run_genai,
+    "kvforge": run_kvforge,
+}
+
+
+def worker_main(name: str, job_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    result = WORKERS[name](job)
+    Path(job["result_file"]).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------- parent: build, run, report
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def run_logged(cmd: list[str], log: Path, what: str) -> None:
+    """Run ``cmd`` offline with its output in ``log``; on failure raise with the log's tail."""
+    env = {**os.environ, **OFFLINE_ENV}
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise StepFailed(f"{what} failed (exit {proc.returncode}); log {log}:\n{tail}")
+
+
+def run_worker(python: str, name: str, job: dict[str, Any], work: Path) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        job = {**job, "result_file": str(Path(tmp) / "result.json")}
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(json.dumps(job))
+        log = work / f"{name}.log"
+        run_logged([python, str(Path(__file__).resolve()), "--worker", name, "--job", str(job_file)], log, name)
+        return json.loads(Path(job["result_file"]).read_text())
+
+
+def say(message: str) -> None:
+    print(f"[peer] {message}", file=sys.stderr, flush=True)
+
+
+def ensure_model(args: argparse.Namespace, shape: Shape, work: Path) -> Path:
+    model_dir = work / f"model-{args.shape}"
+    if not (model_dir / "tokenizer.json").exists() or args.rebuild:
+        say(f"building the random {args.shape} Llama in {model_dir}")
+        run_worker(sys.executable, "build-model", {"shape": asdict(shape), "model_dir": str(model_dir)}, work)
+    return model_dir
+
+
+def ensure_genai(args: argparse.Namespace, model_dir: Path, work: Path) -> tuple[Path, float | None]:
+    out = work / f"genai-{args.shape}-{args.precision}-og{version('onnxruntime-genai')}"
+    if (out / "genai_config.json").exists() and not args.rebuild:
+        return out, None
+    say(f"onnxruntime-genai builder: -p {args.precision} -e cpu -> {out}")
+    start = time.perf_counter()
+    cmd = [args.genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(out)]
+    cmd += ["-p", args.precision, "-e", "cpu", "-c", str(work / "genai-cache")]
+    run_logged(cmd, work / f"genai-builder-{args.shape}-{args.precision}.log", "onnxruntime-genai builder")
+    return out, time.perf_counter() - start
+
+
+def set_genai_threads(genai_dir: Path, threads: int | None) -> None:
+    """genai takes its ONNX Runtime thread count from genai_config.json (session_options)."""
+    config_file = genai_dir / "genai_config.json"
+    config = json.loads(config_file.read_text())
+    options = config["model"]["decoder"]["session_options"]
+    if threads:
+        options["intra_op_num_threads"] = threads
+    else:
+        options.pop("intra_op_num_threads", None)
+    config_file.write_text(json.dumps(config, indent=4))
+
+
+def kvforge_quantize_supported() -> bool:
+    import inspect
+
+    from kvforge.compile import compile_model
+
+    return "quantize" in inspect.signature(compile_model).parameters
+
+
+def ensure_kvforge(
+    args: argparse.Namespace, model_dir: Path, work: Path, lowering: str, quantize: str | None
+) -> tuple[Path, float | None]:
+    tag = f"{args.shape}-{lowering}-{quantize or 'fp32'}-b{args.batch}-s{args.prompt_len + args.new_tokens}"
+    out = work / f"kvforge-{tag}-{source_hash('kvforge.compile', 'kvforge.graphs')}"
+    if (out / "manifest.json").exists() and not args.rebuild:
+        return out, None
+    say(f"kvforge compile --lowering {lowering}{f' --quantize {quantize}' if quantize else ''} -> {out}")
+    job = {
+        "model_dir": str(model_dir),
+        "out": str(out),
+        "batch": args.batch,
+        "max_seq": args.prompt_len + args.new_tokens,
+        "lowering": lowering,
+        "quantize": quantize,
+    }
+    result = run_worker(sys.executable, "compile-kvforge", job, work)
+    return out, result["compile_s"]
+
+
+def dir_bytes(path: Path, suffixes: tuple[str, ...] = ()) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and (not suffixes or f.suffix in suffixes))
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
+    """Leading greedy tokens equal to the reference's, per row: ``64/64`` (or ``12/64 3/64`` for a batch)."""
+
+    def lead(a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    return " ".join(f"{lead(a, b)}/{len(b)}" for a, b in zip(tokens, reference))
+
+
+def print_table(report: dict[str, Any]) -> None:
+    cfg, rows = report["config"], report["rows"]
+    weights = report["model"]["weight_bytes"]
+    print(
+        f"\n{cfg['shape']}: {report['model']['description']}; batch {cfg['batch']}, prompt {cfg['prompt_len']}, "
+        f"{cfg['new_tokens']} new tokens, median of {cfg['repeat']}, precision {cfg['precision']}, "
+        f"load avg {report['env']['loadavg_before']} -> {report['env']['loadavg_after']}"
+    )
+    header = f"{'':26}{'TTFT ms':>9}{'ms/step':>9}{'p50 step':>9}{'tok/s':>8}{'peak RSS':>10}{'+RSS':>8}"
+    print(header + f"{'RSS/wts':>9}  greedy vs transformers")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"{name:26}  failed: {r['error'].splitlines()[0]}")
+            continue
+        p50 = f"{r['decode_ms_step_p50']:9.2f}" if r.get("decode_ms_step_p50") else f"{'-':>9}"
+        added = f"{r['rss_added_bytes'] / 2**20:8.0f}" if r.get("rss_added_bytes") is not None else f"{'-':>8}"
+        print(
+            f"{name:26}{r['ttft_ms']:9.1f}{r['decode_ms_step']:9.2f}{p50}{r['decode_tokens_per_s']:8.1f}"
+            f"{r['rss_peak_bytes'] / 2**20:10.0f}{added}{r['rss_peak_bytes'] / weights:9.2f}  {r.get('agreement', '')}"
+        )
+    print("(MiB; RSS/wts = peak RSS / fp32 checkpoint bytes; ratios below = kvforge / peer, < 1: kvforge less)")
+    for key, ratio in report["ratios"].items():
+        print(
+            f"{key:44} TTFT x{ratio['ttft_ms']:.2f}  ms/step x{ratio['decode_ms_step']:.2f}  "
+            f"peak RSS x{ratio['rss_peak_bytes']:.2f}"
+        )
+    for note in report["notes"]:
+        print(f"note: {note}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny4")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="genai builder precision (-p)")
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int4", "int8"),
+        default=None,
+        help="kvforge weight quantization, where compile_model accepts it (default: --precision unless fp32)",
+    )
+    p.add_argument("--lowering", nargs="+", choices=("onnx", "gqa"), default=["gqa"], help="one kvforge row each")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads for every side (default: theirs)")
+    p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvforge-peer")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the cached model and artifacts")
+    p.add_argument(
+        "--genai-python",
+        default=sys.executable,
+        help="interpreter with onnxruntime-genai installed, for its builder and its side (a separate venv)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.job)
+        return
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2 (one decode step)")
+
+    shape = SHAPES[args.shape]
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    quantize = args.quantize or (args.precision if args.precision != "fp32" else "none")
+    quantize = None if quantize == "none" else quantize
+    if quantize and "kvforge" in args.sides and not kvforge_quantize_supported():
+        msg = f"kvforge {quantize}: not available in this version (compile_model has no quantize); kvforge runs fp32"
+        print(msg)
+        notes.append(msg)
+        quantize = None
+    if args.precision != "fp32" and "transformers" in args.sides:
+        notes.append("transformers eager runs the fp32 checkpoint")
+
+    loadavg_before = loadavg()
+    model_dir = ensure_model(args, shape, work)
+    weight_bytes = dir_bytes(model_dir, (".safetensors",))
+    builds: dict[str, float | None] = {}
+    genai_dir = None
+    if "genai" in args.sides:
+        genai_dir, builds["genai_builder_s"] = ensure_genai(args, model_dir, work)
+        set_genai_threads(genai_dir, args.threads)
+    artifacts = {}
+    if "kvforge" in args.sides:
+        for lowering in args.lowering:
+            artifacts[lowering], builds[f"kvforge_{lowering}_compile_s"] = ensure_kvforge(
+                args, model_dir, work, lowering, quantize
+            )
+
+    rows_in = prompts(args.batch, args.prompt_len, shape.vocab)
+    base_job = {
+        "model_dir": str(model_dir),
+        "prompts": rows_in,
+        "new_tokens": args.new_tokens,
+        "repeat": args.repeat,
+        "threads": args.threads,
+        "eos_token_id": shape.eos_token_id,
+    }
+    plan: list[tuple[str, str, str, dict[str, Any]]] = []
+    if "transformers" in args.sides:
+        plan.append(("transformers eager (fp32)", sys.executable, "transformers", base_job))
+    if genai_dir is not None:
+        genai_job = {**base_job, "genai_dir": str(genai_dir)}
+        plan.append((f"onnxruntime-genai ({args.precision})", args.genai_python, "genai", genai_job))
+    for lowering, out in artifacts.items():
+        kvforge_job = {**base_job, "out": str(out)}
+        plan.append((f"kvforge[{lowering}] ({quantize or 'fp32'})", sys.executable, "kvforge", kvforge_job))
+
+    rows: dict[str, dict[str, Any]] = {}
+    for name, python, worker, job in plan:
+        say(f"running {name}")
+        try:
+            r = run_worker(python, worker, job, work)
+        except StepFailed as e:
+            say(str(e))
+            rows[name] = {"error": str(e)}
+            continue
+        r["decode_tokens_per_s"] = args.batch * 1e3 / r["decode_ms_step"]
+        rows[name] = r
+    reference = next((r["tokens"] for n, r in rows.items() if n.startswith("transformers") and "tokens" in r), None)
+    for r in rows.values():
+        if reference is not None and "tokens" in r:
+            r["agreement"] = agreement(r["tokens"], reference)
+
+    ratios = {}
+    peers = [n for n in rows if not n.startswith("kvforge") and "error" not in rows[n]]
+    for ours in (n for n in rows if n.startswith("kvforge") and "error" not in rows[n]):
+        for peer in peers:
+            ratios[f"{ours} / {peer.split(' ')[0]}"] = {
+                k: rows[ours][k] / rows[peer][k] for k in ("ttft_ms", "decode_ms_step", "rss_peak_bytes")
+            }
+
+    report = {
+        "schema": "kvforge.peer_genai",
+        "schema_version": 1,
+        "config": {
+            "shape": args.shape,
+            "batch": args.batch,
+            "precision": args.precision,
+            "kvforge_quantize": quantize,
+            "lowerings": args.lowering,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "repeat": args.repeat,
+            "threads": args.threads,
+        },
+        "model": {
+            **asdict(shape),
+            "weight_bytes": weight_bytes,
+            "description": (
+                f"random Llama {shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}/{shape.kv_heads} kv, "
+                f"intermediate {shape.intermediate}, vocab {shape.vocab}{', tied' if shape.tied else ''}, "
+                f"fp32 checkpoint {weight_bytes / 2**20:.0f} MiB"
+            ),
+        },
+        "artifacts": {
+            **({"genai": {"dir": str(genai_dir), "bytes": dir_bytes(genai_dir)}} if genai_dir else {}),
+            **{f"kvforge[{k}]": {"dir": str(v), "bytes": dir_bytes(v)} for k, v in artifacts.items()},
+        },
+        "build_s": builds,
+        "env": {
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_before": loadavg_before,
+            "loadavg_after": loadavg(),
+            **{d: version(d) for d in ("torch", "transformers", "onnxruntime", "onnxruntime-genai", "kvforge")},
+        },
+        "rows": rows,
+        "ratios": ratios,
+        "notes": notes,
+    }
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        say(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
