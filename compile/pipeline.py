@@ -149,7 +149,9 @@ def _compile_into(
     say: Progress,
     started: float,
 ) -> mf.Manifest:
-    total = 7 if options.optimize else 6
+    # ORT's CPU provider has no bfloat16 kernels, so it cannot optimize (or run) such graphs.
+    optimize = options.optimize and options.dtype != "bfloat16"
+    total = 7 if optimize else 6
 
     def step(i: int, text: str) -> None:
         say(f"[{i}/{total} {time.perf_counter() - started:6.1f}s] {text}")
@@ -189,7 +191,7 @@ def _compile_into(
     weights = write_shared(graphs, tmp)
     del graphs
     optimized = {}
-    if options.optimize:
+    if optimize:
         step(5, "optimizing the graphs for ONNX Runtime (fusions, offline graph optimization)")
         optimized = optimize_stage.optimize_graphs(tmp, names, weights)
     report = weights.report()

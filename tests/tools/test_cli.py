@@ -13,7 +13,7 @@ def test_compile_then_generate(llama_dir, tmp_path, capsys):
     assert main(["compile", str(llama_dir), "-o", str(out), "--max-batch", "2", "--max-seq", "64"]) == 0
     captured = capsys.readouterr()
     assert "compiled LlamaForCausalLM" in captured.out and "greedy match True" in captured.out
-    assert "[kvforge] [1/6" in captured.err and "exporting decode graph" in captured.err  # progress
+    assert "[kvforge] [1/7" in captured.err and "exporting decode graph" in captured.err  # progress
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["limits"]["max_batch"] == 2 and manifest["limits"]["max_seq"] == 64
 

@@ -14,5 +14,5 @@ def test_demo_compares_kvforge_with_transformers(llama_dir, tmp_path, capsys):
         assert f"prompt: {prompt!r}" in out.out
     assert out.out.count("greedy tokens identical: yes (12 vs 12 tokens); in a ragged batch of 2: same") == 2
     assert "kvforge is" in out.out and "all tokens identical: yes" in out.out
-    assert "== 1/3 compile" in out.err and "[kvforge] [6/6" in out.err  # progress while it works
+    assert "== 1/3 compile" in out.err and "[kvforge] [7/7" in out.err  # progress while it works
     assert (tmp_path / "art" / "manifest.json").is_file()
