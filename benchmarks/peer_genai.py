@@ -289,6 +289,8 @@ def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
     load_kwargs = {}
     if job["threads"] and "threads" in inspect.signature(Engine.load).parameters:
         load_kwargs["threads"] = job["threads"]
+    if job.get("prepack") is not None:
+        load_kwargs["prepack"] = job["prepack"]
     before = rss_bytes()
     rows, n = job["prompts"], job["new_tokens"]
     with Engine.load(job["out"], **load_kwargs) as engine:
@@ -492,6 +494,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads for every side (default: theirs)")
+    p.add_argument(
+        "--no-prepack",
+        dest="prepack",
+        action="store_const",
+        const=False,
+        default=None,
+        help="kvforge: Engine.load(prepack=False), one shared memory-mapped copy of the weights",
+    )
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvforge-peer")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached model and artifacts")
     p.add_argument(
@@ -545,6 +555,7 @@ def main(argv: list[str] | None = None) -> None:
         "new_tokens": args.new_tokens,
         "repeat": args.repeat,
         "threads": args.threads,
+        "prepack": args.prepack,
         "eos_token_id": shape.eos_token_id,
     }
     plan: list[tuple[str, str, str, dict[str, Any]]] = []

@@ -81,15 +81,15 @@ class Engine:
         *,
         threads: int | None = None,
         spin: bool = True,
-        prepack: bool = False,
+        prepack: bool = True,
         optimized: bool = True,
         verify: bool = True,
     ) -> Engine:
         """Load an artifact on ONNX Runtime's CPU provider.
 
         ``threads``, ``spin``, ``prepack``, ``optimized``: ONNX Runtime session settings, see
-        :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults keep one copy of the weights
-        in memory and run the compile-time-optimized graphs). ``verify`` checks every file's
+        :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
+        weights per session; ``prepack=False`` keeps one shared copy in memory). ``verify`` checks every file's
         sha256 against the manifest (sizes are always checked). Raises
         :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.

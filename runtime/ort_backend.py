@@ -30,17 +30,18 @@ class OrtOptions:
     threads: intra-op threads; None lets ORT use one per physical core.
     spin: let idle intra-op threads spin between ops (lower latency per step, burns CPU while
         waiting); ORT's default is on.
-    prepack: let ORT repack constant MatMul weights per session at load. Repacked weights are
-        anonymous memory owned by each session, so with prepacking every graph (prefill, decode)
-        holds its own copy. Off (the default), the sessions read the memory-mapped weights file
-        directly: one copy of the weights in memory, shared by all graphs.
+    prepack: let ORT repack constant MatMul weights into its kernels' layout at load (ORT's
+        default; 1.6x faster fp32 decode and ~25x faster int4 MatMulNBits here). The repacked
+        weights are anonymous memory owned by each session, so every graph (prefill, decode)
+        holds its own packed copy. With ``prepack=False`` the sessions read the memory-mapped
+        weights file directly: one copy of the weights in memory, shared by all graphs, slower.
     optimized: run the ORT-optimized ``<graph>.ort.onnx`` files when the artifact has them,
         without optimizing again at load.
     """
 
     threads: int | None = None
     spin: bool = True
-    prepack: bool = False
+    prepack: bool = True
     optimized: bool = True
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     log_severity: int = 3  # errors only
