@@ -104,7 +104,8 @@ class Engine:
         options = OrtOptions(threads=threads, spin=spin, prepack=prepack, optimized=optimized)
         use_ort = {name for name, g in manifest.graphs.items() if optimized and g.ort_file}
         graph_files = {name: root / (g.ort_file if name in use_ort else g.file) for name, g in manifest.graphs.items()}
-        return cls(root, manifest, OrtBackend(graph_files, options, preoptimized=use_ort))
+        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=root / manifest.weights.file)
+        return cls(root, manifest, backend)
 
     def _check_io(self) -> None:
         """The graphs must have exactly the I/O the manifest and the KV contract name."""

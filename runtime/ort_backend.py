@@ -57,12 +57,20 @@ class Binding:
 class OrtBackend:
     name = "ort"
 
-    def __init__(self, graph_files: dict[str, Path], options: OrtOptions = OrtOptions(), preoptimized=()) -> None:
+    def __init__(
+        self,
+        graph_files: dict[str, Path],
+        options: OrtOptions = OrtOptions(),
+        preoptimized=(),
+        weights_file: Path | None = None,
+    ) -> None:
         """``graph_files``: graph name -> .onnx path; ``preoptimized``: the names whose file was
-        optimized at compile time (loaded without optimizing again)."""
+        optimized at compile time (loaded without optimizing again); ``weights_file``: the
+        artifact's shared external-data file, mapped once and handed to every session."""
         import onnxruntime as ort
 
         self.sessions = {}
+        self._weights = _SharedInitializers(weights_file) if weights_file is not None else None
         for name, path in graph_files.items():
             so = ort.SessionOptions()
             so.log_severity_level = options.log_severity
@@ -73,6 +81,8 @@ class OrtBackend:
                 so.add_session_config_entry("session.disable_prepacking", "1")
             if name in preoptimized:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            if self._weights is not None:
+                self._weights.add_to(so, path)
             self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
         self.device = "cpu"
 
@@ -100,6 +110,39 @@ class OrtBackend:
 
     def close(self) -> None:
         self.sessions.clear()
+        self._weights = None
+
+
+class _SharedInitializers:
+    """The weights file mapped ONCE (read-only) and handed to every session as user-owned
+    initializers (``SessionOptions.add_initializer``), so all graphs read the same pages. Left to
+    itself, each session would map or read the file on its own: with two sessions the resident
+    set then holds the weights twice. (Prepacked copies, when ``prepack`` is on, are still made
+    per session from these pages.)"""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        self.values: dict[tuple[int, int, str], object] = {}  # (offset, length, dtype) -> OrtValue
+
+    def add_to(self, session_options, graph_path: Path) -> None:
+        import onnx
+        import onnxruntime as ort
+
+        graph = onnx.load(str(graph_path), load_external_data=False)
+        for init in graph.graph.initializer:
+            if init.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in init.external_data}
+            if (graph_path.parent / info["location"]).resolve() != self.path.resolve():
+                continue
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+            key = (offset, length, dtype.str, tuple(init.dims))
+            if key not in self.values:
+                array = self.map[offset : offset + length].view(dtype).reshape(tuple(init.dims))
+                self.values[key] = ort.OrtValue.ortvalue_from_numpy(array)
+            session_options.add_initializer(init.name, self.values[key])
 
 
 def _np_dtype(tensor: torch.Tensor):
