@@ -104,7 +104,10 @@ class Engine:
         options = OrtOptions(threads=threads, spin=spin, prepack=prepack, optimized=optimized)
         use_ort = {name for name, g in manifest.graphs.items() if optimized and g.ort_file}
         graph_files = {name: root / (g.ort_file if name in use_ort else g.file) for name, g in manifest.graphs.items()}
-        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=root / manifest.weights.file)
+        # Without prepacking, every session reads the weights as they are: map them once for all.
+        # With it, ORT packs its own copies and frees what it read, so sharing would only add.
+        shared = None if prepack else root / manifest.weights.file
+        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared)
         return cls(root, manifest, backend)
 
     def _check_io(self) -> None:

@@ -116,9 +116,9 @@ class OrtBackend:
 class _SharedInitializers:
     """The weights file mapped ONCE (read-only) and handed to every session as user-owned
     initializers (``SessionOptions.add_initializer``), so all graphs read the same pages. Left to
-    itself, each session would map or read the file on its own: with two sessions the resident
-    set then holds the weights twice. (Prepacked copies, when ``prepack`` is on, are still made
-    per session from these pages.)"""
+    itself, each session maps the file on its own, and the resident set counts the weights once
+    per session. Used with ``prepack=False``: with prepacking, ORT makes its own packed copies
+    and releases what it read, so a shared mapping would only stay resident beside them."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
