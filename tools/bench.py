@@ -42,7 +42,7 @@ import torch
 
 from kvforge.runtime import Engine
 from kvforge.tools import reference
-from kvforge.tools.report import Progress, artifact_summary, describe_artifact, pyplot, torch_threads
+from kvforge.tools.report import Progress, artifact_summary, describe_artifact, pyplot, save_figure, torch_threads
 
 SCHEMA = "kvforge.bench"
 SCHEMA_VERSION = 1
@@ -416,9 +416,4 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> Path:
         ax.legend(fontsize=8)
     artifact = result["artifact"]
     fig.suptitle(f"kvforge bench: {artifact['architecture']} {artifact['dtype']} on {result['environment']['device']}")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -35,6 +35,7 @@ from kvforge.tools.report import (
     describe_artifact,
     pyplot,
     read_user_file,
+    save_figure,
     torch_threads,
 )
 
@@ -405,9 +406,4 @@ def plot_compare(result: dict[str, Any], path: str | Path) -> Path:
     ax_kl.legend(fontsize=7, ncol=2)
     artifact = result["artifact"]
     fig.suptitle(f"kvforge vs transformers: {artifact['architecture']} {artifact['dtype']} ({artifact['path']})")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -106,6 +106,18 @@ class Progress:
             print(file=self.stream, flush=True)
 
 
+def save_figure(fig, path: str | Path) -> Path:
+    """Write a matplotlib figure as PNG (parents created) and release it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def artifact_summary(path: str | Path, manifest) -> dict[str, Any]:
     """The ``artifact`` object of every report (see docs/tools.md)."""
     m = manifest.model
