@@ -11,7 +11,7 @@ import torch
 from kvforge.compile import compile_model
 from kvforge.runtime import Engine
 from tests import families
-from tests.helpers import assert_close
+from tests.helpers import assert_close, hf_greedy
 
 ATOL, RTOL = 2e-4, 2e-4  # fp32; MoE routing and soft-caps add a little summation-order noise
 NEW_TOKENS = 36
@@ -30,18 +30,6 @@ def _hf_steps(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]
             out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
             logits.append(out.logits[0, -1].float())
     return logits
-
-
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.slow
@@ -71,7 +59,7 @@ def test_family(case, architecture, config_class, overrides, lowering, tmp_path)
 
     with Engine.load(out) as engine:
         # Logits: prefill, then teacher-forced decode steps on transformers' greedy tokens.
-        expected_tokens = _hf_greedy(reference, PROMPTS[0])
+        expected_tokens = hf_greedy(reference, PROMPTS[0], NEW_TOKENS)
         steps = expected_tokens[:20]
         ours = [engine.prefill([PROMPTS[0]])[0].clone()]
         for token in steps:
@@ -85,5 +73,5 @@ def test_family(case, architecture, config_class, overrides, lowering, tmp_path)
         assert alone.token_ids == expected_tokens
         batch = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         assert batch[0].token_ids == expected_tokens
-        assert batch[1].token_ids == _hf_greedy(reference, PROMPTS[1])
+        assert batch[1].token_ids == hf_greedy(reference, PROMPTS[1], NEW_TOKENS)
         assert len(batch[1].token_ids) == NEW_TOKENS
