@@ -89,8 +89,9 @@ class Engine:
 
         ``threads``, ``spin``, ``prepack``, ``optimized``: ONNX Runtime session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
-        weights per session; ``prepack=False`` keeps one shared copy in memory). ``verify`` checks every file's
-        sha256 against the manifest (sizes are always checked). Raises
+        weights per session; ``prepack=False`` keeps one shared copy in memory). The score graph's
+        session is created on first use of :meth:`score`. ``verify`` checks every file's sha256
+        against the manifest (sizes are always checked). Raises
         :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.
         """
@@ -107,24 +108,25 @@ class Engine:
         # Without prepacking, every session reads the weights as they are: map them once for all.
         # With it, ORT packs its own copies and frees what it read, so sharing would only add.
         shared = None if prepack else root / manifest.weights.file
-        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared)
+        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=("score",))
         return cls(root, manifest, backend)
 
     def _check_io(self) -> None:
         """The graphs must have exactly the I/O the manifest and the KV contract name."""
+        for graph in ("prefill", "decode"):  # the score graph is checked when first used
+            self._check_graph_io(graph)
+
+    def _check_graph_io(self, graph: str) -> None:
         n = self.manifest.model.num_layers
-        for graph in contract.GRAPHS:
-            if graph not in self.manifest.graphs:
-                if graph == "score":  # optional: only tools that need all-position logits use it
-                    continue
-                raise mf.ArtifactError(f"the artifact has no {graph} graph; recompile the model with this kvforge")
-            inputs, outputs = contract.input_names(graph, n), contract.output_names(n)
-            got = (self.backend.input_names(graph), self.backend.output_names(graph))
-            if sorted(got[0]) != sorted(inputs) or sorted(got[1]) != sorted(outputs):
-                raise mf.ArtifactError(
-                    f"{graph} graph I/O does not follow the KV contract (inputs {got[0]}, outputs {got[1]}); "
-                    "recompile the model with this kvforge"
-                )
+        if graph not in self.manifest.graphs:
+            raise mf.ArtifactError(f"the artifact has no {graph} graph; recompile the model with this kvforge")
+        inputs, outputs = contract.input_names(graph, n), contract.output_names(n)
+        got = (self.backend.input_names(graph), self.backend.output_names(graph))
+        if sorted(got[0]) != sorted(inputs) or sorted(got[1]) != sorted(outputs):
+            raise mf.ArtifactError(
+                f"{graph} graph I/O does not follow the KV contract (inputs {got[0]}, outputs {got[1]}); "
+                "recompile the model with this kvforge"
+            )
 
     def close(self) -> None:
         self._decode_bindings.clear()
@@ -170,6 +172,8 @@ class Engine:
         tools such as perplexity; the cache is updated as by :meth:`prefill`."""
         if "score" not in self.manifest.graphs:
             raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
+        if "score" not in self.backend.sessions:  # loaded on first use: generation never needs it
+            self._check_graph_io("score")
         batch = len(rows)
         start = list(start) if start is not None else [0] * batch
         self._check_rows(rows, start)

@@ -63,38 +63,53 @@ class OrtBackend:
         options: OrtOptions = OrtOptions(),
         preoptimized=(),
         weights_file: Path | None = None,
+        lazy=(),
     ) -> None:
         """``graph_files``: graph name -> .onnx path; ``preoptimized``: the names whose file was
         optimized at compile time (loaded without optimizing again); ``weights_file``: the
-        artifact's shared external-data file, mapped once and handed to every session."""
-        import onnxruntime as ort
-
+        artifact's shared external-data file, mapped once and handed to every session; ``lazy``:
+        graphs whose session is created on first use (each session holds its own prepacked
+        weights, so a graph that a run never uses should not cost memory)."""
+        self.options = options
+        self.graph_files = dict(graph_files)
+        self.preoptimized = set(preoptimized)
         self.sessions = {}
         self._weights = _SharedInitializers(weights_file) if weights_file is not None else None
-        for name, path in graph_files.items():
-            so = ort.SessionOptions()
-            so.log_severity_level = options.log_severity
-            if options.threads is not None:
-                so.intra_op_num_threads = options.threads
-            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
-            if not options.prepack:
-                so.add_session_config_entry("session.disable_prepacking", "1")
-            if name in preoptimized:
-                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            if self._weights is not None:
-                self._weights.add_to(so, path)
-            self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
+        for name in graph_files:
+            if name not in lazy:
+                self.session(name)
         self.device = "cpu"
 
+    def session(self, name: str):
+        """The ``InferenceSession`` of graph ``name``, created on first use."""
+        if name in self.sessions:
+            return self.sessions[name]
+        import onnxruntime as ort
+
+        options, path = self.options, self.graph_files[name]
+        so = ort.SessionOptions()
+        so.log_severity_level = options.log_severity
+        if options.threads is not None:
+            so.intra_op_num_threads = options.threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
+        if not options.prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        if name in self.preoptimized:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if self._weights is not None:
+            self._weights.add_to(so, path)
+        self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
+        return self.sessions[name]
+
     def input_names(self, graph: str) -> list[str]:
-        return [i.name for i in self.sessions[graph].get_inputs()]
+        return [i.name for i in self.session(graph).get_inputs()]
 
     def output_names(self, graph: str) -> list[str]:
-        return [o.name for o in self.sessions[graph].get_outputs()]
+        return [o.name for o in self.session(graph).get_outputs()]
 
     def bind(self, graph: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> Binding:
         """Bind contiguous torch tensors by name. Outputs are written into the given tensors."""
-        binding = self.sessions[graph].io_binding()
+        binding = self.session(graph).io_binding()
         for name, tensor in inputs.items():
             binding.bind_input(name, "cpu", 0, _np_dtype(tensor), tuple(tensor.shape), _ptr(tensor))
         for name, tensor in outputs.items():
@@ -102,7 +117,7 @@ class OrtBackend:
         return Binding(graph, binding, {**inputs, **outputs})
 
     def run(self, binding: Binding) -> None:
-        self.sessions[binding.graph].run_with_iobinding(binding.io_binding)
+        self.session(binding.graph).run_with_iobinding(binding.io_binding)
 
     def bound_output_pointers(self, binding: Binding) -> list[int]:
         """Data pointers of the outputs as ONNX Runtime sees them after a run (in binding order)."""

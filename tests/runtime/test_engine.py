@@ -188,3 +188,12 @@ def test_score_gives_every_positions_logits(engine, llama_reference):
 def test_padding_past_capacity_is_refused(engine):
     with pytest.raises(ValueError, match="would write past max_seq=96"):
         engine.prefill([[1, 2], [3] * 20], start=[90, 0])
+
+
+def test_score_session_is_created_on_first_use(llama_artifact):
+    """Each ORT session holds its own packed weights: generation must not pay for the score graph."""
+    with Engine.load(llama_artifact) as engine:
+        engine.generate([PROMPTS[1]], max_new_tokens=3)
+        assert set(engine.backend.sessions) == {"prefill", "decode"}
+        engine.score([PROMPTS[1]])
+        assert set(engine.backend.sessions) == {"prefill", "decode", "score"}
