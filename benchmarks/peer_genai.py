@@ -267,14 +267,21 @@ def run_genai(job: dict[str, Any]) -> dict[str, Any]:
         del generator
         return ttft, steps, tokens
 
-    _, _, tokens = once()  # warm-up
+    ttft, step_mean, all_steps, tokens = _repeat(once, job["repeat"])
+    return _result(ttft, step_mean, all_steps, tokens, before)
+
+
+def _repeat(once, repeat: int) -> tuple[list[float], list[float], list[float], list[list[int]]]:
+    """One warm-up call of ``once() -> (ttft, step times, tokens)``, then ``repeat`` timed ones:
+    TTFTs, mean step time per run, every step time, and the warm-up's tokens."""
+    _, _, tokens = once()
     ttft, step_mean, all_steps = [], [], []
-    for _ in range(job["repeat"]):
+    for _ in range(repeat):
         t, steps, _ = once()
         ttft.append(t)
         step_mean.append(sum(steps) / len(steps))
         all_steps += steps
-    return _result(ttft, step_mean, all_steps, tokens, before)
+    return ttft, step_mean, all_steps, tokens
 
 
 def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
@@ -310,13 +317,7 @@ def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
                 generated.append(next_ids.tolist())
             return ttft, steps, [list(col) for col in zip(*generated)]
 
-        _, _, tokens = once()  # warm-up
-        ttft, step_mean, all_steps = [], [], []
-        for _ in range(job["repeat"]):
-            t, steps, _ = once()
-            ttft.append(t)
-            step_mean.append(sum(steps) / len(steps))
-            all_steps += steps
+        ttft, step_mean, all_steps, tokens = _repeat(once, job["repeat"])
         kv_bytes = engine.cache.buffer.numel() * engine.cache.buffer.element_size()
     result = _result(ttft, step_mean, all_steps, tokens, before)
     result["kv_cache_bytes"] = kv_bytes
