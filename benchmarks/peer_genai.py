@@ -14,7 +14,8 @@ exactly ``--prompt-len`` tokens (seeded, token ids, no tokenizer in the loop) an
   ``(t_N - t_1) / (N - 1)`` from two ``generate`` calls). kvforge and genai also report the median
   single step (``decode_ms_step_p50``, over every step of every repeat).
 * Every number is the median of ``--repeat`` timed runs after one untimed warm-up.
-* peak RSS: the worker process's ``VmHWM`` (Python, torch and the libraries included);
+* peak RSS: the worker process's ``VmHWM`` (Python and what the side imports: torch for
+  transformers, numpy and onnxruntime for kvforge and genai);
   ``+RSS``: that peak minus the RSS just before the side loaded its model.
 
 Built artifacts are cached under ``--work-dir`` (keyed by shape, precision, limits and a hash of
@@ -287,38 +288,38 @@ def _repeat(once, repeat: int) -> tuple[list[float], list[float], list[float], l
 def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
     import inspect
 
-    import torch
+    import numpy as np
 
-    from kvforge.runtime import Engine
+    from kvforge.runtime import Engine  # no torch: the runtime imports numpy and onnxruntime only
 
-    if job["threads"]:
-        torch.set_num_threads(job["threads"])
     load_kwargs = {}
     if job["threads"] and "threads" in inspect.signature(Engine.load).parameters:
         load_kwargs["threads"] = job["threads"]
     if job.get("prepack") is not None:
         load_kwargs["prepack"] = job["prepack"]
+    if "one_session" in inspect.signature(Engine.load).parameters:
+        load_kwargs["one_session"] = job.get("one_session", True)
     before = rss_bytes()
     rows, n = job["prompts"], job["new_tokens"]
     with Engine.load(job["out"], **load_kwargs) as engine:
-        next_ids = torch.zeros(len(rows), dtype=torch.int64)
+        next_ids = np.zeros(len(rows), dtype=np.int64)
 
         def once() -> tuple[float, list[float], list[list[int]]]:
             generated = []
             start = time.perf_counter()
-            torch.argmax(engine.prefill(rows), dim=-1, out=next_ids)
+            np.argmax(engine.prefill(rows), axis=-1, out=next_ids)
             ttft = time.perf_counter() - start
             generated.append(next_ids.tolist())
             steps = []
             for _ in range(n - 1):
                 start = time.perf_counter()
-                torch.argmax(engine.decode(next_ids), dim=-1, out=next_ids)
+                np.argmax(engine.decode(next_ids), axis=-1, out=next_ids)
                 steps.append(time.perf_counter() - start)
                 generated.append(next_ids.tolist())
             return ttft, steps, [list(col) for col in zip(*generated)]
 
         ttft, step_mean, all_steps, tokens = _repeat(once, job["repeat"])
-        kv_bytes = engine.cache.buffer.numel() * engine.cache.buffer.element_size()
+        kv_bytes = engine.cache.nbytes
     result = _result(ttft, step_mean, all_steps, tokens, before)
     result["kv_cache_bytes"] = kv_bytes
     return result
@@ -503,6 +504,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="kvforge: Engine.load(prepack=False), one shared memory-mapped copy of the weights",
     )
+    p.add_argument(
+        "--two-sessions",
+        action="store_true",
+        help="kvforge: Engine.load(one_session=False), decode steps on the decode graph's own session",
+    )
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvforge-peer")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached model and artifacts")
     p.add_argument(
@@ -557,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeat": args.repeat,
         "threads": args.threads,
         "prepack": args.prepack,
+        "one_session": not args.two_sessions,
         "eos_token_id": shape.eos_token_id,
     }
     plan: list[tuple[str, str, str, dict[str, Any]]] = []

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvforge.graphs import contract
+from kvforge.graphs import reference
 
 LOWERINGS = ("onnx", "gqa")
 
@@ -52,9 +52,9 @@ def cached_attention(
     already encodes ``window``, the sliding window in tokens or 0; the ``gqa`` lowering needs it as
     a number). Returns ``(output [B, H_q, S, D], present_key, present_value)``.
     """
-    present_key = contract.reference_update(past_key, key, write_indices)
-    present_value = contract.reference_update(past_value, value, write_indices)
-    output = contract.reference_attention(query, present_key, present_value, mask, scale, softcap)
+    present_key = reference.reference_update(past_key, key, write_indices)
+    present_value = reference.reference_update(past_value, value, write_indices)
+    output = reference.reference_attention(query, present_key, present_value, mask, scale, softcap)
     return output, present_key, present_value
 
 
@@ -176,7 +176,7 @@ class LayerCaches:
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
             capacity = self.past[0][0].shape[2]
-            self.masks[window] = contract.attention_mask(self.write_indices, self.seq_len, capacity, window)
+            self.masks[window] = reference.attention_mask(self.write_indices, self.seq_len, capacity, window)
         return self.masks[window]
 
 

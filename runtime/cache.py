@@ -1,36 +1,42 @@
-"""The KV cache: one allocation per engine, bound in place to both graphs.
+"""The KV cache: one allocation per engine, bound in place to every graph.
 
-``KVCache.buffer`` is a torch tensor ``[L, 2, B_max, H_kv, S_max, D]`` in the artifact's dtype,
-owned by the cache and allocated once. Its per-layer views are what the backends bind to the
+``KVCache.buffer`` is a numpy array ``[L, 2, B_max, H_kv, S_max, D]`` in the artifact's dtype,
+owned by the cache and allocated once. Its per-layer views are what the backend binds to the
 ``past_key_values.*`` inputs and, with the same pointer, to the ``present.*`` outputs.
+
+The runtime holds host memory as numpy arrays, not torch tensors: ONNX Runtime's CPU provider
+needs nothing more, and importing torch would add about 200 MiB to the resident set of a process
+that never runs a torch op.
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from kvforge.graphs import contract
-from kvforge.graphs.manifest import Manifest
+from kvforge.graphs.manifest import ArtifactError, Manifest
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class KVCache:
-    def __init__(self, manifest: Manifest, device: str | torch.device = "cpu") -> None:
+    def __init__(self, manifest: Manifest) -> None:
         m, limits = manifest.model, manifest.limits
+        if manifest.dtype not in NP_DTYPES:
+            raise ArtifactError(f"the CPU runtime has no {manifest.dtype} buffers; recompile with --dtype float32")
         self.shape = contract.cache_shape(m.num_layers, limits.max_batch, m.num_kv_heads, limits.max_seq, m.head_dim)
         self.num_layers = m.num_layers
         self.max_batch = limits.max_batch
         self.max_seq = limits.max_seq
         # Zeros, not empty: rows past a sequence's length are masked, but NaN garbage times a zero
         # attention weight would still be NaN.
-        self.buffer = torch.zeros(self.shape, dtype=TORCH_DTYPES[manifest.dtype], device=device)
+        self.buffer = np.zeros(self.shape, dtype=NP_DTYPES[manifest.dtype])
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.buffer.nbytes
 
-    def views(self, batch: int) -> dict[str, torch.Tensor]:
+    def views(self, batch: int) -> dict[str, np.ndarray]:
         """The first ``batch`` rows of every layer's key and value cache, by past-input name.
 
         Each view ``[batch, H_kv, S_max, D]`` is contiguous and aliases ``buffer``: no copy.

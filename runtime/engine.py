@@ -5,10 +5,16 @@
         [result] = engine.generate(["The for statement"], max_new_tokens=32)
         print(result.text, result.finish_reason)
 
-Ownership. The engine owns every buffer the graphs read or write: the KV cache (one tensor, see
+Ownership. The engine owns every buffer the graphs read or write: the KV cache (one array, see
 :mod:`kvforge.runtime.cache`), the input buffers (token ids, positions, write indices, lengths)
-and the logits buffer, all allocated once at load. A step writes values into the input buffers
-and runs a binding; the decode binding is made once per batch size and reused by every step.
+and the logits buffer, all numpy arrays allocated once at load. A step writes values into the
+input buffers and runs a binding; the decode binding is made once per batch size and reused by
+every step.
+
+One session. A decode step is the prefill graph's ``S = 1`` case (one token per row, written at
+``write_indices``, ``input_lengths`` all ones), so by default decode steps run through the prefill
+graph's session: ONNX Runtime then loads and repacks the weights once, not once per graph. The
+artifact's decode graph (``one_session=False``) gives the same logits from a second session.
 
 Batches. ``generate`` takes any number of prompts and runs them in batches of at most the
 artifact's ``max_batch``, in order. Rows of a batch have their own lengths (no padding inside the
@@ -25,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
@@ -45,29 +51,34 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, artifact_dir: Path, manifest: mf.Manifest, backend: OrtBackend) -> None:
+    def __init__(
+        self, artifact_dir: Path, manifest: mf.Manifest, backend: OrtBackend, decode_graph: str = "prefill"
+    ) -> None:
         self.artifact_dir = artifact_dir
         self.manifest = manifest
         self.backend = backend
         self.tokenizer = Tokenizer(artifact_dir / "tokenizer.json") if manifest.tokenizer.get("has_tokenizer") else None
         self.eos_token_ids = frozenset(manifest.generation.get("eos_token_ids", []))
-        self._check_io()
+        self.decode_graph = decode_graph
+        self._checked: set[str] = set()
+        self._check_graph_io("prefill")
 
         limits, vocab = manifest.limits, manifest.model.vocab_size
         self.max_batch, self.max_seq, self.vocab_size = limits.max_batch, limits.max_seq, vocab
-        self.cache = KVCache(manifest, backend.device)
+        self.cache = KVCache(manifest)
         # Persistent input/output buffers; a call binds the leading elements as [B, S] views.
-        n = limits.max_batch * limits.max_seq
-        self._ids = torch.zeros(n, dtype=torch.int64)
-        self._pos = torch.zeros(n, dtype=torch.int64)
-        self._write = torch.zeros(limits.max_batch, dtype=torch.int64)
-        self._input_lengths = torch.zeros(limits.max_batch, dtype=torch.int64)
-        self._dec_ids = torch.zeros(limits.max_batch, dtype=torch.int64)
-        self._dec_pos = torch.zeros(limits.max_batch, dtype=torch.int64)
-        self._dec_write = torch.zeros(limits.max_batch, dtype=torch.int64)
-        self._logits = torch.zeros(limits.max_batch * vocab, dtype=self.cache.buffer.dtype)
-        self._next = torch.zeros(limits.max_batch, dtype=torch.int64)
-        self.lengths = torch.zeros(limits.max_batch, dtype=torch.int64)  # cache rows in use, per row
+        n, b = limits.max_batch * limits.max_seq, limits.max_batch
+        self._ids = np.zeros(n, dtype=np.int64)
+        self._pos = np.zeros(n, dtype=np.int64)
+        self._write = np.zeros(b, dtype=np.int64)
+        self._input_lengths = np.zeros(b, dtype=np.int64)
+        self._dec_ids = np.zeros(b, dtype=np.int64)
+        self._dec_pos = np.zeros(b, dtype=np.int64)
+        self._dec_write = np.zeros(b, dtype=np.int64)
+        self._dec_lengths = np.ones(b, dtype=np.int64)  # a decode step through the prefill graph
+        self._logits = np.zeros(b * vocab, dtype=self.cache.buffer.dtype)
+        self._next = np.zeros(b, dtype=np.int64)
+        self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
         self._decode_bindings: dict[int, object] = {}
         self.last_bindings: dict[str, object] = {}  # the binding of the latest call, per graph
@@ -83,15 +94,18 @@ class Engine:
         spin: bool = True,
         prepack: bool = True,
         optimized: bool = True,
+        one_session: bool = True,
         verify: bool = True,
     ) -> Engine:
         """Load an artifact on ONNX Runtime's CPU provider.
 
         ``threads``, ``spin``, ``prepack``, ``optimized``: ONNX Runtime session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
-        weights per session; ``prepack=False`` keeps one shared copy in memory). The score graph's
-        session is created on first use of :meth:`score`. ``verify`` checks every file's sha256
-        against the manifest (sizes are always checked). Raises
+        the weights into its kernels' layout, once per session). ``one_session`` runs decode steps
+        through the prefill graph's session, so generation holds one packed copy of the weights;
+        ``False`` runs them on the decode graph in a session of its own (a second copy). The
+        score graph's session is created on first use of :meth:`score`. ``verify`` checks every
+        file's sha256 against the manifest (sizes are always checked). Raises
         :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.
         """
@@ -108,15 +122,15 @@ class Engine:
         # Without prepacking, every session reads the weights as they are: map them once for all.
         # With it, ORT packs its own copies and frees what it read, so sharing would only add.
         shared = None if prepack else root / manifest.weights.file
-        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=("score",))
-        return cls(root, manifest, backend)
-
-    def _check_io(self) -> None:
-        """The graphs must have exactly the I/O the manifest and the KV contract name."""
-        for graph in ("prefill", "decode"):  # the score graph is checked when first used
-            self._check_graph_io(graph)
+        # Sessions are made on first use (each holds its own packed weights); prefill is used at once.
+        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=("decode", "score"))
+        return cls(root, manifest, backend, decode_graph="prefill" if one_session else "decode")
 
     def _check_graph_io(self, graph: str) -> None:
+        """The graph must have exactly the I/O the manifest and the KV contract name (checked once,
+        when the graph is first used)."""
+        if graph in self._checked:
+            return
         n = self.manifest.model.num_layers
         if graph not in self.manifest.graphs:
             raise mf.ArtifactError(f"the artifact has no {graph} graph; recompile the model with this kvforge")
@@ -127,6 +141,7 @@ class Engine:
                 f"{graph} graph I/O does not follow the KV contract (inputs {got[0]}, outputs {got[1]}); "
                 "recompile the model with this kvforge"
             )
+        self._checked.add(graph)
 
     def close(self) -> None:
         self._decode_bindings.clear()
@@ -141,20 +156,20 @@ class Engine:
 
     # ---------------------------------------------------------------- steps
 
-    def _outputs(self, batch: int) -> dict[str, torch.Tensor]:
+    def _outputs(self, batch: int) -> dict[str, np.ndarray]:
         """Logits and present caches; each present shares its past input's buffer."""
         views = self.cache.views(batch)
         n = self.manifest.model.num_layers
         presents = {present: views[past] for past, present in zip(contract.past_names(n), contract.present_names(n))}
         return {
-            contract.LOGITS: self._logits[: batch * self.vocab_size].view(batch, self.vocab_size),
+            contract.LOGITS: self._logits[: batch * self.vocab_size].reshape(batch, self.vocab_size),
             **presents,
         }
 
-    def prefill(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> torch.Tensor:
+    def prefill(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> np.ndarray:
         """Write each row's tokens into its cache row at ``start`` (default 0) and return the logits
         of each row's last token, ``[B, V]`` (a view of the engine's logits buffer, valid until the
-        next step). Starts a new batch of ``len(rows)`` rows; ``start > 0`` continues a sequence
+        next step; copy it to keep it). Starts a new batch of ``len(rows)`` rows; ``start > 0`` continues a sequence
         already in the cache (chunked prefill, multi-turn)."""
         batch = len(rows)
         start = list(start) if start is not None else [0] * batch
@@ -166,14 +181,13 @@ class Engine:
         self.last_bindings["prefill"] = binding
         return binding.tensors[contract.LOGITS]
 
-    def score(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> torch.Tensor:
+    def score(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> np.ndarray:
         """Like :meth:`prefill`, but returns the logits of every position, ``[B, S, V]`` (a new
-        tensor; positions past a row's length are padding). Runs the separate score graph, for
+        array; positions past a row's length are padding). Runs the separate score graph, for
         tools such as perplexity; the cache is updated as by :meth:`prefill`."""
         if "score" not in self.manifest.graphs:
             raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
-        if "score" not in self.backend.sessions:  # loaded on first use: generation never needs it
-            self._check_graph_io("score")
+        self._check_graph_io("score")
         batch = len(rows)
         start = list(start) if start is not None else [0] * batch
         self._check_rows(rows, start)
@@ -181,13 +195,13 @@ class Engine:
         inputs = self._fill_inputs(rows, start, seq)
         del inputs[contract.INPUT_LENGTHS]
         outputs = self._outputs(batch)
-        logits = outputs[contract.LOGITS] = torch.empty(batch, seq, self.vocab_size, dtype=self._logits.dtype)
+        logits = outputs[contract.LOGITS] = np.empty((batch, seq, self.vocab_size), dtype=self._logits.dtype)
         binding = self.backend.bind("score", inputs, outputs)
         self.backend.run(binding)
         self.batch = batch
         return logits
 
-    def _fill_inputs(self, rows: Sequence[Sequence[int]], start: list[int], seq: int) -> dict[str, torch.Tensor]:
+    def _fill_inputs(self, rows: Sequence[Sequence[int]], start: list[int], seq: int) -> dict[str, np.ndarray]:
         """Write a ragged batch, right-padded to ``seq``, into the persistent input buffers."""
         batch = len(rows)
         if max(start) + seq > self.max_seq:
@@ -196,12 +210,12 @@ class Engine:
                 f"rows padded to {seq} tokens at start {max(start)} would write past max_seq={self.max_seq}; "
                 "prefill such rows in separate calls"
             )
-        ids = self._ids[: batch * seq].view(batch, seq)
-        pos = self._pos[: batch * seq].view(batch, seq)
-        ids.zero_()  # padding id 0: padded positions are written, masked, then overwritten
+        ids = self._ids[: batch * seq].reshape(batch, seq)
+        pos = self._pos[: batch * seq].reshape(batch, seq)
+        ids.fill(0)  # padding id 0: padded positions are written, masked, then overwritten
         for b, (row, s0) in enumerate(zip(rows, start)):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-            pos[b] = torch.arange(s0, s0 + seq)
+            ids[b, : len(row)] = row
+            pos[b] = np.arange(s0, s0 + seq)
             self._write[b] = s0
             self._input_lengths[b] = len(row)
             self.lengths[b] = s0 + len(row)
@@ -213,31 +227,35 @@ class Engine:
             **self.cache.views(batch),
         }
 
-    def decode(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def decode(self, tokens: np.ndarray | Sequence[int]) -> np.ndarray:
         """Append one token to each row of the current batch; return the next logits ``[B, V]``."""
         batch = self.batch
         if batch == 0:
             raise RuntimeError("decode needs a batch: call prefill first")
         if (self.lengths[:batch] >= self.max_seq).any():
             raise ValueError(f"a row's cache is full (max_seq={self.max_seq}); recompile with a larger --max-seq")
-        self._dec_ids[:batch] = torch.as_tensor(tokens, dtype=torch.int64)
+        self._dec_ids[:batch] = tokens
         return self._decode_step(batch)
 
-    def _decode_step(self, batch: int) -> torch.Tensor:
+    def _decode_step(self, batch: int) -> np.ndarray:
         """One decode step on the tokens already in ``_dec_ids``. Allocates nothing: the binding is
         reused and the positions are written into the bound buffers. A row whose cache is full
         (finished in ``generate``) writes into its last slot instead of past the end."""
-        torch.clamp(self.lengths[:batch], max=self.max_seq - 1, out=self._dec_write[:batch])
+        np.minimum(self.lengths[:batch], self.max_seq - 1, out=self._dec_write[:batch])
         self._dec_pos[:batch] = self._dec_write[:batch]
         binding = self._decode_bindings.get(batch)
         if binding is None:
+            graph = self.decode_graph
+            self._check_graph_io(graph)
             inputs = {
-                contract.INPUT_IDS: self._dec_ids[:batch].view(batch, 1),
-                contract.POSITION_IDS: self._dec_pos[:batch].view(batch, 1),
+                contract.INPUT_IDS: self._dec_ids[:batch].reshape(batch, 1),
+                contract.POSITION_IDS: self._dec_pos[:batch].reshape(batch, 1),
                 contract.WRITE_INDICES: self._dec_write[:batch],
                 **self.cache.views(batch),
             }
-            binding = self._decode_bindings[batch] = self.backend.bind("decode", inputs, self._outputs(batch))
+            if graph == "prefill":
+                inputs[contract.INPUT_LENGTHS] = self._dec_lengths[:batch]
+            binding = self._decode_bindings[batch] = self.backend.bind(graph, inputs, self._outputs(batch))
         self.backend.run(binding)
         self.lengths[:batch] += 1
         self.last_bindings["decode"] = binding
@@ -295,7 +313,7 @@ class Engine:
         logits = self.prefill(rows)
         next_ids = self._next[:batch]
         while True:
-            torch.argmax(logits, dim=-1, out=next_ids)
+            np.argmax(logits, axis=-1, out=next_ids)
             for b, token in enumerate(next_ids.tolist()):
                 if reasons[b] is not None:
                     continue

@@ -1,6 +1,6 @@
-"""ONNX Runtime backend: one ``InferenceSession`` per graph, run through IOBinding on torch buffers.
+"""ONNX Runtime backend: one ``InferenceSession`` per graph, run through IOBinding on numpy buffers.
 
-Every input and output is bound by pointer to a torch tensor the engine owns; each past-cache
+Every input and output is bound by pointer to a numpy array the engine owns; each past-cache
 input and its present output get the same pointer, so ``TensorScatter`` writes the new rows in
 place and no step copies the cache. A :class:`Binding` is reusable: the decode binding is made once
 per batch and each step only rewrites the values inside the bound input buffers.
@@ -12,15 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-
-_NP_DTYPES = {
-    torch.float32: np.float32,
-    torch.float16: np.float16,
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.bool: np.bool_,
-}
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ class OrtOptions:
 class Binding:
     graph: str
     io_binding: object  # onnxruntime.IOBinding
-    tensors: dict[str, torch.Tensor]  # keeps the bound buffers alive while the binding exists
+    tensors: dict[str, np.ndarray]  # keeps the bound buffers alive while the binding exists
 
 
 class OrtBackend:
@@ -107,13 +98,13 @@ class OrtBackend:
     def output_names(self, graph: str) -> list[str]:
         return [o.name for o in self.session(graph).get_outputs()]
 
-    def bind(self, graph: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> Binding:
-        """Bind contiguous torch tensors by name. Outputs are written into the given tensors."""
+    def bind(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> Binding:
+        """Bind contiguous arrays by name. Outputs are written into the given arrays."""
         binding = self.session(graph).io_binding()
-        for name, tensor in inputs.items():
-            binding.bind_input(name, "cpu", 0, _np_dtype(tensor), tuple(tensor.shape), _ptr(tensor))
-        for name, tensor in outputs.items():
-            binding.bind_output(name, "cpu", 0, _np_dtype(tensor), tuple(tensor.shape), _ptr(tensor))
+        for name, array in inputs.items():
+            binding.bind_input(name, "cpu", 0, array.dtype.type, array.shape, _ptr(array))
+        for name, array in outputs.items():
+            binding.bind_output(name, "cpu", 0, array.dtype.type, array.shape, _ptr(array))
         return Binding(graph, binding, {**inputs, **outputs})
 
     def run(self, binding: Binding) -> None:
@@ -160,13 +151,7 @@ class _SharedInitializers:
             session_options.add_initializer(init.name, self.values[key])
 
 
-def _np_dtype(tensor: torch.Tensor):
-    if tensor.dtype not in _NP_DTYPES:
-        raise TypeError(f"ONNX Runtime's CPU binding does not support {tensor.dtype}")
-    return _NP_DTYPES[tensor.dtype]
-
-
-def _ptr(tensor: torch.Tensor) -> int:
-    if not tensor.is_contiguous():
-        raise ValueError("bound tensors must be contiguous")  # a programming error, not a user's
-    return tensor.data_ptr()
+def _ptr(array: np.ndarray) -> int:
+    if not array.flags.c_contiguous:
+        raise ValueError("bound arrays must be contiguous")  # a programming error, not a user's
+    return array.ctypes.data

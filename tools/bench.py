@@ -168,7 +168,7 @@ def _kvforge_run(engine: Engine, rows: list[list[int]], new_tokens: int) -> refe
         steps.append(time.perf_counter() - t)
         generated.append(next_ids)
     e2e = time.perf_counter() - start
-    return reference.TimedRun(ttft, steps, e2e, torch.stack(generated, 1).tolist(), engine.cache.nbytes)
+    return reference.TimedRun(ttft, steps, e2e, np.stack(generated, 1).tolist(), engine.cache.nbytes)
 
 
 def _measure(run, options: BenchOptions, device: str, progress: Progress, what: str) -> tuple[dict[str, Any], list]:

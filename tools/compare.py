@@ -193,9 +193,10 @@ def _teacher_forced(engine: Engine, rows: list[list[int]], tokens: list[list[int
     """kvforge's logits for a batch: the prefill's, then one decode step per teacher token.
     Returns per row ``[1 + steps, V]`` float32 (row 0: prefill)."""
     steps = len(tokens[0])
-    out = [engine.prefill(rows).float().clone()]  # (B, V), a copy: the engine reuses its buffer
+    # float32 copies (torch.tensor copies): the engine reuses its logits buffer every step.
+    out = [torch.tensor(engine.prefill(rows), dtype=torch.float32)]  # (B, V)
     for i in range(steps):
-        out.append(engine.decode([t[i] for t in tokens]).float().clone())
+        out.append(torch.tensor(engine.decode([t[i] for t in tokens]), dtype=torch.float32))
     stacked = torch.stack(out, dim=1)  # (B, 1 + steps, V)
     return list(stacked.unbind(0))
 
@@ -270,7 +271,7 @@ def _perplexity(engine: Engine, model: torch.nn.Module, ids: list[int]) -> dict[
     chunks = [ids[i : i + window] for i in range(0, len(ids), window)]
     chunks = [c for c in chunks if len(c) >= 2]
     for chunk in chunks:
-        mine = engine.score([chunk])[0, :-1].float()  # (S - 1, V): position i predicts chunk[i + 1]
+        mine = torch.from_numpy(engine.score([chunk])[0, :-1]).float()  # (S - 1, V): i predicts chunk[i + 1]
         theirs = reference.all_logits(model, chunk)[:-1]
         targets = torch.tensor(chunk[1:])
         nll_ours.append(metrics.token_nll(mine, targets))

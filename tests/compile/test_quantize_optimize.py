@@ -40,8 +40,8 @@ def test_optimized_graphs_share_weights_and_match_the_portable_ones(llama_artifa
     assert _external_refs(model) <= _external_refs(portable) | _external_refs(_ops(llama_artifact / "prefill.onnx")[1])
     prompt = [[0, 17, 201, 33, 90, 4]]
     with Engine.load(llama_artifact) as fast, Engine.load(llama_artifact, optimized=False) as plain:
-        assert fast.backend.sessions["decode"]._model_path.endswith("decode.ort.onnx")
-        assert plain.backend.sessions["decode"]._model_path.endswith("decode.onnx")
+        assert fast.backend.sessions["prefill"]._model_path.endswith("prefill.ort.onnx")
+        assert plain.backend.sessions["prefill"]._model_path.endswith("prefill.onnx")
         assert_close(fast.prefill(prompt), plain.prefill(prompt), 1e-5, 1e-5, "optimized vs portable prefill")
         assert (
             fast.generate(prompt, max_new_tokens=16)[0].token_ids

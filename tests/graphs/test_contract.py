@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.graphs import contract, lowering
+from kvforge.graphs import contract, lowering, reference
 
 
 def test_cache_shape_and_names():
@@ -28,7 +28,7 @@ def test_cache_shape_and_names():
 def test_update_writes_only_new_rows_at_each_rows_index():
     past = torch.arange(2 * 1 * 6 * 2, dtype=torch.float32).view(2, 1, 6, 2)
     update = -torch.ones(2, 1, 2, 2)
-    present = contract.reference_update(past, update, torch.tensor([1, 4]))
+    present = reference.reference_update(past, update, torch.tensor([1, 4]))
     expected = past.clone()
     expected[0, :, 1:3] = -1
     expected[1, :, 4:6] = -1
@@ -37,21 +37,21 @@ def test_update_writes_only_new_rows_at_each_rows_index():
 
 
 def test_mask_attends_own_prefix_and_window():
-    mask = contract.attention_mask(torch.tensor([0, 3]), seq_len=2, capacity=6)[:, 0]  # (B, S, S_max)
+    mask = reference.attention_mask(torch.tensor([0, 3]), seq_len=2, capacity=6)[:, 0]  # (B, S, S_max)
     assert mask[0].tolist() == [
         [True, False, False, False, False, False],
         [True, True, False, False, False, False],
     ]
     assert mask[1].tolist() == [[True, True, True, True, False, False], [True, True, True, True, True, False]]
-    windowed = contract.attention_mask(torch.tensor([3]), seq_len=1, capacity=6, window=2)[0, 0, 0]
+    windowed = reference.attention_mask(torch.tensor([3]), seq_len=1, capacity=6, window=2)[0, 0, 0]
     assert windowed.tolist() == [False, False, True, True, False, False]
 
 
 def test_attention_matches_naive_softmax_with_gqa():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-    mask = contract.attention_mask(torch.tensor([2]), seq_len=2, capacity=5)
-    out = contract.reference_attention(q, k, v, mask, scale=8**-0.5)
+    mask = reference.attention_mask(torch.tensor([2]), seq_len=2, capacity=5)
+    out = reference.reference_attention(q, k, v, mask, scale=8**-0.5)
     for h in range(4):
         kv = h // 2  # query heads 0,1 share KV head 0; 2,3 share KV head 1
         for s, visible in enumerate((3, 4)):  # queries at cache indices 2 and 3
@@ -64,8 +64,8 @@ def test_custom_op_is_update_then_attention():
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
     pk, pv = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     wi = torch.tensor([0, 5])
-    mask = contract.attention_mask(wi, 3, 10)
+    mask = reference.attention_mask(wi, 3, 10)
     out, k2, v2 = lowering.cached_attention(q, k, v, pk, pv, wi, mask, 0.5, 0.0, 0)
-    torch.testing.assert_close(k2, contract.reference_update(pk, k, wi))
-    torch.testing.assert_close(v2, contract.reference_update(pv, v, wi))
-    torch.testing.assert_close(out, contract.reference_attention(q, k2, v2, mask, 0.5))
+    torch.testing.assert_close(k2, reference.reference_update(pk, k, wi))
+    torch.testing.assert_close(v2, reference.reference_update(pv, v, wi))
+    torch.testing.assert_close(out, reference.reference_attention(q, k2, v2, mask, 0.5))

@@ -30,10 +30,10 @@ def engine(llama_artifact):
 def test_prefill_and_every_decode_step_match_transformers(engine, llama_reference):
     prompt, steps = PROMPTS[0], 12
     tokens = list(prompt)
-    logits = [engine.prefill([prompt])[0].clone()]
+    logits = [engine.prefill([prompt])[0].copy()]
     for _ in range(steps):
         tokens.append(int(logits[-1].argmax()))
-        logits.append(engine.decode([tokens[-1]])[0].clone())
+        logits.append(engine.decode([tokens[-1]])[0].copy())
     reference = hf_logits(llama_reference, tokens)[len(prompt) - 1 :]
     assert_close(logits[0], reference[0], ATOL, RTOL, "prefill logits")
     for step in range(1, steps + 1):
@@ -42,12 +42,12 @@ def test_prefill_and_every_decode_step_match_transformers(engine, llama_referenc
 
 def test_ragged_prefill_gives_each_row_its_own_logits(engine, llama_reference):
     rows = PROMPTS[:4]
-    logits = engine.prefill(rows).clone()
+    logits = engine.prefill(rows).copy()
     for b, row in enumerate(rows):
         assert_close(logits[b], hf_logits(llama_reference, row)[-1], ATOL, RTOL, f"row {b} prefill logits")
     # One decode step per row continues each row at its own length.
     nxt = logits.argmax(-1)
-    step = engine.decode(nxt).clone()
+    step = engine.decode(nxt).copy()
     for b, row in enumerate(rows):
         ref = hf_logits(llama_reference, [*row, int(nxt[b])])[-1]
         assert_close(step[b], ref, ATOL, RTOL, f"row {b} decode logits")
@@ -78,27 +78,49 @@ def test_more_prompts_than_max_batch_run_in_consecutive_batches(engine, llama_re
         assert result.token_ids == hf_greedy(llama_reference, prompt, 8)
 
 
-def test_cache_is_allocated_once_and_bound_in_place(engine):
+@pytest.fixture(scope="module")
+def two_session_engine(llama_artifact):
+    with Engine.load(llama_artifact, one_session=False) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("sessions", ["one", "two"])
+def test_cache_is_allocated_once_and_bound_in_place(engine, two_session_engine, sessions):
+    engine = engine if sessions == "one" else two_session_engine
     buffer = engine.cache.buffer
-    pointer = buffer.data_ptr()
-    assert tuple(buffer.shape) == (2, 2, 4, 2, 96, 16)
+    pointer = buffer.ctypes.data
+    assert buffer.shape == (2, 2, 4, 2, 96, 16)
     logits = engine.prefill(PROMPTS[:2])
     views = engine.cache.views(2)
-    for graph in ("prefill", "decode"):
-        if graph == "decode":
+    for step in ("prefill", "decode"):
+        if step == "decode":
             for _ in range(3):
                 logits = engine.decode(logits.argmax(-1))
-                assert engine.cache.buffer.data_ptr() == pointer
-        assert engine.cache.buffer is buffer and buffer.data_ptr() == pointer
-        binding = engine.last_bindings[graph]
+                assert engine.cache.buffer.ctypes.data == pointer
+        assert engine.cache.buffer is buffer and buffer.ctypes.data == pointer
+        binding = engine.last_bindings[step]
+        assert binding.graph == ("decode" if (step, sessions) == ("decode", "two") else "prefill")
         out_ptrs = engine.backend.bound_output_pointers(binding)
         # get_outputs() comes back in binding order: logits, then the presents in contract order.
         for i, past in enumerate(views):
-            assert out_ptrs[1 + i] == views[past].data_ptr(), f"{graph}: present {i} is not bound to {past}"
-            assert binding.tensors[past].data_ptr() == views[past].data_ptr()
+            assert out_ptrs[1 + i] == views[past].ctypes.data, f"{step}: present {i} is not bound to {past}"
+            assert binding.tensors[past].ctypes.data == views[past].ctypes.data
         # Every view lies inside the one allocation.
-        lo, hi = pointer, pointer + buffer.numel() * buffer.element_size()
+        lo, hi = pointer, pointer + buffer.nbytes
         assert all(lo <= p < hi for p in out_ptrs[1:])
+
+
+def test_decode_graph_session_gives_the_same_logits(engine, two_session_engine):
+    rows = PROMPTS[:3]
+    got = {}
+    for name, e in (("one", engine), ("two", two_session_engine)):
+        logits = [e.prefill(rows).copy()]
+        for _ in range(4):
+            logits.append(e.decode(logits[-1].argmax(-1)).copy())
+        got[name] = logits
+    assert "decode" in two_session_engine.backend.sessions
+    for step, (one, two) in enumerate(zip(got["one"], got["two"])):
+        assert_close(one, two, 1e-5, 1e-5, f"step {step}: prefill-graph decode vs decode graph")
 
 
 def test_decode_reuses_its_binding(engine):
@@ -111,9 +133,9 @@ def test_decode_reuses_its_binding(engine):
 
 def test_chunked_prefill_equals_one_shot(engine):
     prompt = PROMPTS[4]
-    one_shot = engine.prefill([prompt]).clone()
+    one_shot = engine.prefill([prompt]).copy()
     engine.prefill([prompt[:5]])
-    chunked = engine.prefill([prompt[5:]], start=[5]).clone()
+    chunked = engine.prefill([prompt[5:]], start=[5]).copy()
     assert_close(chunked, one_shot, 1e-5, 1e-5, "chunked prefill logits")
 
 
@@ -190,10 +212,28 @@ def test_padding_past_capacity_is_refused(engine):
         engine.prefill([[1, 2], [3] * 20], start=[90, 0])
 
 
-def test_score_session_is_created_on_first_use(llama_artifact):
-    """Each ORT session holds its own packed weights: generation must not pay for the score graph."""
+def test_generation_uses_one_session_and_score_gets_its_own_on_first_use(llama_artifact):
+    """Each ORT session holds its own packed weights. Decode steps run the prefill graph (S = 1), so
+    generation creates one session; the score graph's is created when score is first called."""
     with Engine.load(llama_artifact) as engine:
         engine.generate([PROMPTS[1]], max_new_tokens=3)
-        assert set(engine.backend.sessions) == {"prefill", "decode"}
+        assert set(engine.backend.sessions) == {"prefill"}
         engine.score([PROMPTS[1]])
-        assert set(engine.backend.sessions) == {"prefill", "decode", "score"}
+        assert set(engine.backend.sessions) == {"prefill", "score"}
+
+
+def test_the_runtime_runs_without_importing_torch(llama_artifact):
+    """Loading and generating imports numpy and onnxruntime only: torch would add ~200 MiB to the
+    resident set of every serving process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from kvforge.runtime import Engine\n"
+        f"with Engine.load({str(llama_artifact)!r}) as engine:\n"
+        "    [result] = engine.generate([[0, 5, 9]], max_new_tokens=4)\n"
+        "print(len(result.token_ids), 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["4", "False", "False"]

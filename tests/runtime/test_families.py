@@ -61,9 +61,9 @@ def test_family(case, architecture, config_class, overrides, lowering, tmp_path)
         # Logits: prefill, then teacher-forced decode steps on transformers' greedy tokens.
         expected_tokens = hf_greedy(reference, PROMPTS[0], NEW_TOKENS)
         steps = expected_tokens[:20]
-        ours = [engine.prefill([PROMPTS[0]])[0].clone()]
+        ours = [engine.prefill([PROMPTS[0]])[0].copy()]
         for token in steps:
-            ours.append(engine.decode([token])[0].clone())
+            ours.append(engine.decode([token])[0].copy())
         theirs = _hf_steps(reference, PROMPTS[0], steps)
         for i, (a, b) in enumerate(zip(ours, theirs)):
             assert_close(a, b, ATOL, RTOL, f"{case}: {'prefill' if i == 0 else f'decode step {i}'} logits")

@@ -67,3 +67,21 @@ def test_greedy_equals_transformers_one_by_one_and_batched(engine, reference):
         assert one.token_ids == want, prompt
         assert row.token_ids == want, prompt
         assert one.text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_tied_lm_head_reads_the_embedding_table_in_place(engine):
+    """The model ties its lm_head to the embedding table. In the ORT-optimized graph the Gemm reads
+    the table through an Identity (ORT would otherwise repack a second copy of it for the Gemm);
+    the portable graph keeps the plain Gather + Gemm on one initializer."""
+    import onnx
+
+    for name in ("prefill.ort.onnx", "prefill.onnx"):
+        graph = onnx.load(str(engine.artifact_dir / name), load_external_data=False).graph
+        tables = {i.name for i in graph.initializer if list(i.dims) == [4096, 256]}  # vocab x hidden
+        gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] in tables)
+        gemm = next(n for n in graph.node if n.op_type == "Gemm")
+        identities = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity"}
+        if name == "prefill.ort.onnx":
+            assert identities.get(gemm.input[1]) == gather.input[0]
+        else:
+            assert gemm.input[1] == gather.input[0]
