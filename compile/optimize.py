@@ -4,12 +4,18 @@ Input: ``<name>.onnx`` in the artifact directory (reading ``weights.data``). Out
 ``<name>.ort.onnx`` beside it, whose tensors go into the same ``weights.data`` (only tensors the
 passes created are added; the weights themselves are shared with the portable graph).
 
-Two passes, both from the ONNX Runtime ecosystem rather than hand-written:
+Three passes:
 
 1. onnxscript's ORT fusions (``onnxscript.rewriter.ort_fusions``): RMSNorm ->
-   ``SimplifiedLayerNormalization``, residual add + RMSNorm -> ``SkipSimplifiedLayerNormalization``,
-   rotary embeddings -> ``RotaryEmbedding`` where the pattern matches.
-2. ONNX Runtime's own graph optimizer at ``ORT_ENABLE_EXTENDED`` (constant folding, SiLU ->
+   ``SimplifiedLayerNormalization``, residual add + RMSNorm -> ``SkipSimplifiedLayerNormalization``.
+   (Its rotary fusion needs the cos/sin computed by one exact pattern from ``position_ids``, which
+   transformers' rotary modules do not export as.)
+2. Our rotary rule (:class:`RotateHalfRotary`): transformers' ``x * cos + rotate_half(x) * sin``
+   (two Slices, Neg, Concat, two Muls, Add, for q and for k in every layer) -> one standard ONNX
+   ``RotaryEmbedding`` (opset 23) fed with the first half of the cos/sin the model itself computed.
+   It holds for every rope variant (scaled, llama3, longrope, partial), since the angles are the
+   model's own, and it is applied only where cos/sin provably repeat their two halves.
+3. ONNX Runtime's own graph optimizer at ``ORT_ENABLE_EXTENDED`` (constant folding, SiLU ->
    ``QuickGelu``, MatMul + Add/Scale folding, ...), serialized with ``optimized_model_filepath``.
    EXTENDED, not ALL: ALL adds hardware-specific layout transforms that must not be saved.
 
@@ -30,6 +36,7 @@ import shutil
 from pathlib import Path
 
 import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
 from kvforge.compile.weights import SharedWeights
 
@@ -49,6 +56,7 @@ def optimize_graphs(out_dir: Path, names: list[str], weights: SharedWeights) -> 
         for name in names:
             model = ir.load(out_dir / f"{name}.onnx")
             model, _ = ort_fusions.optimize_for_ort(model)
+            fuse_rotary(model)
             # Saved beside weights.data, so the untouched weights stay references into it.
             fused = out_dir / f".{name}.fused.onnx"
             ir.save(model, fused)
@@ -89,3 +97,76 @@ def read_gemm_weights_in_place(graph: ir.Graph) -> int:
             node.replace_input_with(index, identity.outputs[0])
         routed += 1
     return routed
+
+
+class RotateHalfRotary(pattern.RewriteRuleClassBase):
+    """``x * cos + concat(-x[..., h:], x[..., :h]) * sin`` -> ``RotaryEmbedding(x, cos[..., :h],
+    sin[..., :h])``, for ``x`` ``[B, H, S, D]`` with ``h = D / 2`` and ``cos``/``sin`` the
+    ``[B, 1, S, D]`` unsqueeze of a ``[B, S, D]`` tensor whose halves are equal by construction."""
+
+    def pattern(self, op, x, cos, sin, start1, end1, start2, end2, axes, steps):
+        x1 = op.Slice(x, start1, end1, axes, steps)
+        x2 = op.Slice(x, start2, end2, axes, steps)
+        rotated = op.Concat(op.Neg(x2), x1, axis=-1)
+        return op.Add(op.Mul(x, cos), op.Mul(rotated, sin))
+
+    def check(self, context, x, cos, sin, start1, end1, start2, end2, axes, steps, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[3], int) or x.shape[3] % 2:
+            return result.fail("x is not [B, H, S, D] with a static, even D", x)
+        half = x.shape[3] // 2
+        ints = {name: _ints(v) for name, v in dict(s1=start1, e1=end1, s2=start2, e2=end2, ax=axes, st=steps).items()}
+        if ints["ax"] not in ([3], [-1]) or ints["st"] != [1] or ints["s1"] != [0] or ints["e1"] != [half]:
+            return result.fail("the first slice is not x[..., :D/2]")
+        if ints["s2"] != [half] or ints["e2"] is None or ints["e2"][0] < 2 * half:
+            return result.fail("the second slice is not x[..., D/2:]")
+        for angle in (cos, sin):
+            if _unsqueezed_3d(angle) is None or not _halves_repeat(_unsqueezed_3d(angle)):
+                return result.fail("cos/sin are not an unsqueezed [B, S, D] with repeated halves", angle)
+        return result
+
+    def rewrite(self, op, x, cos, sin, **_):
+        half = x.shape[3] // 2
+        first = [op.Slice(_unsqueezed_3d(a), op.Constant(value_ints=[0]), op.Constant(value_ints=[half]),
+                          op.Constant(value_ints=[-1])) for a in (cos, sin)]  # fmt: skip
+        return op.RotaryEmbedding(x, *first, interleaved=0)
+
+
+def fuse_rotary(model: ir.Model) -> int:
+    """Apply :class:`RotateHalfRotary` everywhere it matches; returns the number of rewrites."""
+    return RotateHalfRotary.rule().apply_to_model(model)
+
+
+def _ints(value: ir.Value) -> list[int] | None:
+    const = value.const_value if value is not None else None
+    return None if const is None else [int(v) for v in const.numpy().reshape(-1)]
+
+
+def _unsqueezed_3d(value: ir.Value) -> ir.Value | None:
+    """``v`` when ``value`` is ``Unsqueeze(v, [1])`` of a 3-D ``v`` (transformers' ``cos.unsqueeze(1)``)."""
+    node = value.producer()
+    if node is None or node.op_type != "Unsqueeze" or _ints(node.inputs[1]) != [1]:
+        return None
+    inner = node.inputs[0]
+    return inner if inner.shape is not None and len(inner.shape) == 3 else None
+
+
+def _halves_repeat(value: ir.Value) -> bool:
+    """True when ``value`` is ``f(concat(a, a))`` for elementwise ``f`` (Cos/Sin, a scale, casts):
+    its last axis is two equal halves, as transformers' ``emb = cat((freqs, freqs), -1)`` makes it."""
+    node = value.producer()
+    while node is not None and node.op_type in ("Cos", "Sin", "Cast", "Mul"):
+        if node.op_type == "Mul":  # cos * attention_scaling: one side must be a scalar constant
+            scalar = [v for v in node.inputs if v.const_value is not None and v.const_value.numpy().size == 1]
+            if not scalar:
+                return False
+            node = next(v for v in node.inputs if v is not scalar[0]).producer()
+            continue
+        node = node.inputs[0].producer()
+    return (
+        node is not None
+        and node.op_type == "Concat"
+        and len(node.inputs) == 2
+        and node.inputs[0] is node.inputs[1]
+        and node.attributes["axis"].as_int() in (-1, 2)
+    )

@@ -118,10 +118,9 @@ def _gqa_translation() -> Callable:
 
     def cached_attention_gqa(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
         num_heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]  # static ints
-        # [B, H, S, D] -> GQA's [B, S, H * D]
-        bs = op.Shape(query, start=0, end=1)
+        # [B, H, S, D] -> GQA's [B, S, H * D] (Reshape's 0 copies a dimension: no shape arithmetic)
         seq = op.Shape(query, start=2, end=3)
-        flat = op.Concat(bs, seq, op.Constant(value_ints=[-1]), axis=0)
+        flat = op.Constant(value_ints=[0, 0, -1])
         q = op.Reshape(op.Transpose(query, perm=[0, 2, 1, 3]), flat)
         k = op.Reshape(op.Transpose(key, perm=[0, 2, 1, 3]), flat)
         v = op.Reshape(op.Transpose(value, perm=[0, 2, 1, 3]), flat)
@@ -143,7 +142,7 @@ def _gqa_translation() -> Callable:
             local_window_size=window if window > 0 else -1,
             _outputs=3,
         )
-        unflat = op.Concat(bs, seq, op.Constant(value_ints=[num_heads, head_dim]), axis=0)
+        unflat = op.Constant(value_ints=[0, 0, num_heads, head_dim])
         output = op.Transpose(op.Reshape(output, unflat), perm=[0, 2, 1, 3])  # (B, H_q, S, D)
         return output, present_key, present_value
 

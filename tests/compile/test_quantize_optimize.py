@@ -34,6 +34,8 @@ def test_optimized_graphs_share_weights_and_match_the_portable_ones(llama_artifa
     portable_ops, portable = _ops(llama_artifact / "decode.onnx")
     assert ops["SkipSimplifiedLayerNormalization"] > 0 and ops["SimplifiedLayerNormalization"] > 0
     assert "SimplifiedLayerNormalization" not in portable_ops, "the portable graph stays standard ONNX"
+    # Rotary: one RotaryEmbedding for q and one for k in each of the 2 layers, no rotate-half left.
+    assert ops["RotaryEmbedding"] == 4 and ops["Neg"] == 0 and portable_ops["Neg"] == 4
     assert [i.name for i in model.graph.input] == [i.name for i in portable.graph.input]
     assert [o.name for o in model.graph.output] == [o.name for o in portable.graph.output]
     # The big tensors of the optimized graph are the portable graph's, in the same file.
