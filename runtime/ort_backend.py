@@ -23,9 +23,10 @@ class OrtOptions:
         waiting); ORT's default is on.
     prepack: let ORT repack constant MatMul weights into its kernels' layout at load (ORT's
         default; 1.6x faster fp32 decode and ~25x faster int4 MatMulNBits here). The repacked
-        weights are anonymous memory owned by each session, so every graph (prefill, decode)
-        holds its own packed copy. With ``prepack=False`` the sessions read the memory-mapped
-        weights file directly: one copy of the weights in memory, shared by all graphs, slower.
+        weights are anonymous memory owned by each session, so each session holds its own
+        packed copy (the engine runs generation on one session for this reason). With
+        ``prepack=False`` the sessions read the memory-mapped weights file directly: one copy of
+        the weights in memory, shared by all graphs, slower.
     optimized: run the ORT-optimized ``<graph>.ort.onnx`` files when the artifact has them,
         without optimizing again at load.
     """
