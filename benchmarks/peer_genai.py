@@ -414,7 +414,8 @@ def kvforge_quantize_supported() -> bool:
 def ensure_kvforge(
     args: argparse.Namespace, model_dir: Path, work: Path, lowering: str, quantize: str | None
 ) -> tuple[Path, float | None]:
-    tag = f"{args.shape}-{lowering}-{quantize or 'fp32'}-b{args.batch}-s{args.prompt_len + args.new_tokens}"
+    max_seq = args.max_seq or args.prompt_len + args.new_tokens
+    tag = f"{args.shape}-{lowering}-{quantize or 'fp32'}-b{args.batch}-s{max_seq}"
     out = work / f"kvforge-{tag}-{source_hash('kvforge.compile', 'kvforge.graphs')}"
     if (out / "manifest.json").exists() and not args.rebuild:
         return out, None
@@ -423,7 +424,7 @@ def ensure_kvforge(
         "model_dir": str(model_dir),
         "out": str(out),
         "batch": args.batch,
-        "max_seq": args.prompt_len + args.new_tokens,
+        "max_seq": max_seq,
         "lowering": lowering,
         "quantize": quantize,
     }
@@ -494,6 +495,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-seq",
+        type=int,
+        default=None,
+        help="kvforge's compile max_seq (default: prompt + new tokens, the length genai's buffer gets)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads for every side (default: theirs)")
     p.add_argument(

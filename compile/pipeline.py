@@ -47,7 +47,7 @@ class CompileOptions:
     dtype: str = "float32"
     max_batch: int = 4
     max_seq: int = DEFAULT_MAX_SEQ
-    lowering: str = "onnx"
+    lowering: str = "gqa"
     score_graph: bool = True
     quantize: str | None = None  # "int4" | "int8": MatMul weights as MatMulNBits (ORT only)
     block_size: int = quantize_stage.DEFAULT_BLOCK_SIZE
@@ -87,7 +87,7 @@ def compile_model(
     dtype: str = "float32",
     max_batch: int = 4,
     max_seq: int | None = None,
-    lowering: str = "onnx",
+    lowering: str = "gqa",
     score_graph: bool = True,
     quantize: str | None = None,
     block_size: int = quantize_stage.DEFAULT_BLOCK_SIZE,

@@ -23,7 +23,17 @@ def llama_artifact(llama_dir, tmp_path_factory) -> Path:
     from kvforge.compile import compile_model
 
     out = tmp_path_factory.mktemp("artifacts") / "llama"
-    compile_model(llama_dir, out, max_batch=4, max_seq=96, progress=None)
+    compile_model(llama_dir, out, max_batch=4, max_seq=96, progress=None)  # default lowering: gqa
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_onnx_artifact(llama_dir, tmp_path_factory) -> Path:
+    """The same model under the standard-ONNX lowering (the graph TensorRT builds from)."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "llama-onnx"
+    compile_model(llama_dir, out, max_batch=4, max_seq=96, lowering="onnx", progress=None)
     return out
 
 

@@ -1,6 +1,6 @@
 """The ``kvforge`` command line: thin subcommands over the public APIs.
 
-    kvforge compile MODEL_DIR -o OUT [--dtype float32] [--max-batch 4] [--max-seq 512] [--lowering onnx]
+    kvforge compile MODEL_DIR -o OUT [--dtype float32] [--max-batch 4] [--max-seq 512] [--lowering gqa]
     kvforge generate OUT "prompt" [--max-new-tokens 32]
     kvforge demo [--model DIR] [--prompt TEXT ...]
     kvforge compare OUT --reference MODEL_DIR [--prompts FILE] [--text FILE] [--steps N] [--json PATH] [--plot PATH]
@@ -33,9 +33,10 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--lowering",
-        default="onnx",
+        default="gqa",
         choices=["onnx", "gqa"],
-        help="attention lowering: onnx (standard opset 24, TensorRT) or gqa (ORT GroupQueryAttention)",
+        help="attention lowering: gqa (ORT GroupQueryAttention, the fast one on ORT) or onnx (standard opset 24, "
+        "the graph for TensorRT)",
     )
     p.add_argument(
         "--quantize",

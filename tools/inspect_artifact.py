@@ -156,6 +156,8 @@ def tensorrt_check(model: onnx.ModelProto, table: dict[str, Any]) -> dict[str, A
     for (domain, op_type), count in sorted(counts.items(), key=lambda kv: op_name(*kv[0])):
         if domain not in DEFAULT_DOMAINS:
             reason = f"op of domain {domain!r}, not ONNX: TensorRT parses it only through a plugin of that name"
+            if op_type == "GroupQueryAttention":
+                reason += " (the gqa lowering's attention: compile with --lowering onnx for TensorRT)"
         elif op_type in unsupported:
             reason = f"listed as unsupported by the TensorRT {table['tensorrt_version']} ONNX parser"
         elif op_type not in supported:

@@ -27,10 +27,13 @@ def test_artifact_files(llama_artifact):
     assert "generation_config.json" in names
 
 
+@pytest.mark.parametrize("lowering", ["gqa", "onnx"])
 @pytest.mark.parametrize("graph", ["prefill", "decode"])
-def test_graphs_pass_checker_and_follow_contract(llama_artifact, graph):
-    onnx.checker.check_model(str(llama_artifact / f"{graph}.onnx"), full_check=True)
-    model = _load(llama_artifact / f"{graph}.onnx")
+def test_graphs_pass_checker_and_follow_contract(llama_artifact, llama_onnx_artifact, graph, lowering):
+    artifact = llama_artifact if lowering == "gqa" else llama_onnx_artifact
+    if lowering == "onnx":  # onnx's checker knows no com.microsoft schemas
+        onnx.checker.check_model(str(artifact / f"{graph}.onnx"), full_check=True)
+    model = _load(artifact / f"{graph}.onnx")
     inputs = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
     outputs = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.output}
     names = contract.prefill_input_names(2) if graph == "prefill" else contract.decode_input_names(2)
@@ -43,8 +46,12 @@ def test_graphs_pass_checker_and_follow_contract(llama_artifact, graph):
     assert outputs["present.1.value"] == ["batch", 2, "capacity", 16]
     assert outputs["logits"] == ["batch", 384]
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["TensorScatter"] == 4 and ops["Attention"] == 2, ops
-    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, "the onnx lowering uses standard ops only"
+    if lowering == "onnx":
+        assert ops["TensorScatter"] == 4 and ops["Attention"] == 2, ops
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, "the onnx lowering uses standard ops only"
+    else:
+        assert ops["GroupQueryAttention"] == 2 and ops["Attention"] == 0 and ops["TensorScatter"] == 0, ops
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx", "com.microsoft"}
     assert any(n.name.startswith("/model/layers.1/self_attn/") for n in model.graph.node), "HF-traceable names"
 
 
@@ -73,7 +80,7 @@ def test_manifest_records_contract_and_parity(llama_artifact):
     assert (m["model"]["num_layers"], m["model"]["num_kv_heads"], m["model"]["head_dim"]) == (2, 2, 16)
     assert m["limits"] == {"max_batch": 4, "max_seq": 96, "max_prompt": 96}
     assert m["kv_cache"]["shape"] == [2, 2, 4, 2, 96, 16]
-    assert m["lowering"] == "onnx" and m["dtype"] == "float32"
+    assert m["lowering"] == "gqa" and m["dtype"] == "float32"
     assert m["generation"]["eos_token_ids"] == [1]
     assert m["parity"]["greedy_match"] is True
     assert m["parity"]["prefill_max_abs_diff"] < 1e-4 and m["parity"]["decode_max_abs_diff"] < 1e-4

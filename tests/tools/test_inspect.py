@@ -15,11 +15,11 @@ from kvforge.tools import inspect_artifact
 from kvforge.tools.cli import main
 
 
-def test_inspect_artifact_json(llama_artifact, tmp_path, capsys):
-    assert main(["inspect", str(llama_artifact), "--json", str(tmp_path / "i.json")]) == 0
+def test_inspect_artifact_json(llama_onnx_artifact, tmp_path, capsys):
+    assert main(["inspect", str(llama_onnx_artifact), "--json", str(tmp_path / "i.json")]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "i.json").read_text())
-    manifest = json.loads((llama_artifact / "manifest.json").read_text())
+    manifest = json.loads((llama_onnx_artifact / "manifest.json").read_text())
     layers, vocab = manifest["model"]["num_layers"], manifest["model"]["vocab_size"]
 
     assert result["kind"] == "kvforge.inspect" and result["schema_version"] == 1
@@ -45,7 +45,7 @@ def test_inspect_artifact_json(llama_artifact, tmp_path, capsys):
         assert graph["sha256_ok"] is True and graph["opset"] == {"ai.onnx": 24}
         assert graph["ops"]["TensorScatter"] == 2 * layers and graph["ops"]["Attention"] == layers
         assert sum(graph["ops"].values()) == graph["nodes"]
-        assert graph["bytes"] == (llama_artifact / graph["file"]).stat().st_size
+        assert graph["bytes"] == (llama_onnx_artifact / graph["file"]).stat().st_size
         assert graph["external_bytes"] <= manifest["weights"]["bytes"]
     logits = {name: g["outputs"][0]["shape"] for name, g in plain.items()}
     assert logits == {"prefill": ["batch", vocab], "decode": ["batch", vocab], "score": ["batch", "seq", vocab]}
@@ -54,7 +54,7 @@ def test_inspect_artifact_json(llama_artifact, tmp_path, capsys):
     assert files["weights.data"]["bytes"] == manifest["weights"]["bytes"] and files["weights.data"]["sha256_ok"]
     assert all(files[g["file"]]["sha256_ok"] for g in result["graphs"].values())
     assert files["manifest.json"]["sha256_ok"] is None  # no recorded hash
-    assert result["total_bytes"] == sum(f.stat().st_size for f in llama_artifact.iterdir() if f.is_file())
+    assert result["total_bytes"] == sum(f.stat().st_size for f in llama_onnx_artifact.iterdir() if f.is_file())
 
     trt = result["tensorrt"]
     assert trt["tensorrt_version"] == "10.15" and "onnx/onnx-tensorrt" in trt["source"]
@@ -96,9 +96,9 @@ def _gqa_graph(path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
 
 
-def test_inspect_lists_a_contrib_op_as_unsupported(llama_artifact, tmp_path, capsys):
+def test_inspect_lists_a_contrib_op_as_unsupported(llama_onnx_artifact, tmp_path, capsys):
     art = tmp_path / "art"
-    shutil.copytree(llama_artifact, art)
+    shutil.copytree(llama_onnx_artifact, art)
     _gqa_graph(art / "decode.onnx")
     assert main(["inspect", str(art), "--json", str(tmp_path / "i.json")]) == 0  # informational: exit 0
     printed = capsys.readouterr().out
@@ -165,3 +165,17 @@ def test_inspect_refuses_what_is_not_an_artifact(tmp_path, capsys):
     assert "not a kvforge artifact" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert "neither an artifact directory nor an .onnx file" in capsys.readouterr().err
+
+
+def test_inspect_flags_the_default_gqa_artifact_for_tensorrt(llama_artifact, tmp_path):
+    """The default lowering is ORT's GroupQueryAttention: inspect says TensorRT needs ``--lowering onnx``
+    (one GQA node per layer in every graph)."""
+    assert main(["inspect", str(llama_artifact), "--json", str(tmp_path / "i.json")]) == 0
+    result = json.loads((tmp_path / "i.json").read_text())
+    assert result["manifest"]["lowering"] == "gqa"
+    trt = result["tensorrt"]
+    assert trt["compatible"] is False and trt["unsupported_ops"] == ["com.microsoft.GroupQueryAttention"]
+    for name in contract.GRAPHS:
+        [problem] = trt["graphs"][name]["unsupported"]
+        assert problem["op"] == "com.microsoft.GroupQueryAttention" and problem["count"] == 2
+        assert "--lowering onnx" in problem["reason"]
