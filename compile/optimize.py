@@ -120,16 +120,16 @@ class RotateHalfRotary(pattern.RewriteRuleClassBase):
             return result.fail("the first slice is not x[..., :D/2]")
         if ints["s2"] != [half] or ints["e2"] is None or ints["e2"][0] < 2 * half:
             return result.fail("the second slice is not x[..., D/2:]")
-        for angle in (cos, sin):
-            if _unsqueezed_3d(angle) is None or not _halves_repeat(_unsqueezed_3d(angle)):
+        for angle in (cos, sin):  # a leaf of the pattern: the q and k rotaries of a layer share it
+            inner = _unsqueezed_3d(angle)
+            if inner is None or not _halves_repeat(inner):
                 return result.fail("cos/sin are not an unsqueezed [B, S, D] with repeated halves", angle)
         return result
 
     def rewrite(self, op, x, cos, sin, **_):
-        half = x.shape[3] // 2
-        first = [op.Slice(_unsqueezed_3d(a), op.Constant(value_ints=[0]), op.Constant(value_ints=[half]),
-                          op.Constant(value_ints=[-1])) for a in (cos, sin)]  # fmt: skip
-        return op.RotaryEmbedding(x, *first, interleaved=0)
+        starts, ends, last = (op.Constant(value_ints=[v]) for v in (0, x.shape[3] // 2, -1))
+        cos_half, sin_half = (op.Slice(_unsqueezed_3d(angle), starts, ends, last) for angle in (cos, sin))
+        return op.RotaryEmbedding(x, cos_half, sin_half, interleaved=0)
 
 
 def fuse_rotary(model: ir.Model) -> int:

@@ -52,9 +52,9 @@ def cached_attention(
     already encodes ``window``, the sliding window in tokens or 0; the ``gqa`` lowering needs it as
     a number). Returns ``(output [B, H_q, S, D], present_key, present_value)``.
     """
-    present_key = reference.reference_update(past_key, key, write_indices)
-    present_value = reference.reference_update(past_value, value, write_indices)
-    output = reference.reference_attention(query, present_key, present_value, mask, scale, softcap)
+    present_key = reference.update(past_key, key, write_indices)
+    present_value = reference.update(past_value, value, write_indices)
+    output = reference.attention(query, present_key, present_value, mask, scale, softcap)
     return output, present_key, present_value
 
 

@@ -30,21 +30,21 @@ def attention_mask(write_indices: torch.Tensor, seq_len: int, capacity: int, win
     return mask.unsqueeze(1)  # (B, 1, S, S_max)
 
 
-def reference_update(past: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+def update(past: torch.Tensor, new: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
     """Functional KV update (ONNX ``TensorScatter``, axis -2, linear mode).
 
-    past ``[B, H_kv, S_max, D]``, update ``[B, H_kv, S, D]``, write_indices ``[B]`` int64.
-    Returns a new tensor equal to ``past`` with ``update[b]`` written at rows
+    past ``[B, H_kv, S_max, D]``, new ``[B, H_kv, S, D]``, write_indices ``[B]`` int64.
+    Returns a new tensor equal to ``past`` with ``new[b]`` written at rows
     ``[write_indices[b], write_indices[b] + S)`` of row ``b``.
     """
     present = past.clone()
-    seq_len = update.shape[-2]
+    seq_len = new.shape[-2]
     index = query_cache_indices(write_indices, seq_len)  # (B, S)
-    index = index[:, None, :, None].expand(-1, update.shape[1], -1, update.shape[-1])  # (B, H_kv, S, D)
-    return present.scatter_(-2, index, update)
+    index = index[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1])  # (B, H_kv, S, D)
+    return present.scatter_(-2, index, new)
 
 
-def reference_attention(
+def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

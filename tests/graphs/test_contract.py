@@ -28,7 +28,7 @@ def test_cache_shape_and_names():
 def test_update_writes_only_new_rows_at_each_rows_index():
     past = torch.arange(2 * 1 * 6 * 2, dtype=torch.float32).view(2, 1, 6, 2)
     update = -torch.ones(2, 1, 2, 2)
-    present = reference.reference_update(past, update, torch.tensor([1, 4]))
+    present = reference.update(past, update, torch.tensor([1, 4]))
     expected = past.clone()
     expected[0, :, 1:3] = -1
     expected[1, :, 4:6] = -1
@@ -51,7 +51,7 @@ def test_attention_matches_naive_softmax_with_gqa():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     mask = reference.attention_mask(torch.tensor([2]), seq_len=2, capacity=5)
-    out = reference.reference_attention(q, k, v, mask, scale=8**-0.5)
+    out = reference.attention(q, k, v, mask, scale=8**-0.5)
     for h in range(4):
         kv = h // 2  # query heads 0,1 share KV head 0; 2,3 share KV head 1
         for s, visible in enumerate((3, 4)):  # queries at cache indices 2 and 3
@@ -66,6 +66,6 @@ def test_custom_op_is_update_then_attention():
     wi = torch.tensor([0, 5])
     mask = reference.attention_mask(wi, 3, 10)
     out, k2, v2 = lowering.cached_attention(q, k, v, pk, pv, wi, mask, 0.5, 0.0, 0)
-    torch.testing.assert_close(k2, reference.reference_update(pk, k, wi))
-    torch.testing.assert_close(v2, reference.reference_update(pv, v, wi))
-    torch.testing.assert_close(out, reference.reference_attention(q, k2, v2, mask, 0.5))
+    torch.testing.assert_close(k2, reference.update(pk, k, wi))
+    torch.testing.assert_close(v2, reference.update(pv, v, wi))
+    torch.testing.assert_close(out, reference.attention(q, k2, v2, mask, 0.5))
