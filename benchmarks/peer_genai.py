@@ -292,12 +292,12 @@ def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
 
     from kvforge.runtime import Engine  # no torch: the runtime imports numpy and onnxruntime only
 
-    load_kwargs = {}
-    if job["threads"] and "threads" in inspect.signature(Engine.load).parameters:
+    load_kwargs, accepted = {}, inspect.signature(Engine.load).parameters  # older kvforge: fewer options
+    if job["threads"] and "threads" in accepted:
         load_kwargs["threads"] = job["threads"]
     if job.get("prepack") is not None:
         load_kwargs["prepack"] = job["prepack"]
-    if "one_session" in inspect.signature(Engine.load).parameters:
+    if "one_session" in accepted:
         load_kwargs["one_session"] = job.get("one_session", True)
     before = rss_bytes()
     rows, n = job["prompts"], job["new_tokens"]

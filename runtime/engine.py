@@ -169,8 +169,8 @@ class Engine:
     def prefill(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> np.ndarray:
         """Write each row's tokens into its cache row at ``start`` (default 0) and return the logits
         of each row's last token, ``[B, V]`` (a view of the engine's logits buffer, valid until the
-        next step; copy it to keep it). Starts a new batch of ``len(rows)`` rows; ``start > 0`` continues a sequence
-        already in the cache (chunked prefill, multi-turn)."""
+        next step; copy it to keep it). Starts a new batch of ``len(rows)`` rows; ``start > 0``
+        continues a sequence already in the cache (chunked prefill, multi-turn)."""
         batch = len(rows)
         start = list(start) if start is not None else [0] * batch
         self._check_rows(rows, start)
