@@ -1,6 +1,24 @@
 """kvforge.runtime: load a compiled artifact and generate, with one persistent KV cache."""
 
 from kvforge.graphs.manifest import ArtifactError
+from kvforge.runtime.chat import ChatTemplate, ChatTemplateError
+from kvforge.runtime.detokenize import IncrementalDetokenizer
 from kvforge.runtime.engine import Engine, GenerationResult
+from kvforge.runtime.sampling import GenerationDefaults, Sampler, SamplingParams, TokenLogprob
+from kvforge.runtime.stops import StopStrings
+from kvforge.runtime.tokenizer import Tokenizer
 
-__all__ = ["ArtifactError", "Engine", "GenerationResult"]
+__all__ = [
+    "ArtifactError",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "Engine",
+    "GenerationDefaults",
+    "GenerationResult",
+    "IncrementalDetokenizer",
+    "Sampler",
+    "SamplingParams",
+    "StopStrings",
+    "TokenLogprob",
+    "Tokenizer",
+]

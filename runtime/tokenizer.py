@@ -11,10 +11,24 @@ class Tokenizer:
 
         self._tok = _Tokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids as ``transformers``' ``tokenizer(text)`` gives them (special tokens included,
-        e.g. a BOS where the tokenizer's post-processor adds one)."""
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids as ``transformers``' ``tokenizer(text, add_special_tokens=...)`` gives them.
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        ``add_special_tokens=True``: what the tokenizer's post-processor adds (e.g. a BOS) is included.
+        Chat prompts are encoded with ``add_special_tokens=False``, as ``apply_chat_template(tokenize=True)``
+        does (the template writes its own BOS).
+        """
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` through the tokenizer's decoder; special tokens dropped unless asked for."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string (e.g. ``"<|im_end|>"``), or None when the vocabulary lacks it."""
+        return self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)

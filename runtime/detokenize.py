@@ -1,0 +1,54 @@
+"""Incremental detokenization: generated token ids in, text out as soon as it is final.
+
+Input: one generated id at a time. Output: the new text each id completes. The approach of vLLM's
+``detokenize_incrementally`` and transformers' ``TextStreamer``: decode a short window of ids
+(``[prefix, read)`` already emitted, ``[read, end)`` not yet) and emit what the whole window decodes
+to beyond the prefix's text, holding back while the text ends with U+FFFD (a UTF-8 character split
+across byte-level tokens, or a byte-fallback sequence not yet complete). Decoding a window rather than
+one id keeps the pieces that merge across tokens right (SentencePiece "▁" spaces, byte fallback).
+
+Invariant: ``"".join(add(t) for t in ids) + flush() == tokenizer.decode(ids)``.
+"""
+
+from __future__ import annotations
+
+from kvforge.runtime.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """One request's detokenization state (its generated ids and two window offsets)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: ids before it are emitted and no longer decoded
+        self._read = 0  # ids in [prefix, read) are emitted; their text is _prefix_text
+        self._prefix_text = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids added so far (owned by the detokenizer; do not modify)."""
+        return self._ids
+
+    def add(self, token_id: int) -> str:
+        """Add one generated id; return the text it completes ('' while a character or piece is incomplete)."""
+        self._ids.append(int(token_id))
+        text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
+            return ""  # nothing new (e.g. a skipped special token) or an incomplete character: hold back
+        new = text[len(self._prefix_text) :]
+        # Slide the window: what was new becomes the prefix that gives the next id its context.
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        return new
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. an incomplete character at the end), once no id follows."""
+        text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        new = text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
+        self._prefix = self._read = len(self._ids)
+        self._prefix_text = ""
+        return new

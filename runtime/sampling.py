@@ -1,0 +1,412 @@
+"""Per-request sampling: request parameters, the model's generation defaults, and the sampler.
+
+Input: one row of next-token logits ``[V]`` (float32/float16) per step. Output: the chosen token id,
+plus its log-probability and top alternatives when asked. numpy only (no torch, no transformers).
+
+The processors run in transformers' order (``GenerationMixin._get_logits_processor``), each with
+transformers' arithmetic, in float32 as transformers does after ``logits.to(torch.float32)``:
+
+1. repetition penalty (``RepetitionPenaltyLogitsProcessor``): for every id in prompt + generated ids,
+   ``logit * p`` when the logit is < 0, else ``logit / p``. Applied in greedy mode too.
+2. frequency and presence penalties (not in transformers; OpenAI's definition, as vLLM applies them
+   right after its repetition penalty and before temperature): over the *generated* ids only,
+   ``logit -= frequency_penalty * count``, then ``logit -= presence_penalty * (count > 0)``.
+   Applied in greedy mode too.
+3. temperature 0: greedy, ``argmax`` of the penalised logits (ties: the lowest id, as np.argmax);
+   no processor below runs and nothing is drawn from the RNG.
+4. temperature (``TemperatureLogitsWarper``): ``logit / t`` when ``t != 1``.
+5. top-k (``TopKLogitsWarper``): keep the tokens whose logit is >= the k-th largest (ties kept).
+6. top-p (``TopPLogitsWarper``): sort ascending, softmax, cumulative sum; drop the tokens whose
+   cumulative probability is ``<= 1 - top_p``; the most likely token is always kept.
+7. min-p (``MinPLogitsWarper``): drop the tokens whose probability is ``< min_p * max probability``.
+8. softmax over what is left, one uniform draw from the request's ``numpy.random.Generator(PCG64(seed))``,
+   inverse CDF over the kept tokens in increasing id order.
+
+Log-probabilities (``logprobs=k``) are those of the model's raw distribution, ``log_softmax(logits)``
+before any processor, which is what the OpenAI API and vLLM return by default (vLLM's
+``logprobs_mode="raw_logprobs"``): the chosen token's and the k most likely tokens'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _real(name: str, value: object, accepted: str, ok) -> float:
+    """``value`` as a float, or a ValueError naming ``name``, the value and what is accepted."""
+    if not _is_real(value) or math.isnan(float(value)) or not ok(float(value)):
+        raise ValueError(f"{name}={value!r} is not accepted: {name} must be {accepted}")
+    return float(value)
+
+
+def _int(name: str, value: object, accepted: str, ok) -> int:
+    if not _is_int(value) or not ok(int(value)):
+        raise ValueError(f"{name}={value!r} is not accepted: {name} must be {accepted}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What transformers' ``GenerationConfig`` would use for this model when a request leaves a field unset.
+
+    Values from the artifact's ``generation_config.json``, unset (absent or null) fields filled with
+    ``GenerationConfig._get_default_generation_params()``'s values, as ``generate`` does.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def from_artifact(cls, artifact_dir: Path) -> GenerationDefaults:
+        """Read ``artifact_dir/generation_config.json`` if present (else transformers' global defaults)."""
+        path = Path(artifact_dir) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        base = cls()
+        values = {}
+        for f in fields(cls):
+            v = data.get(f.name)
+            values[f.name] = getattr(base, f.name) if v is None else v
+        return cls(
+            do_sample=bool(values["do_sample"]),
+            temperature=float(values["temperature"]),
+            top_k=int(values["top_k"]),
+            top_p=float(values["top_p"]),
+            min_p=None if values["min_p"] is None else float(values["min_p"]),
+            repetition_penalty=float(values["repetition_penalty"]),
+        )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling parameters; ``None`` means "the model's default" (see ``resolve``).
+
+    Validated on construction: a bad value raises ``ValueError`` naming the parameter, the value and
+    what is accepted. Ints are normalised to floats in the float fields.
+    """
+
+    temperature: float | None = None  # None: the model's default; 0.0: greedy (argmax)
+    top_k: int | None = None  # 0: off
+    top_p: float | None = None  # (0, 1]; 1.0: off
+    min_p: float | None = None  # [0, 1]; 0.0: off
+    repetition_penalty: float | None = None  # > 0; 1.0: off; over prompt + generated ids
+    presence_penalty: float = 0.0  # OpenAI/vLLM semantics over the generated ids; [-2, 2]
+    frequency_penalty: float = 0.0  # same
+    seed: int | None = None  # None: fresh entropy per request
+    logprobs: int | None = None  # None: off; k in [0, 20]: each token's logprob + top-k alternatives
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.temperature is not None:
+            put(
+                "temperature",
+                _real(
+                    "temperature",
+                    self.temperature,
+                    "a finite number >= 0 (0 means greedy) or None",
+                    lambda v: 0 <= v < math.inf,
+                ),
+            )
+        if self.top_k is not None:
+            put("top_k", _int("top_k", self.top_k, "an int >= 0 (0 turns top-k off) or None", lambda v: v >= 0))
+        if self.top_p is not None:
+            put(
+                "top_p",
+                _real("top_p", self.top_p, "a number in (0, 1] (1 turns top-p off) or None", lambda v: 0 < v <= 1),
+            )
+        if self.min_p is not None:
+            put(
+                "min_p",
+                _real("min_p", self.min_p, "a number in [0, 1] (0 turns min-p off) or None", lambda v: 0 <= v <= 1),
+            )
+        if self.repetition_penalty is not None:
+            put(
+                "repetition_penalty",
+                _real(
+                    "repetition_penalty",
+                    self.repetition_penalty,
+                    "a finite number > 0 (1 turns it off) or None",
+                    lambda v: 0 < v < math.inf,
+                ),
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _real(name, getattr(self, name), "a number in [-2, 2] (0 turns it off)", lambda v: -2 <= v <= 2))
+        if self.seed is not None:
+            put("seed", _int("seed", self.seed, "an int >= 0 or None (fresh entropy)", lambda v: v >= 0))
+        if self.logprobs is not None:
+            put(
+                "logprobs",
+                _int(
+                    "logprobs",
+                    self.logprobs,
+                    f"an int in [0, {MAX_LOGPROBS}] (the number of alternatives per token) or None (off)",
+                    lambda v: 0 <= v <= MAX_LOGPROBS,
+                ),
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> SamplingParams:
+        """Build from a mapping (e.g. a JSON request body); unknown keys raise ValueError naming them."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling parameters must be a mapping of name -> value, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {', '.join(unknown)}; accepted: {', '.join(known)}")
+        return cls(**d)
+
+    @property
+    def resolved(self) -> bool:
+        """Every model-default field is concrete (what ``Sampler`` needs)."""
+        return None not in (self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+
+    def resolve(self, defaults: GenerationDefaults) -> SamplingParams:
+        """Every ``None`` filled from the model's generation defaults.
+
+        A request without a temperature samples with the model's temperature when its generation config
+        says ``do_sample``, else decodes greedily (temperature 0), as transformers' ``generate`` does. An
+        explicit temperature > 0 always samples (OpenAI semantics). ``seed`` and ``logprobs`` keep ``None``
+        (fresh entropy; no logprobs).
+        """
+        temperature = self.temperature
+        if temperature is None:
+            temperature = defaults.temperature if defaults.do_sample else 0.0
+        return replace(
+            self,
+            temperature=temperature,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            min_p=(defaults.min_p or 0.0) if self.min_p is None else self.min_p,
+            repetition_penalty=defaults.repetition_penalty
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model's raw distribution, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), most likely first
+
+
+class Sampler:
+    """One request's sampling state: its RNG (seeded once), token counts for the penalties, logprobs.
+
+    Owns float32/float64 scratch rows of size V allocated once; the logits passed to ``__call__`` are
+    only read (they are a view of the engine's buffer) and never kept.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> None:
+        if not params.resolved:
+            raise ValueError(
+                f"Sampler needs resolved SamplingParams (no None among temperature, top_k, top_p, min_p, "
+                f"repetition_penalty); got {params}. Call params.resolve(GenerationDefaults.from_artifact(dir)) first"
+            )
+        if not _is_int(vocab_size) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        self.params = params
+        self.vocab_size = V = int(vocab_size)
+        self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        self.logprobs: list[TokenLogprob] = []
+        self._greedy = params.temperature == 0.0
+        self._rep = params.repetition_penalty != 1.0
+        self._pen = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        self._plain = self._greedy and not self._rep and not self._pen and params.logprobs is None
+        # Penalty state: ids seen in prompt + generated (repetition), counts of generated ids (presence/frequency).
+        self._seen = np.zeros(V, dtype=bool)
+        self._seen_list: list[int] = []
+        self._seen_ids: np.ndarray | None = None  # cache of np.array(_seen_list), rebuilt when it grows
+        self._counts = np.zeros(V, dtype=np.int64)
+        self._gen_list: list[int] = []
+        self._gen_ids: np.ndarray | None = None
+        for t in prompt_ids:
+            t = int(t)
+            if 0 <= t < V and not self._seen[t]:  # ids beyond the logits' vocabulary cannot be penalised
+                self._seen[t] = True
+                self._seen_list.append(t)
+        if self._plain:
+            return
+        self._x = np.empty(V, dtype=np.float32)  # processed logits
+        self._tmp = np.empty(V, dtype=np.float32)  # partition / exp scratch
+        self._mask = np.empty(V, dtype=bool)
+        self._p = np.empty(V, dtype=np.float64)  # probabilities of the candidates
+        self._all = np.arange(V)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Temperature 0, no penalties, no logprobs: the engine may argmax a whole batch at once (then ``record``)."""
+        return self._plain
+
+    def record(self, token_id: int) -> None:
+        """Count a generated token (for the penalties); ``__call__`` does this itself."""
+        t = int(token_id)
+        if not 0 <= t < self.vocab_size:
+            raise ValueError(f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        if not self._seen[t]:
+            self._seen[t] = True
+            self._seen_list.append(t)
+            self._seen_ids = None
+        if self._counts[t] == 0:
+            self._gen_list.append(t)
+            self._gen_ids = None
+        self._counts[t] += 1
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """Pick the next token from ``logits`` ``[V]`` (float32/float16, read only), record it and return its id."""
+        self._check(logits)
+        if self._plain:
+            token = int(np.argmax(logits))
+            self.record(token)
+            return token
+        k = self.params.logprobs
+        if k is not None:  # before the processors touch the scratch rows
+            lse = self._log_normalizer(logits)
+            top = self._top_logprobs(logits, k, lse)
+        idx, vals = self._process(logits)
+        if idx is None:
+            token = int(np.argmax(vals))
+        else:
+            p = self._softmax(vals)
+            cdf = np.cumsum(p, out=p)
+            j = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+            token = int(idx[min(j, len(idx) - 1)])
+        if k is not None:
+            self.logprobs.append(TokenLogprob(token, float(np.float32(logits[token])) - lse, top))
+        self.record(token)
+        return token
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """The probabilities ``[V]`` float64 that ``__call__`` would draw from now (one-hot when greedy).
+
+        Excluded tokens are exactly 0. Records nothing and draws nothing (for tests and inspection).
+        """
+        self._check(logits)
+        out = np.zeros(self.vocab_size, dtype=np.float64)
+        if self._plain:
+            out[int(np.argmax(logits))] = 1.0
+            return out
+        idx, vals = self._process(logits)
+        if idx is None:
+            out[int(np.argmax(vals))] = 1.0
+        else:
+            out[idx] = self._softmax(vals)
+        return out
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _check(self, logits: np.ndarray) -> None:
+        if logits.shape != (self.vocab_size,):
+            raise ValueError(f"logits must be one row of shape ({self.vocab_size},), got {logits.shape}")
+
+    def _process(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """Processors 1-7 of the module docstring. Returns ``(None, x[V])`` when greedy, else the kept
+        candidate ids (increasing) and their processed float32 logits."""
+        p = self.params
+        x = self._x
+        np.copyto(x, logits, casting="same_kind")
+        if self._rep and self._seen_list:
+            if self._seen_ids is None:
+                self._seen_ids = np.array(self._seen_list, dtype=np.intp)
+            s = x[self._seen_ids]
+            x[self._seen_ids] = np.where(
+                s < 0, s * np.float32(p.repetition_penalty), s / np.float32(p.repetition_penalty)
+            )
+        if self._pen and self._gen_list:
+            if self._gen_ids is None:
+                self._gen_ids = np.array(self._gen_list, dtype=np.intp)
+            g = self._gen_ids
+            s = x[g] - np.float32(p.frequency_penalty) * self._counts[g].astype(np.float32)
+            x[g] = s - np.float32(p.presence_penalty)
+        if self._greedy:
+            return None, x
+        if p.temperature != 1.0:
+            np.divide(x, np.float32(p.temperature), out=x)
+        V = self.vocab_size
+        if 0 < p.top_k < V:
+            t = self._tmp
+            np.copyto(t, x)
+            t.partition(V - p.top_k)
+            np.greater_equal(x, t[V - p.top_k], out=self._mask)
+            idx = np.flatnonzero(self._mask)
+            vals = x[idx]
+        else:
+            idx, vals = self._all, x
+        if p.top_p < 1.0:
+            order = np.argsort(vals, kind="stable")  # ascending, as TopPLogitsWarper sorts
+            sv = vals[order]
+            e = np.exp(sv - sv[-1])
+            cum = np.cumsum(e / e.sum(dtype=np.float32), dtype=np.float32)
+            drop = cum <= np.float32(1 - p.top_p)
+            drop[-1] = False
+            keep = np.sort(order[~drop])
+            idx, vals = idx[keep], vals[keep]
+        if p.min_p > 0.0:
+            e = np.exp(vals - vals.max())
+            probs = e / e.sum(dtype=np.float32)
+            keep = np.flatnonzero(probs >= np.float32(p.min_p) * probs.max())
+            idx, vals = idx[keep], vals[keep]
+        return idx, vals
+
+    def _softmax(self, vals: np.ndarray) -> np.ndarray:
+        """float64 softmax of ``vals`` into the scratch row (a view of it; valid until the next call)."""
+        out = self._p[: len(vals)]
+        np.subtract(vals, vals.max(), out=out, dtype=np.float64)
+        np.exp(out, out=out)
+        out /= out.sum()
+        return out
+
+    def _log_normalizer(self, logits: np.ndarray) -> float:
+        """``logsumexp(logits)`` in float64 from the float32 values."""
+        t = self._tmp
+        np.copyto(t, logits, casting="same_kind")
+        m = float(t.max())
+        np.subtract(t, np.float32(m), out=t)
+        np.exp(t, out=t)
+        return m + math.log(float(t.sum(dtype=np.float64)))
+
+    def _top_logprobs(self, logits: np.ndarray, k: int, lse: float) -> list[tuple[int, float]]:
+        """The k most likely tokens of the raw distribution (ties: lower id first) with their logprobs."""
+        if k == 0:
+            return []
+        t = self._tmp
+        V = self.vocab_size
+        np.copyto(t, logits, casting="same_kind")
+        kk = min(k, V)
+        t.partition(V - kk)
+        np.greater_equal(logits, t[V - kk], out=self._mask)
+        cand = np.flatnonzero(self._mask)
+        cv = logits[cand].astype(np.float32)
+        order = np.lexsort((cand, -cv))[:kk]
+        return [(int(cand[i]), float(cv[i]) - lse) for i in order]
