@@ -43,3 +43,32 @@ def llama_reference(llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager").eval()
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def llama_chat_artifact(llama_dir, tmp_path_factory) -> Path:
+    """``llama_dir``'s model with a ChatML chat template in its tokenizer_config.json (max_batch 2,
+    max_seq 128, no score graph): the artifact chat, sessions' chat and ``kvforge chat`` run on."""
+    import json
+    import shutil
+
+    from kvforge.compile import compile_model
+
+    model = tmp_path_factory.mktemp("llama-chat") / "model"
+    shutil.copytree(llama_dir, model)
+    config = {
+        "chat_template": CHATML_TEMPLATE,
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path_factory.mktemp("artifacts") / "llama-chat"
+    compile_model(model, out, max_batch=2, max_seq=128, score_graph=False, progress=None)
+    return out
