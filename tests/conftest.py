@@ -54,7 +54,7 @@ CHATML_TEMPLATE = (
 @pytest.fixture(scope="session")
 def llama_chat_artifact(llama_dir, tmp_path_factory) -> Path:
     """``llama_dir``'s model with a ChatML chat template in its tokenizer_config.json (max_batch 2,
-    max_seq 128, no score graph): the artifact chat, sessions' chat and ``kvforge chat`` run on."""
+    max_seq 256, no score graph): the artifact chat, sessions' chat and ``kvforge chat`` run on."""
     import json
     import shutil
 
@@ -70,5 +70,5 @@ def llama_chat_artifact(llama_dir, tmp_path_factory) -> Path:
     }
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     out = tmp_path_factory.mktemp("artifacts") / "llama-chat"
-    compile_model(model, out, max_batch=2, max_seq=128, score_graph=False, progress=None)
+    compile_model(model, out, max_batch=2, max_seq=256, score_graph=False, progress=None)
     return out
