@@ -355,22 +355,13 @@ class Sampler:
             np.divide(x, np.float32(p.temperature), out=x)
         V = self.vocab_size
         if 0 < p.top_k < V:
-            t = self._tmp
-            np.copyto(t, x)
-            t.partition(V - p.top_k)
-            np.greater_equal(x, t[V - p.top_k], out=self._mask)
+            np.greater_equal(x, self._kth_largest(x, p.top_k), out=self._mask)  # ties with the k-th are kept
             idx = np.flatnonzero(self._mask)
             vals = x[idx]
         else:
             idx, vals = self._all, x
         if p.top_p < 1.0:
-            order = np.argsort(vals, kind="stable")  # ascending, as TopPLogitsWarper sorts
-            sv = vals[order]
-            e = np.exp(sv - sv[-1])
-            cum = np.cumsum(e / e.sum(dtype=np.float32), dtype=np.float32)
-            drop = cum <= np.float32(1 - p.top_p)
-            drop[-1] = False
-            keep = np.sort(order[~drop])
+            keep = self._top_p_keep(vals, p.top_p)
             idx, vals = idx[keep], vals[keep]
         if p.min_p > 0.0:
             e = np.exp(vals - vals.max())
@@ -378,6 +369,56 @@ class Sampler:
             keep = np.flatnonzero(probs >= np.float32(p.min_p) * probs.max())
             idx, vals = idx[keep], vals[keep]
         return idx, vals
+
+    def _kth_largest(self, a: np.ndarray, k: int) -> np.float32:
+        """The k-th largest value of ``a`` (1-D, 1 <= k <= len(a)) without partitioning all of it.
+
+        The k-th largest of a strided subsample is a lower bound of the k-th largest of ``a``, so the
+        values >= it (about ``k * stride``) hold the k largest: only those are partitioned.
+        """
+        n = len(a)
+        stride = n // (8 * k)
+        if stride >= 4:
+            sub = np.partition(a[::stride], -k)  # a copy of n / stride values
+            mask = self._mask[:n]
+            np.greater_equal(a, sub[-k], out=mask)
+            a = a[mask]
+        else:
+            a = a.copy()
+        a.partition(len(a) - k)
+        return a[len(a) - k]
+
+    def _top_p_keep(self, vals: np.ndarray, top_p: float) -> np.ndarray:
+        """Positions in ``vals`` (increasing) that TopPLogitsWarper keeps.
+
+        Its rule: sort ascending, float32 softmax, cumulative sum (torch accumulates a float32 cumsum
+        in double on CPU), drop where ``cum <= 1 - top_p``, always keep the largest. Only the nucleus
+        needs sorting: the tokens outside it all have ``cum <= 1 - top_p``, and their total mass is
+        what the nucleus's cumulative sum starts from.
+        """
+        n = len(vals)
+        probs = self._tmp[:n]
+        np.subtract(vals, vals.max(), out=probs)
+        np.exp(probs, out=probs)
+        probs /= probs.sum(dtype=np.float32)
+        bound = np.float32(1 - top_p)
+        cand, m = None, 256
+        while m * 8 <= n:  # grow a candidate set until it holds the nucleus with a margin
+            np.greater_equal(probs, self._kth_largest(probs, m), out=self._mask[:n])
+            c = np.flatnonzero(self._mask[:n])
+            tail = float(probs.sum(dtype=np.float64)) - float(probs[c].sum(dtype=np.float64))
+            if tail < float(bound) * (1 - 1e-4):
+                cand = c
+                break
+            m *= 8
+        if cand is None:
+            cand, tail = np.arange(n), 0.0
+        cp = probs[cand]
+        order = np.argsort(cp, kind="stable")
+        cum = (tail + np.cumsum(cp[order], dtype=np.float64)).astype(np.float32)
+        drop = cum <= bound
+        drop[-1] = False
+        return cand[np.sort(order[~drop])]
 
     def _softmax(self, vals: np.ndarray) -> np.ndarray:
         """float64 softmax of ``vals`` into the scratch row (a view of it; valid until the next call)."""
@@ -401,12 +442,10 @@ class Sampler:
         if k == 0:
             return []
         t = self._tmp
-        V = self.vocab_size
         np.copyto(t, logits, casting="same_kind")
-        kk = min(k, V)
-        t.partition(V - kk)
-        np.greater_equal(logits, t[V - kk], out=self._mask)
+        kk = min(k, self.vocab_size)
+        np.greater_equal(t, self._kth_largest(t, kk), out=self._mask)
         cand = np.flatnonzero(self._mask)
-        cv = logits[cand].astype(np.float32)
+        cv = t[cand]
         order = np.lexsort((cand, -cv))[:kk]
         return [(int(cand[i]), float(cv[i]) - lse) for i in order]

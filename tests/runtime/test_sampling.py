@@ -135,6 +135,33 @@ def test_distribution_equals_transformers_processors(case, dtype):
             assert kept_got.sum() < V, f"{case} filtered nothing: the case does not test the filter"
 
 
+LARGE_CASES = {
+    "top_k": dict(temperature=0.8, top_k=40),
+    "top_k_large": dict(temperature=0.8, top_k=3000),
+    "top_p_peaky": dict(temperature=0.7, top_p=0.9),
+    "top_p_flat": dict(temperature=3.0, top_p=0.95),
+    "top_p_min_p": dict(temperature=1.0, top_p=0.6, min_p=0.02, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("case", list(LARGE_CASES))
+def test_large_vocabulary_fast_paths_equal_transformers(case):
+    """At V=32768 top-k and top-p select from a subsample / a candidate nucleus instead of sorting
+    everything (or fall back to the full sort for a flat distribution): same kept set, same p."""
+    n_vocab = 32768
+    params = SamplingParams(**{**OFF, **LARGE_CASES[case]})
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        logits = (rng.standard_normal(n_vocab) * 3).astype(np.float32)
+        prompt = rng.integers(0, n_vocab, 50).tolist()
+        s = Sampler(params, prompt, n_vocab)
+        got = s.distribution(logits)
+        ref = hf_distribution(params, logits, prompt, [])
+        assert np.array_equal(got > 0, ref > 0), f"{case}: kept {int((got > 0).sum())} vs {int((ref > 0).sum())}"
+        assert np.all(np.abs(got - ref) <= ATOL + RTOL * ref), case
+        assert 1 < (got > 0).sum() < n_vocab
+
+
 def test_greedy_is_argmax_of_penalised_logits_lowest_id_on_ties():
     logits = np.zeros(V, dtype=np.float32)
     logits[[7, 3, 300]] = 5.0
