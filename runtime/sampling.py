@@ -34,6 +34,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,14 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), most likely first
 
 
+@lru_cache(maxsize=8)
+def _arange(n: int) -> np.ndarray:
+    """``arange(n)`` shared by every Sampler of a vocabulary size (read only)."""
+    a = np.arange(n)
+    a.flags.writeable = False
+    return a
+
+
 class Sampler:
     """One request's sampling state: its RNG (seeded once), token counts for the penalties, logprobs.
 
@@ -244,25 +253,26 @@ class Sampler:
         self._rep = params.repetition_penalty != 1.0
         self._pen = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self._plain = self._greedy and not self._rep and not self._pen and params.logprobs is None
+        if self._plain:
+            return  # nothing to count, nothing to scratch: the engine's argmax is the whole job
         # Penalty state: ids seen in prompt + generated (repetition), counts of generated ids (presence/frequency).
         self._seen = np.zeros(V, dtype=bool)
         self._seen_list: list[int] = []
         self._seen_ids: np.ndarray | None = None  # cache of np.array(_seen_list), rebuilt when it grows
-        self._counts = np.zeros(V, dtype=np.int64)
+        self._counts = np.zeros(V, dtype=np.int32)
         self._gen_list: list[int] = []
         self._gen_ids: np.ndarray | None = None
-        for t in prompt_ids:
-            t = int(t)
-            if 0 <= t < V and not self._seen[t]:  # ids beyond the logits' vocabulary cannot be penalised
-                self._seen[t] = True
-                self._seen_list.append(t)
-        if self._plain:
-            return
+        if self._rep:
+            for t in prompt_ids:
+                t = int(t)
+                if 0 <= t < V and not self._seen[t]:  # ids beyond the logits' vocabulary cannot be penalised
+                    self._seen[t] = True
+                    self._seen_list.append(t)
         self._x = np.empty(V, dtype=np.float32)  # processed logits
         self._tmp = np.empty(V, dtype=np.float32)  # partition / exp scratch
         self._mask = np.empty(V, dtype=bool)
         self._p = np.empty(V, dtype=np.float64)  # probabilities of the candidates
-        self._all = np.arange(V)
+        self._all = _arange(V)
 
     @property
     def plain_greedy(self) -> bool:
@@ -274,6 +284,8 @@ class Sampler:
         t = int(token_id)
         if not 0 <= t < self.vocab_size:
             raise ValueError(f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        if self._plain:
+            return
         if not self._seen[t]:
             self._seen[t] = True
             self._seen_list.append(t)
