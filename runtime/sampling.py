@@ -95,13 +95,25 @@ class GenerationDefaults:
         for f in fields(cls):
             v = data.get(f.name)
             values[f.name] = getattr(base, f.name) if v is None else v
+        if not isinstance(values["do_sample"], bool):
+            raise ValueError(f"{path}: do_sample={values['do_sample']!r} must be true or false; fix the file")
+        try:  # the same checks a request gets, so a bad file fails here and not in every request
+            checked = SamplingParams(
+                temperature=values["temperature"],
+                top_k=values["top_k"],
+                top_p=values["top_p"],
+                min_p=values["min_p"],
+                repetition_penalty=values["repetition_penalty"],
+            )
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}; fix the model's generation config") from e
         return cls(
-            do_sample=bool(values["do_sample"]),
-            temperature=float(values["temperature"]),
-            top_k=int(values["top_k"]),
-            top_p=float(values["top_p"]),
-            min_p=None if values["min_p"] is None else float(values["min_p"]),
-            repetition_penalty=float(values["repetition_penalty"]),
+            do_sample=values["do_sample"],
+            temperature=checked.temperature,
+            top_k=checked.top_k,
+            top_p=checked.top_p,
+            min_p=checked.min_p,
+            repetition_penalty=checked.repetition_penalty,
         )
 
 

@@ -291,6 +291,23 @@ def test_generation_defaults_read_as_transformers(tmp_path, name):
     assert resolved.temperature == (got.temperature if got.do_sample else 0.0)
 
 
+def test_generation_defaults_refuse_bad_files(tmp_path):
+    path = tmp_path / "generation_config.json"
+    for content, message in (
+        ({"do_sample": True, "top_p": 1.5}, "top_p=1.5 is not accepted"),
+        ({"temperature": -1}, "temperature=-1 is not accepted"),
+        ({"top_k": "many"}, "top_k='many' is not accepted"),
+        ({"do_sample": "yes"}, "do_sample='yes' must be true or false"),
+    ):
+        path.write_text(json.dumps(content))
+        with pytest.raises(ValueError) as e:
+            GenerationDefaults.from_artifact(tmp_path)
+        assert str(path) in str(e.value) and message in str(e.value), str(e.value)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        GenerationDefaults.from_artifact(tmp_path)
+
+
 def test_generation_defaults_without_file_and_resolve(tmp_path):
     d = GenerationDefaults.from_artifact(tmp_path)
     assert d == GenerationDefaults()
