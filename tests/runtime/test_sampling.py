@@ -5,13 +5,15 @@ processors, built by transformers' ``_get_logits_processor`` (so in its order), 
 prompt/generated ids, for each processor alone and all combined, float32 and float16 logits; the kept
 token sets are identical and the probabilities agree within 1e-6 + 1e-5·p (presence/frequency
 penalties, absent from transformers, are applied in the reference with vLLM's arithmetic right after the
-repetition penalty); (2) temperature 0 is argmax (lowest id on ties) of the penalised logits; (3) a seed
+repetition penalty); the same at V=32768, where top-k/top-p take their fast paths, and with many exact
+ties at the top-k threshold; (2) temperature 0 is argmax (lowest id on ties) of the penalised logits; (3) a seed
 gives the same tokens alone or interleaved with other requests, one RNG draw per sampled token, and
 different seeds differ; (4) empirical frequencies of 20000 draws match the distribution within 5
 standard errors and excluded tokens are never drawn; (5) logprobs are the raw log-softmax (numpy
 reference, 1e-5) with the k most likely alternatives; (6) GenerationDefaults.from_artifact reads
 generation_config.json as transformers' GenerationConfig + generate's global defaults; (7) each invalid
-parameter raises ValueError naming the parameter, the value and what is accepted.
+parameter raises ValueError naming the parameter, the value and what is accepted, and unknown keys in
+``from_dict`` and bad generation_config.json values are refused by name.
 """
 
 from __future__ import annotations
@@ -160,6 +162,19 @@ def test_large_vocabulary_fast_paths_equal_transformers(case):
         assert np.array_equal(got > 0, ref > 0), f"{case}: kept {int((got > 0).sum())} vs {int((ref > 0).sum())}"
         assert np.all(np.abs(got - ref) <= ATOL + RTOL * ref), case
         assert 1 < (got > 0).sum() < n_vocab
+
+
+def test_top_k_keeps_ties_like_transformers():
+    """Logits with many exact ties (float16 rounding of a coarse grid): every token tied with the
+    k-th largest is kept, on both the subsample path (large V, small k) and the full partition."""
+    rng = np.random.default_rng(11)
+    for n_vocab, k in ((32768, 7), (32768, 300), (512, 100), (512, 3)):
+        logits = rng.integers(-40, 40, n_vocab).astype(np.float16) / np.float16(8)
+        params = SamplingParams(**{**OFF, "temperature": 1.0, "top_k": k})
+        got = Sampler(params, [], n_vocab).distribution(logits)
+        ref = hf_distribution(params, logits, [0], [])
+        assert np.array_equal(got > 0, ref > 0) and (got > 0).sum() > k, (n_vocab, k)
+        assert np.all(np.abs(got - ref) <= ATOL + RTOL * ref)
 
 
 def test_greedy_is_argmax_of_penalised_logits_lowest_id_on_ties():
