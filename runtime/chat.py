@@ -311,4 +311,4 @@ class ChatTemplate:
                 **variables,
             )
         except jinja2.exceptions.TemplateError as e:
-            raise ChatTemplateError(f"the chat template refused these messages: {e.message or e}") from e
+            raise ChatTemplateError(f"the chat template raised an error for these messages: {e.message or e}") from e

@@ -389,3 +389,30 @@ def test_messages_are_not_modified(styles):
     text = ChatTemplate.from_artifact(styles["features"]).render(messages)
     assert json.dumps(messages) == before
     assert "<think>r</think>\nok<|im_end|>" in text  # "reasoning" reached the template as reasoning_content
+
+
+def test_special_tokens_map_json_precedence_as_transformers(tmp_path):
+    """special_tokens_map.json (AddedToken dicts too) overrides tokenizer_config.json, unless the config
+    has an added_tokens_decoder (then transformers ignores the file)."""
+    legacy = write_style(tmp_path / "legacy", "llama2")
+    cfg = json.loads((legacy / "tokenizer_config.json").read_text())
+    (legacy / "tokenizer_config.json").write_text(json.dumps({**cfg, "bos_token": "<unk>"}))
+    added = {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    stm = {"bos_token": added, "eos_token": "</s>", "pad_token": "</s>"}
+    (legacy / "special_tokens_map.json").write_text(json.dumps(stm))
+    modern = write_style(tmp_path / "modern", "llama2")
+    decoder = {"1": {**added, "special": True}}
+    (modern / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "eos_token": "</s>", "added_tokens_decoder": decoder})
+    )
+    for d, want in (
+        (legacy, {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"}),
+        (modern, {"eos_token": "</s>"}),
+    ):
+        assert (
+            ChatTemplate.from_artifact(d).special_tokens == AutoTokenizer.from_pretrained(d).special_tokens_map == want
+        )
+    want = AutoTokenizer.from_pretrained(legacy).apply_chat_template(CONVERSATION, tokenize=False)
+    assert ChatTemplate.from_artifact(legacy).render(CONVERSATION, add_generation_prompt=False) == want
+    with pytest.raises(ChatTemplateError, match="'bos_token' is undefined"):  # transformers: UndefinedError
+        ChatTemplate.from_artifact(modern).render(CONVERSATION)
