@@ -368,6 +368,7 @@ class Engine:
         with self._lock:
             self._check_step_rows(1)
             self._rows_owner = owner
+            self.batch = 0  # the step API's batch is overwritten: decode() needs a new prefill
         try:
             yield self.general_rows()
         finally:
