@@ -89,7 +89,6 @@ class Engine:
         self._dec_write = np.zeros(b, dtype=np.int64)
         self._dec_lengths = np.ones(b, dtype=np.int64)  # a decode step through the prefill graph
         self._logits = np.zeros(b * vocab, dtype=self.cache.buffer.dtype)
-        self._next = np.zeros(b, dtype=np.int64)
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
         self._decode_bindings: dict[tuple[int, int], object] = {}  # (first row, batch) -> binding
