@@ -397,7 +397,11 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this artifact has no tokenizer; pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return [int(t) for t in prompt]
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            bad = next(t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
+            raise ValueError(f"a prompt is a string or a list of token ids; this one holds {bad!r}")
+        return [int(t) for t in ids]
 
     def request(
         self,

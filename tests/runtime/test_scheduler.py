@@ -156,6 +156,10 @@ def test_a_failing_request_fails_alone(engine, solo, monkeypatch):
             sched.submit(PROMPTS[4], max_new_tokens=0)
         with pytest.raises(ValueError, match="prompt 0 has 97 tokens"):
             sched.submit([5] * 97, max_new_tokens=2)
+        with pytest.raises(ValueError, match="top_p"):
+            sched.submit(PROMPTS[4], sampling={"top_p": 2.0})
+        with pytest.raises(ValueError, match="a prompt is a string or a list of token ids"):
+            sched.submit(["two", "prompts"])
         more = sched.submit(PROMPTS[4], max_new_tokens=NEW[4])
         with pytest.raises(RuntimeError, match="sampler exploded"):
             bad.result(timeout=60)
