@@ -2,7 +2,8 @@
 exactly their solo greedy tokens (and seeded samples) while rows join and retire; streaming through
 handles; cancel frees the row at the next step; queue/TTFT/decode timings recorded and ordered;
 chunked prefill of joining requests (no call above one chunk); a failing request fails alone; bad
-parameters raise at submit; rows are the scheduler's until close; the cache is never reallocated;
+parameters raise at submit; rows are the scheduler's until close (closing the engine cancels and joins it);
+the cache is never reallocated;
 the runtime (generate, stream, sessions, scheduler, chat) imports neither torch nor transformers."""
 
 from __future__ import annotations
@@ -225,3 +226,13 @@ def test_the_runtime_imports_neither_torch_nor_transformers(llama_chat_artifact)
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False", "False"]
+
+
+def test_closing_the_engine_cancels_and_joins_its_scheduler(llama_artifact):
+    engine = Engine.load(llama_artifact)
+    sched = engine.scheduler()
+    handle = sched.submit(PROMPTS[0], max_new_tokens=80)
+    next(iter(handle))  # running
+    engine.close()
+    assert handle.result(timeout=10).finish_reason == "cancelled"
+    assert not sched._thread.is_alive()
