@@ -2,9 +2,9 @@
 exactly their solo greedy tokens (and seeded samples) while rows join and retire; streaming through
 handles; cancel frees the row at the next step; queue/TTFT/decode timings recorded and ordered;
 chunked prefill of joining requests (no call above one chunk); a failing request fails alone; bad
-parameters raise at submit; rows are the scheduler's until close (closing the engine cancels and joins it);
-the cache is never reallocated;
-the runtime (generate, stream, sessions, scheduler, chat) imports neither torch nor transformers."""
+parameters raise at submit; rows are the scheduler's until close (closing the engine cancels and
+joins it); the cache is never reallocated; the runtime (generate, stream, sessions, scheduler, chat)
+imports neither torch nor transformers."""
 
 from __future__ import annotations
 
