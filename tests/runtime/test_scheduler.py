@@ -236,3 +236,21 @@ def test_closing_the_engine_cancels_and_joins_its_scheduler(llama_artifact):
     engine.close()
     assert handle.result(timeout=10).finish_reason == "cancelled"
     assert not sched._thread.is_alive()
+
+
+def test_random_stream_of_requests_equals_solo_runs(engine):
+    """12 requests of random prompt and output lengths, a prefill chunk of 7 (prompts fill over
+    several steps while rows finish and move): every request's tokens equal its solo run."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prompts = [[0, *rng.integers(2, 384, int(rng.integers(1, 40))).tolist()] for _ in range(12)]
+    new = [int(n) for n in rng.integers(1, 20, 12)]
+    expected = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, new)]
+    with engine.scheduler(prefill_chunk=7) as sched:
+        handles = []
+        for p, n in zip(prompts, new):
+            handles.append(sched.submit(p, max_new_tokens=n))
+            time.sleep(float(rng.exponential(0.002)))
+        got = [h.result(timeout=60).token_ids for h in handles]
+    assert got == expected
