@@ -54,7 +54,8 @@ class Workload:
 
     @property
     def max_seq(self) -> int:
-        return self.prompt_len[1] + self.new_tokens[1]
+        # compile's default --max-seq (512), the capacity a user gets, unless the workload needs more
+        return max(512, self.prompt_len[1] + self.new_tokens[1])
 
 
 WORKLOADS = {
