@@ -36,15 +36,31 @@ class KVCache:
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
-    def views(self, batch: int) -> dict[str, np.ndarray]:
-        """The first ``batch`` rows of every layer's key and value cache, by past-input name.
+    def views(self, batch: int, first: int = 0) -> dict[str, np.ndarray]:
+        """Rows ``[first, first + batch)`` of every layer's key and value cache, by past-input name.
 
-        Each view ``[batch, H_kv, S_max, D]`` is contiguous and aliases ``buffer``: no copy.
+        Each view ``[batch, H_kv, S_max, D]`` is contiguous (a range of whole rows of the
+        ``[B_max, H_kv, S_max, D]`` layer cache) and aliases ``buffer``: no copy.
         """
-        if not 1 <= batch <= self.max_batch:
-            raise ValueError(f"batch {batch} is outside 1..{self.max_batch} (the artifact's max_batch)")
+        if not 1 <= batch <= self.max_batch or not 0 <= first <= self.max_batch - batch:
+            raise ValueError(
+                f"cache rows [{first}, {first + batch}) are outside [0, {self.max_batch}) (the artifact's max_batch)"
+            )
         views = {}
         for layer in range(self.num_layers):
-            views[contract.past_key_name(layer)] = self.buffer[layer, 0, :batch]
-            views[contract.past_value_name(layer)] = self.buffer[layer, 1, :batch]
+            views[contract.past_key_name(layer)] = self.buffer[layer, 0, first : first + batch]
+            views[contract.past_value_name(layer)] = self.buffer[layer, 1, first : first + batch]
         return views
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of cache row ``src`` into row ``dst`` (every layer,
+        key and value), in place: ``buffer[:, :, dst, :, :length] = buffer[:, :, src, :, :length]``.
+        Positions ``>= length`` of ``dst`` keep stale values, which attention masks."""
+        if src == dst or length == 0:
+            return
+        for row in (src, dst):
+            if not 0 <= row < self.max_batch:
+                raise ValueError(f"cache row {row} is outside [0, {self.max_batch})")
+        if not 0 <= length <= self.max_seq:
+            raise ValueError(f"length {length} is outside [0, {self.max_seq}]")
+        self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]

@@ -1,53 +1,65 @@
 """``Engine``: a compiled artifact -> text, with one persistent KV cache bound to both graphs.
 
-    from kvforge.runtime import Engine
+    from kvforge.runtime import Engine, SamplingParams
     with Engine.load("out") as engine:
         [result] = engine.generate(["The for statement"], max_new_tokens=32)
         print(result.text, result.finish_reason)
+        for chunk in engine.stream("The for statement", sampling=SamplingParams(temperature=0.7, seed=1)):
+            print(chunk.text, end="")
 
 Ownership. The engine owns every buffer the graphs read or write: the KV cache (one array, see
 :mod:`kvforge.runtime.cache`), the input buffers (token ids, positions, write indices, lengths)
 and the logits buffer, all numpy arrays allocated once at load. A step writes values into the
-input buffers and runs a binding; the decode binding is made once per batch size and reused by
-every step.
+input buffers and runs a binding; the decode binding is made once per range of cache rows and
+reused by every step. Nothing in generation, sessions or the scheduler reallocates the cache.
 
 One session. A decode step is the prefill graph's ``S = 1`` case (one token per row, written at
 ``write_indices``, ``input_lengths`` all ones), so by default decode steps run through the prefill
 graph's session: ONNX Runtime then loads and repacks the weights once, not once per graph. The
 artifact's decode graph (``one_session=False``) gives the same logits from a second session.
 
-Batches. ``generate`` takes any number of prompts and runs them in batches of at most the
-artifact's ``max_batch``, in order. Rows of a batch have their own lengths (no padding inside the
-cache); a row that finishes keeps its slot until the batch is done.
+Rows. A step runs on a contiguous range of cache rows ``[first, first + B)`` (the graphs take
+contiguous ``[B, H_kv, S_max, D]`` views). Who may use which rows:
 
-Stopping. A row stops with ``finish_reason="stop"`` when it generates one of the artifact's eos
-ids (the eos token is the last of ``token_ids``, as in transformers' ``generate``), and with
-``"length"`` after ``max_new_tokens`` tokens or when its cache row is full (``max_seq``).
+* a :class:`~kvforge.runtime.session.Session` reserves one row for its lifetime, taken from the
+  top (``max_batch - 1`` down), so the free rows stay a contiguous range ``[0, k)``;
+* ``generate``, ``stream``, ``chat``, the step API (``prefill``/``decode``/``score``) and a
+  :class:`~kvforge.runtime.scheduler.Scheduler` use rows ``[0, k)``, ``k`` = the lowest row a
+  session holds (``max_batch`` without sessions); while a scheduler is open (or a ``stream`` is
+  being iterated) those rows are its own and the others refuse with ``RuntimeError``;
+* every step takes the engine's lock, so sessions and a scheduler on other threads interleave
+  whole steps, never halves of one.
+
+Generation (:mod:`kvforge.runtime.batching`) runs requests through in-flight batching: rows that
+finish are retired at once and the queued prompts take their rows; decode steps run on the
+contiguous range of active rows only. Stopping: an eos id of the artifact (kept as the last of
+``token_ids``, as in transformers), a stop string (``finish_reason="stop"`` and ``stop_string``),
+``max_new_tokens`` or a full cache row (``"length"``), ``cancel`` (``"cancelled"``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
+from kvforge.runtime import batching
 from kvforge.runtime.cache import KVCache
+from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk, check_max_new_tokens
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
+from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
+from kvforge.runtime.stops import StopStrings
 from kvforge.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+Sampling = SamplingParams | Mapping | None
 
-
-@dataclass(frozen=True)
-class GenerationResult:
-    token_ids: list[int]  # generated ids only (the prompt excluded)
-    text: str | None  # decoded token_ids, special tokens skipped; None without a tokenizer
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
+__all__ = ["Engine", "GenerationResult", "Prompt", "StreamChunk"]
 
 
 class Engine:
@@ -80,8 +92,15 @@ class Engine:
         self._next = np.zeros(b, dtype=np.int64)
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
-        self._decode_bindings: dict[int, object] = {}
+        self._decode_bindings: dict[tuple[int, int], object] = {}  # (first row, batch) -> binding
         self.last_bindings: dict[str, object] = {}  # the binding of the latest call, per graph
+        # Generation: defaults from generation_config.json, the prefill chunk, row ownership.
+        self.generation_defaults = GenerationDefaults.from_artifact(artifact_dir)
+        self.prefill_chunk = limits.max_prompt  # tokens per prefill call in generation; see chunk_tokens
+        self._chat_template: object = None  # loaded on first use of chat
+        self._lock = threading.RLock()  # one step at a time, whichever thread runs it
+        self._session_rows: set[int] = set()
+        self._rows_owner: object | None = None  # the scheduler or stream that holds rows [0, k)
 
     # ---------------------------------------------------------------- loading
 
@@ -144,6 +163,10 @@ class Engine:
         self._checked.add(graph)
 
     def close(self) -> None:
+        from kvforge.runtime.scheduler import Scheduler
+
+        if isinstance(self._rows_owner, Scheduler):
+            self._rows_owner.close(cancel=True)
         self._decode_bindings.clear()
         self.last_bindings.clear()
         self.backend.close()
@@ -156,9 +179,10 @@ class Engine:
 
     # ---------------------------------------------------------------- steps
 
-    def _outputs(self, batch: int) -> dict[str, np.ndarray]:
-        """Logits and present caches; each present shares its past input's buffer."""
-        views = self.cache.views(batch)
+    def _outputs(self, batch: int, first: int = 0) -> dict[str, np.ndarray]:
+        """Logits and present caches of rows ``[first, first + batch)``; each present shares its
+        past input's buffer."""
+        views = self.cache.views(batch, first)
         n = self.manifest.model.num_layers
         presents = {present: views[past] for past, present in zip(contract.past_names(n), contract.present_names(n))}
         return {
@@ -169,15 +193,25 @@ class Engine:
     def prefill(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> np.ndarray:
         """Write each row's tokens into its cache row at ``start`` (default 0) and return the logits
         of each row's last token, ``[B, V]`` (a view of the engine's logits buffer, valid until the
-        next step; copy it to keep it). Starts a new batch of ``len(rows)`` rows; ``start > 0``
-        continues a sequence already in the cache (chunked prefill, multi-turn)."""
+        next step; copy it to keep it). Starts a new batch of ``len(rows)`` rows (cache rows
+        ``[0, B)``); ``start > 0`` continues a sequence already in the cache (chunked prefill,
+        multi-turn). Refused while a scheduler or stream holds the rows or a session holds one of them."""
+        with self._lock:
+            self._check_step_rows(len(rows))
+            start = list(start) if start is not None else [0] * len(rows)
+            self._check_rows(rows, start)
+            logits = self.prefill_rows(rows, start, first=0)
+            self.batch = len(rows)
+            return logits
+
+    def prefill_rows(self, rows: Sequence[Sequence[int]], start: Sequence[int], first: int) -> np.ndarray:
+        """:meth:`prefill` into cache rows ``[first, first + len(rows))``, without the ownership
+        and token checks (the caller has made them; used by generation and sessions). Returns the
+        last token's logits per row, ``[B, V]``, a view of the logits buffer."""
         batch = len(rows)
-        start = list(start) if start is not None else [0] * batch
-        self._check_rows(rows, start)
-        inputs = self._fill_inputs(rows, start, max(len(r) for r in rows))
-        binding = self.backend.bind("prefill", inputs, self._outputs(batch))
+        inputs = self._fill_inputs(rows, list(start), max(len(r) for r in rows), first)
+        binding = self.backend.bind("prefill", inputs, self._outputs(batch, first))
         self.backend.run(binding)
-        self.batch = batch
         self.last_bindings["prefill"] = binding
         return binding.tensors[contract.LOGITS]
 
@@ -187,22 +221,27 @@ class Engine:
         tools such as perplexity; the cache is updated as by :meth:`prefill`."""
         if "score" not in self.manifest.graphs:
             raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
-        self._check_graph_io("score")
-        batch = len(rows)
-        start = list(start) if start is not None else [0] * batch
-        self._check_rows(rows, start)
-        seq = max(len(r) for r in rows)
-        inputs = self._fill_inputs(rows, start, seq)
-        del inputs[contract.INPUT_LENGTHS]
-        outputs = self._outputs(batch)
-        logits = outputs[contract.LOGITS] = np.empty((batch, seq, self.vocab_size), dtype=self._logits.dtype)
-        binding = self.backend.bind("score", inputs, outputs)
-        self.backend.run(binding)
-        self.batch = batch
-        return logits
+        with self._lock:
+            self._check_graph_io("score")
+            batch = len(rows)
+            self._check_step_rows(batch)
+            start = list(start) if start is not None else [0] * batch
+            self._check_rows(rows, start)
+            seq = max(len(r) for r in rows)
+            inputs = self._fill_inputs(rows, start, seq)
+            del inputs[contract.INPUT_LENGTHS]
+            outputs = self._outputs(batch)
+            logits = outputs[contract.LOGITS] = np.empty((batch, seq, self.vocab_size), dtype=self._logits.dtype)
+            binding = self.backend.bind("score", inputs, outputs)
+            self.backend.run(binding)
+            self.batch = batch
+            return logits
 
-    def _fill_inputs(self, rows: Sequence[Sequence[int]], start: list[int], seq: int) -> dict[str, np.ndarray]:
-        """Write a ragged batch, right-padded to ``seq``, into the persistent input buffers."""
+    def _fill_inputs(
+        self, rows: Sequence[Sequence[int]], start: list[int], seq: int, first: int = 0
+    ) -> dict[str, np.ndarray]:
+        """Write a ragged batch, right-padded to ``seq``, into the persistent input buffers, for
+        cache rows ``[first, first + len(rows))``."""
         batch = len(rows)
         if max(start) + seq > self.max_seq:
             # Padding is written too: a short row at a late start would write past its cache row.
@@ -218,32 +257,37 @@ class Engine:
             pos[b] = np.arange(s0, s0 + seq)
             self._write[b] = s0
             self._input_lengths[b] = len(row)
-            self.lengths[b] = s0 + len(row)
+            self.lengths[first + b] = s0 + len(row)
         return {
             contract.INPUT_IDS: ids,
             contract.POSITION_IDS: pos,
             contract.WRITE_INDICES: self._write[:batch],
             contract.INPUT_LENGTHS: self._input_lengths[:batch],
-            **self.cache.views(batch),
+            **self.cache.views(batch, first),
         }
 
     def decode(self, tokens: np.ndarray | Sequence[int]) -> np.ndarray:
         """Append one token to each row of the current batch; return the next logits ``[B, V]``."""
-        batch = self.batch
-        if batch == 0:
-            raise RuntimeError("decode needs a batch: call prefill first")
-        if (self.lengths[:batch] >= self.max_seq).any():
-            raise ValueError(f"a row's cache is full (max_seq={self.max_seq}); recompile with a larger --max-seq")
-        self._dec_ids[:batch] = tokens
-        return self._decode_step(batch)
+        with self._lock:
+            batch = self.batch
+            if batch == 0:
+                raise RuntimeError("decode needs a batch: call prefill first")
+            self._check_step_rows(batch)
+            if (self.lengths[:batch] >= self.max_seq).any():
+                raise ValueError(f"a row's cache is full (max_seq={self.max_seq}); recompile with a larger --max-seq")
+            self._dec_ids[:batch] = tokens
+            return self.decode_rows(batch)
 
-    def _decode_step(self, batch: int) -> np.ndarray:
-        """One decode step on the tokens already in ``_dec_ids``. Allocates nothing: the binding is
-        reused and the positions are written into the bound buffers. A row whose cache is full
-        (finished in ``generate``) writes into its last slot instead of past the end."""
-        np.minimum(self.lengths[:batch], self.max_seq - 1, out=self._dec_write[:batch])
+    def decode_rows(self, batch: int, first: int = 0) -> np.ndarray:
+        """One decode step on cache rows ``[first, first + batch)`` with the tokens already written
+        into ``decode_ids(batch)``; returns the logits ``[batch, V]`` (a view of the logits buffer).
+        Allocates nothing: the binding of this row range is made once and reused, and the positions
+        are written into the bound buffers. A row whose cache is full (finished in generation)
+        writes into its last slot instead of past the end."""
+        lengths = self.lengths[first : first + batch]
+        np.minimum(lengths, self.max_seq - 1, out=self._dec_write[:batch])
         self._dec_pos[:batch] = self._dec_write[:batch]
-        binding = self._decode_bindings.get(batch)
+        binding = self._decode_bindings.get((first, batch))
         if binding is None:
             graph = self.decode_graph
             self._check_graph_io(graph)
@@ -251,15 +295,37 @@ class Engine:
                 contract.INPUT_IDS: self._dec_ids[:batch].reshape(batch, 1),
                 contract.POSITION_IDS: self._dec_pos[:batch].reshape(batch, 1),
                 contract.WRITE_INDICES: self._dec_write[:batch],
-                **self.cache.views(batch),
+                **self.cache.views(batch, first),
             }
             if graph == "prefill":
                 inputs[contract.INPUT_LENGTHS] = self._dec_lengths[:batch]
-            binding = self._decode_bindings[batch] = self.backend.bind(graph, inputs, self._outputs(batch))
+            outputs = self._outputs(batch, first)
+            binding = self._decode_bindings[(first, batch)] = self.backend.bind(graph, inputs, outputs)
         self.backend.run(binding)
-        self.lengths[:batch] += 1
+        lengths += 1
         self.last_bindings["decode"] = binding
         return binding.tensors[contract.LOGITS]
+
+    def decode_ids(self, batch: int) -> np.ndarray:
+        """The bound token-id input of the next :meth:`decode_rows` step, ``[batch]`` int64 (a view
+        of the engine's buffer: write the tokens into it)."""
+        return self._dec_ids[:batch]
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move cache row ``src``'s filled positions (``lengths[src]`` of them) into row ``dst``,
+        and its length: one copy, used to keep the active rows of a batch contiguous."""
+        self.cache.copy_row(src, dst, int(self.lengths[src]))
+        self.lengths[dst] = self.lengths[src]
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per prefill call in generation, sessions and the scheduler: ``prefill_chunk``
+        (settable; default the artifact's ``max_prompt``), never more than ``max_prompt``. Longer
+        prompts are prefilled in consecutive chunks (``start > 0``), which gives the same logits."""
+        chunk = int(self.prefill_chunk)
+        if chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
+        return min(chunk, self.manifest.limits.max_prompt)
 
     def _check_rows(self, rows: Sequence[Sequence[int]], start: Sequence[int], first_index: int = 0) -> None:
         if not 1 <= len(rows) <= self.max_batch:
@@ -276,57 +342,216 @@ class Engine:
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
 
+    # ---------------------------------------------------------------- rows
+
+    def general_rows(self) -> int:
+        """``k``: generation, the step API and a scheduler use cache rows ``[0, k)``, the rows below
+        the lowest one a session holds (``max_batch`` without sessions)."""
+        return min(self._session_rows, default=self.max_batch)
+
+    def _check_step_rows(self, batch: int) -> None:
+        if self._rows_owner is not None:
+            raise RuntimeError(
+                f"the engine's rows belong to its running {type(self._rows_owner).__name__}; "
+                "finish or close it first (a scheduler takes requests through submit)"
+            )
+        k = self.general_rows()
+        if batch > k:
+            raise RuntimeError(
+                f"{batch} rows asked, but sessions hold rows [{k}, {self.max_batch}); close sessions to free them"
+            )
+
+    @contextmanager
+    def own_rows(self, owner: object) -> Iterator[int]:
+        """Hold rows ``[0, k)`` for ``owner`` (a scheduler, a stream, a generate call); yields ``k``.
+        Raises RuntimeError when another owner holds them or sessions hold every row."""
+        with self._lock:
+            self._check_step_rows(1)
+            self._rows_owner = owner
+        try:
+            yield self.general_rows()
+        finally:
+            with self._lock:
+                if self._rows_owner is owner:
+                    self._rows_owner = None
+
+    def reserve_row(self) -> int:
+        """Reserve the highest row no session holds, for a session (refused while rows are owned)."""
+        with self._lock:
+            self._check_step_rows(0)
+            free = [r for r in range(self.max_batch) if r not in self._session_rows]
+            if len(free) < 1:
+                raise RuntimeError(f"every cache row (max_batch={self.max_batch}) is held by a session; close one")
+            self._session_rows.add(free[-1])
+            return free[-1]
+
+    def release_row(self, row: int) -> None:
+        with self._lock:
+            self._session_rows.discard(row)
+
     # ---------------------------------------------------------------- generation
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids: strings through the artifact's tokenizer, id lists as they are."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this artifact has no tokenizer; pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return [int(t) for t in prompt]
 
-    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int = 32) -> list[GenerationResult]:
-        """Greedy generation: one :class:`GenerationResult` per prompt, in order.
+    def request(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling = None,
+        stop: str | Sequence[str] | None = None,
+        index: int = 0,
+        start: int = 0,
+    ) -> Generation:
+        """A validated :class:`Generation` for ``prompt_ids`` (the whole sequence of its row; the
+        first ``start`` of them already in the cache, for sessions). Raises ValueError naming the
+        bad parameter (``max_new_tokens``, ``sampling``, ``stop``, the prompt) before anything runs."""
+        check_max_new_tokens(max_new_tokens)
+        params = _sampling_params(sampling).resolve(self.generation_defaults)
+        stops = StopStrings(stop)
+        if not stops.empty and self.tokenizer is None:
+            raise ValueError("stop strings need the artifact's tokenizer; this artifact has none (pass stop=None)")
+        self._check_rows([prompt_ids], [0], first_index=index)
+        return Generation(
+            prompt_ids,
+            max_new_tokens,
+            params,
+            stops,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            max_seq=self.max_seq,
+            start=start,
+        )
 
-        ``prompts`` are strings (needs the artifact's tokenizer) or lists of token ids. More prompts
-        than ``max_batch`` run as consecutive batches. Every prompt is checked before any runs.
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 32,
+        sampling: Sampling | Sequence[Sampling] = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> list[GenerationResult]:
+        """One :class:`GenerationResult` per prompt, in order.
+
+        ``prompts``: strings (encoded with the artifact's tokenizer) or lists of token ids.
+        ``sampling``: one :class:`SamplingParams` (or a dict of its fields) for every prompt, or a
+        list with one per prompt; ``None`` fields come from the model's ``generation_config.json``
+        (greedy unless it says ``do_sample``). ``stop``: stop strings for every prompt.
+        Every prompt and parameter is checked before any runs. Prompts run with in-flight
+        batching on rows ``[0, k)`` (see the module docstring): at most ``k`` at once, and a
+        queued prompt takes the row of one that finished.
         """
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
         if not prompts:
             raise ValueError("no prompts given")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        rows = [self.encode(p) for p in prompts]
-        batches = [rows[i : i + self.max_batch] for i in range(0, len(rows), self.max_batch)]
-        for i, chunk in enumerate(batches):
-            self._check_rows(chunk, [0] * len(chunk), first_index=i * self.max_batch)
-        results = []
-        for chunk in batches:
-            results.extend(self._generate_batch(chunk, max_new_tokens))
-        return results
-
-    def _generate_batch(self, rows: list[list[int]], max_new_tokens: int) -> list[GenerationResult]:
-        batch = len(rows)
-        generated: list[list[int]] = [[] for _ in rows]
-        reasons: list[str | None] = [None] * batch
-        logits = self.prefill(rows)
-        next_ids = self._next[:batch]
-        while True:
-            np.argmax(logits, axis=-1, out=next_ids)
-            for b, token in enumerate(next_ids.tolist()):
-                if reasons[b] is not None:
-                    continue
-                generated[b].append(token)
-                if token in self.eos_token_ids:
-                    reasons[b] = "stop"
-                elif len(generated[b]) >= max_new_tokens or self.lengths[b] >= self.max_seq:
-                    reasons[b] = "length"
-            if all(reasons):
-                break
-            self._dec_ids[:batch] = next_ids
-            logits = self._decode_step(batch)
-        return [
-            GenerationResult(ids, self.tokenizer.decode(ids) if self.tokenizer else None, reason, len(row))
-            for ids, reason, row in zip(generated, reasons, rows)
+        if isinstance(sampling, Sequence) and not isinstance(sampling, str):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts; give one each")
+            per_prompt = list(sampling)
+        else:
+            per_prompt = [sampling] * len(prompts)
+        gens = [
+            self.request(self.encode(p), max_new_tokens, sp, stop, index=i)
+            for i, (p, sp) in enumerate(zip(prompts, per_prompt))
         ]
+        with self._lock, self.own_rows(self) as rows:
+            loop = batching.BatchLoop(self, rows)
+            for g in gens:
+                loop.add(g)
+            while not loop.idle:
+                loop.step()
+        return [g.result() for g in gens]
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 32,
+        sampling: Sampling = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Generate for one prompt, yielding a :class:`StreamChunk` per generated token as it is
+        produced (``chunk.text`` may be ``""`` while a character or a possible stop string is
+        incomplete); the last chunk has ``finish_reason``. The concatenated ``text`` and
+        ``token_ids`` of the chunks equal :meth:`generate`'s result. Parameters are checked at
+        the call; the rows are held from the first ``next()`` until the iterator ends or is closed."""
+        gen = self.request(self.encode(prompt), max_new_tokens, sampling, stop)
+        return self._stream(gen)
+
+    def _stream(self, gen: Generation) -> Iterator[StreamChunk]:
+        with self.own_rows(gen) as rows:
+            loop = batching.BatchLoop(self, rows)
+            loop.add(gen)
+            while True:
+                with self._lock:
+                    if not loop.idle:
+                        loop.step()
+                yield from gen.take_chunks()
+                if loop.idle:
+                    break
+        gen.result()  # raises the request's error, if it failed
+
+    def chat(
+        self,
+        messages: Sequence[Mapping],
+        max_new_tokens: int = 32,
+        sampling: Sampling = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> GenerationResult:
+        """Render ``messages`` with the model's chat template (as transformers'
+        ``apply_chat_template(messages, add_generation_prompt=True)``), encode without adding
+        special tokens (the template writes them) and generate one reply."""
+        return self.generate([self.chat_prompt(messages)], max_new_tokens, sampling, stop)[0]
+
+    def chat_prompt(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``messages`` rendered by the model's chat template. Raises
+        :class:`~kvforge.runtime.chat.ChatTemplateError` (a ValueError) when the model has none."""
+        from kvforge.runtime.chat import ChatTemplate, ChatTemplateError
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs the artifact's tokenizer; this artifact has none")
+        if self._chat_template is None:
+            template = ChatTemplate.from_artifact(self.artifact_dir)
+            if template is None:
+                raise ChatTemplateError(
+                    f"{self.artifact_dir} has no chat template (no chat_template.jinja and no chat_template in "
+                    "tokenizer_config.json); use generate with a plain prompt, or compile a chat model"
+                )
+            self._chat_template = template
+        text = self._chat_template.render(list(messages), add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def session(self):
+        """A :class:`~kvforge.runtime.session.Session`: one conversation kept in one reserved
+        cache row (the highest free one), until ``close()``."""
+        from kvforge.runtime.session import Session
+
+        return Session(self, self.reserve_row())
+
+    def scheduler(self, prefill_chunk: int | None = None):
+        """A :class:`~kvforge.runtime.scheduler.Scheduler` (in-flight batching on a background
+        thread) over rows ``[0, k)``; it holds them until ``close()``. ``prefill_chunk``: tokens per
+        prefill call of a joining request (default :attr:`chunk_tokens`)."""
+        from kvforge.runtime.scheduler import Scheduler
+
+        return Scheduler(self, prefill_chunk)
+
+
+def _sampling_params(sampling: Sampling) -> SamplingParams:
+    """``None``, a :class:`SamplingParams` or a dict of its fields -> SamplingParams."""
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        return sampling
+    if isinstance(sampling, Mapping):
+        fields = set(SamplingParams.__dataclass_fields__)
+        unknown = sorted(set(sampling) - fields)
+        if unknown:
+            raise ValueError(f"sampling has unknown key(s) {unknown}; accepted: {sorted(fields)}")
+        return SamplingParams(**sampling)
+    raise ValueError(f"sampling must be a SamplingParams, a dict of its fields or None, got {type(sampling).__name__}")

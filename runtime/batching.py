@@ -1,0 +1,210 @@
+"""In-flight batching on a range of cache rows: admit, prefill in chunks, decode, retire, compact.
+
+:class:`BatchLoop` drives :class:`~kvforge.runtime.generation.Generation` requests through an
+engine's step API on cache rows ``[first, first + rows)``. ``Engine.generate`` and ``stream`` run
+it to completion on the caller's thread, a :class:`~kvforge.runtime.scheduler.Scheduler` runs it
+step by step on its own thread, and a session runs it on its one row.
+
+One :meth:`BatchLoop.step`:
+
+1. retire cancelled requests (queued ones leave the queue; a running one frees its row);
+2. at most ONE prefill call of at most ``chunk`` tokens (``rows × padded length``): either the
+   next chunk of the prompt being filled, or the queued prompts that fit whole, together, into
+   the free rows and the chunk (one ragged prefill); a longer prompt starts filling, chunk by chunk
+   over the following steps. So a joining request delays the running rows by one chunk per step,
+   never by its whole prompt;
+3. one decode step over the decoding rows, then each row picks its token (a batched argmax for the
+   plain-greedy rows, the request's own sampler for the others) and emits its chunk;
+4. finished rows are retired at once and the rows compacted (below).
+
+Compaction. The decoding requests always sit in the contiguous rows ``[first, first + n)`` (request
+``i`` in row ``first + i``), the one being filled right after them. A decode step runs on exactly
+those ``n`` rows, so a finished request stops costing decode work at the next step. When a row in
+the middle finishes, the request in the highest decoding row moves into it: its filled cache
+positions are copied once (``Engine.move_row``, ``len × L × 2 × H_kv × D`` values, less than one
+decode step reads) and its decode continues there. The alternative, decoding a fixed range with
+holes, would run the graphs on dead rows for the rest of the batch; binding a non-contiguous set of
+rows is not possible (a graph takes one contiguous ``[B, H_kv, S_max, D]`` view per layer). The
+decode binding of each ``(first, n)`` is made once and reused.
+
+Failures. An error while a request picks or accepts its token fails that request alone (its row is
+retired); an error inside an engine call fails the requests of that call. The loop goes on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvforge.runtime.generation import Generation
+
+if TYPE_CHECKING:
+    from kvforge.runtime.engine import Engine
+
+
+class BatchLoop:
+    """Requests on the engine's cache rows ``[first, first + rows)``; the caller holds those rows
+    (see ``Engine.own_rows``) and calls :meth:`step` under the engine's lock."""
+
+    def __init__(self, engine: Engine, rows: int, first: int = 0, chunk: int | None = None) -> None:
+        if rows < 1:
+            raise ValueError(f"a batch loop needs at least one cache row, got {rows}")
+        self.engine = engine
+        self.rows = rows
+        self.first = first
+        self.chunk = engine.chunk_tokens if chunk is None else min(int(chunk), engine.chunk_tokens)
+        if self.chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {chunk}")
+        self.waiting: deque[Generation] = deque()
+        self.decoding: list[Generation] = []  # decoding[i] is in cache row first + i
+        self.filling: Generation | None = None  # in row first + len(decoding), prompt partly cached
+        self._next = np.zeros(engine.max_batch, dtype=np.int64)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.decoding or self.filling)
+
+    @property
+    def active(self) -> int:
+        """Rows in use (decoding and filling)."""
+        return len(self.decoding) + (self.filling is not None)
+
+    def add(self, gen: Generation) -> None:
+        self.waiting.append(gen)
+
+    def step(self) -> None:
+        """One iteration: cancellations, at most one prefill chunk, one decode step, retirements."""
+        self._cancel()
+        self._prefill()
+        if self.decoding:
+            self._decode()
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request in the loop (an unexpected error outside any one request)."""
+        for gen in [*self.decoding, *([self.filling] if self.filling else []), *self.waiting]:
+            gen.fail(error)
+        self.decoding, self.filling = [], None
+        self.waiting.clear()
+
+    # ------------------------------------------------------------------ steps
+
+    def _cancel(self) -> None:
+        if any(g.cancel_requested for g in self.waiting):
+            for g in [g for g in self.waiting if g.cancel_requested]:
+                self.waiting.remove(g)
+                g.finish_cancelled()
+        if self.filling is not None and self.filling.cancel_requested:
+            self.filling.finish_cancelled()
+            self.filling = None
+        cancelled = [g for g in self.decoding if g.cancel_requested]
+        for g in cancelled:
+            g.finish_cancelled()
+        if cancelled:
+            self._retire()
+
+    def _prefill(self) -> None:
+        if self.filling is None:
+            group = self._take_group()
+            if group:
+                self._prefill_group(group)
+                return
+            if self.waiting and len(self.decoding) < self.rows:
+                self.filling = self.waiting.popleft()
+                self.filling.admit()
+        if self.filling is not None:
+            self._prefill_chunk(self.filling)
+
+    def _take_group(self) -> list[Generation]:
+        """Queued requests whose whole remaining prompts fit, together, in the free rows and in one
+        chunk (``count × longest ≤ chunk``), in arrival order."""
+        free = self.rows - len(self.decoding)
+        group: list[Generation] = []
+        longest = 0
+        while self.waiting and len(group) < free:
+            need = self.waiting[0].remaining_prompt
+            if max(longest, need) * (len(group) + 1) > self.chunk:
+                break
+            longest = max(longest, need)
+            group.append(self.waiting.popleft())
+        for g in group:
+            g.admit()
+        return group
+
+    def _prefill_group(self, group: list[Generation]) -> None:
+        first = self.first + len(self.decoding)
+        rows = [g.prompt_ids[g.prefilled :] for g in group]
+        try:
+            logits = self.engine.prefill_rows(rows, [g.prefilled for g in group], first)
+        except Exception as error:  # the engine call failed: these requests fail, the others go on
+            for g in group:
+                g.fail(error)
+            return
+        for g in group:
+            g.prefilled = len(g.prompt_ids)
+        self.decoding.extend(group)
+        self._pick(logits, group, len(self.decoding) - len(group))
+
+    def _prefill_chunk(self, gen: Generation) -> None:
+        """The next chunk of ``gen``'s prompt, in the row after the decoding ones."""
+        row = self.first + len(self.decoding)
+        piece = gen.prompt_ids[gen.prefilled : gen.prefilled + self.chunk]
+        try:
+            logits = self.engine.prefill_rows([piece], [gen.prefilled], row)
+        except Exception as error:
+            gen.fail(error)
+            self.filling = None
+            return
+        gen.prefilled += len(piece)
+        if gen.remaining_prompt == 0:
+            self.filling = None
+            self.decoding.append(gen)
+            self._pick(logits, [gen], len(self.decoding) - 1)
+
+    def _decode(self) -> None:
+        n = len(self.decoding)
+        ids = self.engine.decode_ids(n)
+        for i, g in enumerate(self.decoding):
+            ids[i] = g.token_ids[-1]
+        try:
+            logits = self.engine.decode_rows(n, self.first)
+        except Exception as error:
+            for g in self.decoding:
+                g.fail(error)
+            self._retire()
+            return
+        self._pick(logits, self.decoding, 0)
+
+    def _pick(self, logits: np.ndarray, gens: list[Generation], row0: int) -> None:
+        """Each of ``gens`` (in decoding rows ``row0, row0 + 1, ...``; ``logits[j]`` is ``gens[j]``'s
+        row) picks and accepts its token; then finished rows are retired."""
+        greedy = None
+        if any(g.sampler.plain_greedy for g in gens):
+            greedy = self._next[: len(gens)]
+            np.argmax(logits, axis=-1, out=greedy)
+        lengths, max_seq = self.engine.lengths, self.engine.max_seq
+        for j, g in enumerate(gens):
+            try:
+                token = g.pick(logits[j], None if greedy is None else int(greedy[j]))
+                g.accept(token, room=bool(lengths[self.first + row0 + j] < max_seq))
+            except Exception as error:  # this request alone fails
+                g.fail(error)
+        self._retire()
+
+    def _retire(self) -> None:
+        """Drop finished requests from the decoding rows and move the highest survivors into the
+        freed rows (one cache copy each), then the filling request right after them."""
+        n = len(self.decoding)
+        survivors = sum(not g.done for g in self.decoding)
+        if survivors == n:
+            return
+        holes = [i for i in range(survivors) if self.decoding[i].done]
+        movers = [i for i in range(survivors, n) if not self.decoding[i].done]
+        new = list(self.decoding)
+        for dst, src in zip(holes, movers):
+            self.engine.move_row(self.first + src, self.first + dst)
+            new[dst] = self.decoding[src]
+        self.decoding = new[:survivors]
+        if self.filling is not None and n != survivors:
+            self.engine.move_row(self.first + n, self.first + survivors)

@@ -1,0 +1,269 @@
+"""One request's generation as a state machine: prompt in, tokens, text chunks and a result out.
+
+A :class:`Generation` is engine-independent: the batch loop (:mod:`kvforge.runtime.batching`)
+prefills its prompt into a cache row, hands it each step's logits row to :meth:`Generation.pick`
+a token, and :meth:`Generation.accept` turns the token into a :class:`StreamChunk` (incremental
+detokenization, stop strings, eos, length) until the request finishes. States::
+
+    waiting --admitted--> prefilling --prompt in the cache--> decoding --finish--> done
+       \\--------------------------cancel / error------------------------------/
+
+Text. ``chunk.text`` is what the token completed, after the detokenizer (UTF-8 characters and
+merging pieces held back until complete) and the stop strings (text that could start one held
+back until decided; a matched stop string and what follows are dropped). Joining every chunk's
+``text`` and ``token_ids`` gives the result's ``text`` and ``token_ids``.
+
+Timing. Monotonic ``time.perf_counter()`` stamps: ``submitted`` (the request was made),
+``admitted`` (it got a cache row), ``first_token``, ``finished``; :class:`Timing` derives
+``queue_s``, ``ttft_s``, ``decode_s`` from them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvforge.runtime.detokenize import IncrementalDetokenizer
+from kvforge.runtime.sampling import Sampler, SamplingParams, TokenLogprob
+from kvforge.runtime.stops import StopStrings
+from kvforge.runtime.tokenizer import Tokenizer
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """``time.perf_counter()`` seconds of one request's milestones (``first_token`` is None when
+    it finished without a token, e.g. cancelled while queued)."""
+
+    submitted: float
+    admitted: float | None
+    first_token: float | None
+    finished: float
+
+    @property
+    def queue_s(self) -> float:
+        """Waiting for a cache row: submitted -> admitted."""
+        return (self.admitted if self.admitted is not None else self.finished) - self.submitted
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: submitted -> first token (queue and prefill included)."""
+        return None if self.first_token is None else self.first_token - self.submitted
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token -> finished: the decode steps of the other tokens."""
+        return None if self.first_token is None else self.finished - self.first_token
+
+    @property
+    def total_s(self) -> float:
+        return self.finished - self.submitted
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # generated ids only (the prompt excluded); an eos that stopped it is the last
+    text: str | None  # decoded token_ids (special tokens skipped, stop string cut); None without a tokenizer
+    finish_reason: str  # "stop" (eos id or stop string) | "length" | "cancelled"
+    prompt_tokens: int
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"); None for eos
+    logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
+    timing: Timing | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens after the first, per second of decode time."""
+        if self.timing is None or not self.timing.decode_s or len(self.token_ids) < 2:
+            return None
+        return (len(self.token_ids) - 1) / self.timing.decode_s
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """What one generated token added: ``text`` (possibly ``""``) and ``token_ids`` (one id; the
+    lists of all chunks join to the result's). The last chunk has ``finish_reason`` (and
+    ``stop_string`` when a stop string ended the request)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_string: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+def check_max_new_tokens(max_new_tokens: object) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
+class Generation:
+    """One request: its prompt, sampler, detokenizer, stop strings, tokens and chunks.
+
+    ``prompt_ids``: the whole sequence its cache row must hold before the first new token (for a
+    session turn, the conversation so far), of which the first ``start`` are already in the cache.
+    ``params`` must be resolved. Chunks go to ``sink`` (a callable) when given, else they collect
+    in a list that :meth:`take_chunks` drains. Not thread-safe except :meth:`cancel` and
+    :meth:`wait`: one batch loop drives it.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        stops: StopStrings,
+        *,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+        max_seq: int,
+        start: int = 0,
+        sink: Callable[[StreamChunk], None] | None = None,
+    ) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.max_new_tokens = int(max_new_tokens)
+        self.params = params
+        self.sampler = Sampler(params, self.prompt_ids, vocab_size)
+        self.stops = stops
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.eos_token_ids = eos_token_ids
+        self.max_seq = max_seq
+        self.prefilled = start  # prompt tokens already in the cache row
+        self.sink = sink
+        self.state = "waiting"
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_string: str | None = None
+        self.error: BaseException | None = None
+        self.cancel_requested = False
+        self._pending: list[StreamChunk] = []
+        self._logprobs_sent = 0
+        self._done = threading.Event()
+        self.submitted = time.perf_counter()
+        self.admitted: float | None = None
+        self.first_token: float | None = None
+        self.finished: float | None = None
+
+    # ------------------------------------------------------------------ driven by the batch loop
+
+    @property
+    def remaining_prompt(self) -> int:
+        """Prompt tokens not yet in the cache."""
+        return len(self.prompt_ids) - self.prefilled
+
+    def admit(self) -> None:
+        self.state = "prefilling"
+        self.admitted = time.perf_counter()
+
+    def pick(self, logits: np.ndarray, greedy: int | None) -> int:
+        """The next token from this request's logits row ``[V]`` (a view of the engine's buffer,
+        read only). ``greedy``: the row's argmax when the loop computed it for the batch; used
+        when the sampler is plain greedy (same token as the sampler's own argmax)."""
+        if greedy is not None and self.sampler.plain_greedy:
+            self.sampler.record(greedy)
+            return greedy
+        return int(self.sampler(logits))
+
+    def accept(self, token: int, room: bool) -> None:
+        """Record ``token`` and emit its chunk; finish on eos, a stop string, ``max_new_tokens``
+        or ``room=False`` (the cache row cannot hold the token for another step)."""
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.state = "decoding"
+        self.token_ids.append(token)
+        text = self.detok.add(token) if self.detok is not None else ""
+        text, matched = self.stops.feed(text) if text else ("", None)
+        if matched is not None:
+            self._finish("stop", text, [token], stop_string=matched)
+        elif token in self.eos_token_ids:
+            self._finish("stop", text, [token])
+        elif len(self.token_ids) >= self.max_new_tokens or not room:
+            self._finish("length", text, [token])
+        else:
+            self._emit(StreamChunk(text, [token], logprobs=self._new_logprobs()))
+
+    def cancel(self) -> None:
+        """Ask to stop (thread-safe); the loop retires the request at its next step."""
+        self.cancel_requested = True
+
+    def finish_cancelled(self) -> None:
+        self._finish("cancelled", "", [])
+
+    def fail(self, error: BaseException) -> None:
+        """End with ``error`` (raised by :meth:`result`); no further chunk."""
+        if self.state == "done":
+            return
+        self.error = error
+        self.state = "done"
+        self.finished = time.perf_counter()
+        self._done.set()
+        if self.sink is not None:
+            self.sink(None)  # end of stream; the consumer reads the error from the generation
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    def _finish(self, reason: str, text: str, token_ids: list[int], stop_string: str | None = None) -> None:
+        if stop_string is None and self.detok is not None:
+            # The end for another reason: what the detokenizer and the stop strings still hold.
+            tail, matched = self.stops.feed(self.detok.flush())
+            text += tail
+            if matched is not None:
+                reason, stop_string = "stop", matched
+            else:
+                text += self.stops.flush()
+        self.finish_reason, self.stop_string = reason, stop_string
+        self.state = "done"
+        self.finished = time.perf_counter()
+        chunk = StreamChunk(text, token_ids, reason, stop_string, self._new_logprobs())
+        self._emit(chunk)
+        self._done.set()
+
+    def _emit(self, chunk: StreamChunk) -> None:
+        if chunk.text:
+            self.text_parts.append(chunk.text)
+        if self.sink is not None:
+            self.sink(chunk)
+        else:
+            self._pending.append(chunk)
+
+    def _new_logprobs(self) -> list[TokenLogprob] | None:
+        if self.params.logprobs is None:
+            return None
+        new = self.sampler.logprobs[self._logprobs_sent :]
+        self._logprobs_sent += len(new)
+        return list(new)
+
+    # ------------------------------------------------------------------ read by the caller
+
+    def take_chunks(self) -> list[StreamChunk]:
+        """The chunks emitted since the last call (when no ``sink`` was given)."""
+        chunks, self._pending = self._pending, []
+        return chunks
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def result(self) -> GenerationResult:
+        """The finished request's result; raises its error if it failed."""
+        if self.error is not None:
+            raise self.error
+        if self.state != "done":
+            raise RuntimeError("the request has not finished")
+        timing = Timing(self.submitted, self.admitted, self.first_token, self.finished)
+        return GenerationResult(
+            token_ids=list(self.token_ids),
+            text="".join(self.text_parts) if self.detok is not None else None,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            stop_string=self.stop_string,
+            logprobs=list(self.sampler.logprobs) if self.params.logprobs is not None else None,
+            timing=timing,
+        )

@@ -1,0 +1,162 @@
+"""In-flight batching on a background thread: ``sched.submit(...)`` from any thread, results as handles.
+
+    with engine.scheduler() as sched:
+        handles = [sched.submit(p, max_new_tokens=64) for p in prompts]   # thread-safe
+        for chunk in handles[0]:                                          # streams
+            print(chunk.text, end="")
+        results = [h.result() for h in handles]
+
+The scheduler holds the engine's rows ``[0, k)`` (the rows no session holds) from construction to
+:meth:`Scheduler.close`; the engine's ``generate``/``stream``/step API refuse meanwhile. Its thread
+runs a :class:`~kvforge.runtime.batching.BatchLoop`: between decode steps it admits queued requests
+into free rows (chunked prefill, one chunk per step), and retires finished or cancelled rows at
+once, so a stream of requests keeps the batch full. Each step holds the engine's lock, so sessions
+on other rows interleave with it step by step.
+
+Errors. ``submit`` validates everything it can (``max_new_tokens``, sampling parameters, stop
+strings, prompt length and token ids) and raises ValueError there; a request that fails later
+fails alone: its handle raises the error, the other requests go on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvforge.runtime.batching import BatchLoop
+from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
+
+if TYPE_CHECKING:
+    from kvforge.runtime.engine import Engine, Prompt
+    from kvforge.runtime.sampling import SamplingParams
+
+
+class RequestHandle:
+    """One submitted request. ``result()`` waits for it; iterating yields its chunks as they are
+    produced (once: the chunks are consumed); ``cancel()`` frees its row at the scheduler's next
+    step (the result then has ``finish_reason="cancelled"`` and the tokens made so far)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._chunks: queue.SimpleQueue[StreamChunk | None] = queue.SimpleQueue()
+        self.generation: Generation  # set by Scheduler.submit
+
+    def _sink(self, chunk: StreamChunk | None) -> None:
+        self._chunks.put(chunk)
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """The :class:`GenerationResult` (with ``timing``); raises the request's error if it
+        failed, TimeoutError if it is not done after ``timeout`` seconds."""
+        if not self.generation.wait(timeout):
+            raise TimeoutError(f"the request is not finished after {timeout} s")
+        return self.generation.result()
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while True:
+            chunk = self._chunks.get()
+            if chunk is None:  # failed: result() raises its error
+                self.generation.result()
+                return
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        self.generation.cancel()
+        self._scheduler._wake()
+
+    @property
+    def done(self) -> bool:
+        return self.generation.done
+
+
+class Scheduler:
+    """See the module docstring. Create it with ``Engine.scheduler()``."""
+
+    def __init__(self, engine: Engine, prefill_chunk: int | None = None) -> None:
+        self.engine = engine
+        self._rows = engine.own_rows(self)
+        rows = self._rows.__enter__()  # released in close()
+        try:
+            self._loop = BatchLoop(engine, rows, chunk=prefill_chunk)
+        except BaseException:
+            self._rows.__exit__(None, None, None)
+            raise
+        self._cond = threading.Condition()
+        self._incoming: list[Generation] = []
+        self._closing = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvforge-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def rows(self) -> int:
+        """Cache rows the scheduler runs requests on (the batch's maximum)."""
+        return self._loop.rows
+
+    def submit(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 32,
+        sampling: SamplingParams | Mapping | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> RequestHandle:
+        """Queue one request (thread-safe); returns its :class:`RequestHandle` at once. Raises
+        ValueError for bad parameters or prompts, RuntimeError after :meth:`close`."""
+        handle = RequestHandle(self)
+        gen = self.engine.request(self.engine.encode(prompt), max_new_tokens, sampling, stop)
+        gen.sink = handle._sink
+        handle.generation = gen
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the scheduler is closed; create a new one with engine.scheduler()")
+            self._incoming.append(gen)
+            self._cond.notify()
+        return handle
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop taking requests, finish the submitted ones (or cancel them with ``cancel=True``),
+        join the thread and give the rows back to the engine. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            if cancel:
+                for gen in self._incoming:
+                    gen.cancel()
+                for gen in [*self._loop.waiting, *self._loop.decoding, self._loop.filling]:
+                    if gen is not None:
+                        gen.cancel()
+            self._cond.notify()
+        self._thread.join()
+        self._closed = True
+        self._rows.__exit__(None, None, None)
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(cancel=exc[0] is not None)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _run(self) -> None:
+        loop, lock = self._loop, self.engine._lock
+        while True:
+            with self._cond:
+                while not self._incoming and loop.idle and not self._closing:
+                    self._cond.wait()
+                for gen in self._incoming:
+                    loop.add(gen)
+                self._incoming.clear()
+                if self._closing and loop.idle:
+                    return
+            try:
+                with lock:
+                    loop.step()
+            except Exception as error:  # a bug outside any one request: fail what runs, keep serving
+                loop.fail_all(error)

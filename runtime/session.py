@@ -1,0 +1,194 @@
+"""A conversation kept in one cache row: each turn prefills only its new tokens.
+
+    with engine.session() as s:
+        s.append("The for statement")
+        r = s.generate(max_new_tokens=8)      # prefills the prompt, generates
+        s.append(" and the while loop")
+        r = s.generate(max_new_tokens=8)      # prefills only the new tokens (start > 0)
+        s.rewind(3)                           # drops the last 3 tokens
+
+Rows. ``Engine.session()`` reserves the highest cache row no other session holds, for the
+session's lifetime (``close()`` or the ``with`` block gives it back). Generation, the step API and
+a scheduler use the rows below the lowest session row, so sessions and those coexist: every step
+takes the engine's lock, and a session may run beside a scheduler on another thread. A session
+cannot be opened while a scheduler (or a stream) holds the engine's rows.
+
+State. ``tokens`` is the conversation: everything appended and generated. The first ``cached`` of
+them are in the cache row (a generated token enters the cache when the next step feeds it back,
+so after ``generate`` the last token is not yet cached). A turn prefills ``tokens[cached:]`` in
+chunks of ``Engine.chunk_tokens`` (``start = cached``), which gives the same logits as prefilling
+the whole conversation at once. ``rewind(n)`` only shortens ``tokens`` (and ``cached``): cache
+positions past a row's length are masked and overwritten, never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvforge.runtime.batching import BatchLoop
+from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
+
+if TYPE_CHECKING:
+    from kvforge.runtime.engine import Engine, Prompt, Sampling
+
+
+class Session:
+    """One conversation in cache row ``row`` of ``engine`` (see the module docstring)."""
+
+    def __init__(self, engine: Engine, row: int) -> None:
+        self.engine = engine
+        self.row = row
+        self._tokens: list[int] = []
+        self._cached = 0
+        self._closed = False
+
+    @property
+    def tokens(self) -> list[int]:
+        """The conversation's token ids (a copy)."""
+        return list(self._tokens)
+
+    @property
+    def cached(self) -> int:
+        """How many of ``tokens`` are in the cache row."""
+        return self._cached
+
+    def append(self, prompt: Prompt, add_special_tokens: bool | None = None) -> list[int]:
+        """Add text or token ids to the conversation; nothing runs until :meth:`prefill` or
+        :meth:`generate`. Text is encoded with the artifact's tokenizer, with its special tokens
+        (e.g. a BOS) only when the session is empty, unless ``add_special_tokens`` says otherwise.
+        Returns the ids appended. ValueError when the conversation would exceed ``max_seq`` or an
+        id is outside the vocabulary."""
+        self._check_open()
+        special = not self._tokens if add_special_tokens is None else add_special_tokens
+        ids = self.engine.encode(prompt, add_special_tokens=special)
+        engine = self.engine
+        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})")
+        if len(self._tokens) + len(ids) > engine.max_seq:
+            raise ValueError(
+                f"the session would hold {len(self._tokens) + len(ids)} tokens; its cache row holds "
+                f"max_seq={engine.max_seq} (rewind, start a new session, or recompile with --max-seq)"
+            )
+        self._tokens.extend(ids)
+        return ids
+
+    def rewind(self, n_tokens: int) -> None:
+        """Drop the last ``n_tokens`` tokens of the conversation (0 <= n <= len(tokens))."""
+        self._check_open()
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(self._tokens):
+            raise ValueError(f"n_tokens must be an integer in [0, {len(self._tokens)}], got {n_tokens!r}")
+        del self._tokens[len(self._tokens) - n_tokens :]
+        self._cached = min(self._cached, len(self._tokens))
+
+    def sync(self, ids: Sequence[int]) -> int:
+        """Make the conversation ``ids``, keeping the cached common prefix: rewinds to the longest
+        common prefix and appends the rest (how a chat turn re-rendered by a template reuses the
+        cache). Returns the length of the common prefix."""
+        ids = [int(t) for t in ids]
+        common = 0
+        for a, b in zip(self._tokens, ids):
+            if a != b:
+                break
+            common += 1
+        self.rewind(len(self._tokens) - common)
+        self.append(ids[common:])
+        return common
+
+    def prefill(self) -> np.ndarray:
+        """Bring the cache row up to date with ``tokens`` and return the logits of the last token,
+        ``[V]`` (a copy). Prefills ``tokens[cached:]`` in chunks (re-prefills the last token when
+        all are cached)."""
+        self._check_open()
+        engine = self.engine
+        start = self._start()
+        logits = None
+        while start < len(self._tokens):
+            piece = self._tokens[start : start + engine.chunk_tokens]
+            with engine._lock:
+                logits = engine.prefill_rows([piece], [start], self.row)[0].copy()
+            start += len(piece)
+            self._cached = start
+        return logits
+
+    def generate(
+        self, max_new_tokens: int = 32, sampling: Sampling = None, stop: str | Sequence[str] | None = None
+    ) -> GenerationResult:
+        """Generate the next turn from the conversation; its tokens are appended to ``tokens``.
+        ``prompt_tokens`` of the result is the conversation's length before the turn."""
+        gen = self._request(max_new_tokens, sampling, stop)
+        for _ in self._run(gen):
+            pass
+        return gen.result()
+
+    def stream(
+        self, max_new_tokens: int = 32, sampling: Sampling = None, stop: str | Sequence[str] | None = None
+    ) -> Iterator[StreamChunk]:
+        """:meth:`generate`, yielding its chunks as they are produced (see ``Engine.stream``)."""
+        return self._run(self._request(max_new_tokens, sampling, stop))
+
+    def chat(
+        self,
+        messages: Sequence[Mapping],
+        max_new_tokens: int = 32,
+        sampling: Sampling = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> GenerationResult:
+        """Render the whole conversation ``messages`` with the chat template, :meth:`sync` to it
+        (only what changed since the cached prefix is prefilled) and generate the reply."""
+        self.sync(self.engine.chat_prompt(messages))
+        return self.generate(max_new_tokens, sampling, stop)
+
+    def close(self) -> None:
+        """Give the cache row back to the engine. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.engine.release_row(self.row)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the session is closed")
+
+    def _start(self) -> int:
+        if not self._tokens:
+            raise ValueError("the session is empty; append a prompt first")
+        return min(self._cached, len(self._tokens) - 1)  # the last token is fed again if all are cached
+
+    def _request(self, max_new_tokens: int, sampling: Sampling, stop: str | Sequence[str] | None) -> Generation:
+        self._check_open()
+        start = self._start()
+        return self.engine.request(list(self._tokens), max_new_tokens, sampling, stop, start=start)
+
+    def _run(self, gen: Generation) -> Iterator[StreamChunk]:
+        engine = self.engine
+        loop = BatchLoop(engine, rows=1, first=self.row)
+        loop.add(gen)
+        try:
+            while not loop.idle:
+                with engine._lock:
+                    loop.step()
+                yield from gen.take_chunks()
+        finally:
+            if not gen.done:  # the caller stopped iterating: the turn ends here
+                gen.cancel()
+                with engine._lock:
+                    loop.step()
+            if gen.error is None:
+                self._tokens.extend(gen.token_ids)
+            # What this turn wrote: its prompt part, then one position per decode step (the
+            # tokens but the last were fed back).
+            written = gen.prefilled + max(len(gen.token_ids) - 1, 0)
+            self._cached = min(written, len(self._tokens))
+            if gen.error is not None:
+                raise gen.error
