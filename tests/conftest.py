@@ -43,3 +43,28 @@ def llama_reference(llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager").eval()
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_llama_artifact(llama_dir, tmp_path_factory) -> Path:
+    """``llama_dir``'s model with a chat template (a Zephyr-style one, in ``tokenizer_config.json``
+    with bos/eos tokens), compiled once (gqa, max_batch 4, max_seq 96, no score graph)."""
+    import json
+    import shutil
+
+    from kvforge.compile import compile_model
+
+    model = tmp_path_factory.mktemp("chat-llama")
+    for f in llama_dir.iterdir():
+        shutil.copy2(f, model / f.name)
+    config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path_factory.mktemp("artifacts") / "chat-llama"
+    compile_model(model, out, max_batch=4, max_seq=96, score_graph=False, progress=None)
+    return out

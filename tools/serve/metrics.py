@@ -10,6 +10,8 @@ seconds, ``_total`` counters):
 - ``kvforge_in_flight_sequences``: sequences admitted by the server and not finished (the 429 gauge)
 - ``kvforge_time_to_first_token_seconds``: submission to the first generated token (histogram)
 - ``kvforge_time_per_output_token_seconds``: decode time per token after the first (histogram)
+- ``kvforge_sequences_finished_total{reason}``: sequences ended, by finish reason (stop, length,
+  cancelled: a client that left)
 - ``kvforge_prompt_tokens_total``, ``kvforge_generation_tokens_total``: tokens in and out
 """
 
@@ -57,6 +59,9 @@ class ServeMetrics:
         )
         self.tpot = Histogram(
             "kvforge_time_per_output_token_seconds", "time per token after the first", buckets=TPOT_BUCKETS, registry=r
+        )
+        self.finished = Counter(
+            "kvforge_sequences_finished", "sequences ended, by finish reason", ["reason"], registry=r
         )
         self.prompt_tokens = Counter("kvforge_prompt_tokens", "prompt tokens submitted", registry=r)
         self.generation_tokens = Counter("kvforge_generation_tokens", "tokens generated", registry=r)

@@ -203,6 +203,7 @@ class ModelServer:
         self.chat_template = ChatTemplate.from_artifact(Path(engine.artifact_dir))
         self.scheduler = engine.scheduler()
         self.in_flight = 0  # sequences admitted and not yet finished by the scheduler (loop thread)
+        self.live: set[Any] = set()  # RequestHandles submitted and not yet drained by their pump (loop thread)
         self.draining = False
         self.metrics = ServeMetrics(self)
         self._pool = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="kvforge-pump")
@@ -237,9 +238,11 @@ class ModelServer:
     # ------------------------------------------------------------------------------ scheduler state
 
     def scheduler_stats(self) -> tuple[int, int]:
-        """(queued requests, running rows) as the scheduler reports them."""
-        stats = self.scheduler.stats()
-        return int(stats.queued), int(stats.running)
+        """(sequences waiting for a cache row, rows generating) among this server's live requests,
+        from each handle's ``generation.state`` (the scheduler has no public counters)."""
+        states = [handle.generation.state for handle in self.live]
+        queued = states.count("waiting")
+        return queued, len(states) - queued - states.count("done")
 
     # ------------------------------------------------------------------------------------- requests
 
@@ -315,8 +318,9 @@ class ModelServer:
             )
         self.in_flight += need
 
-    def _release(self, count: int) -> None:
+    def _release(self, count: int, handle: Any = None) -> None:
         self.in_flight -= count
+        self.live.discard(handle)
 
     def start(self, sequences: Sequence[SeqRequest]) -> Flight:
         """Submit ``sequences`` (admitted by :meth:`admit`) to the scheduler and start their pumps.
@@ -333,6 +337,7 @@ class ModelServer:
                 self._release(len(sequences) - index)  # never submitted: no pump will release them
                 raise ServingError(str(e), code="invalid_value") from e
             flight.handles.append(handle)
+            self.live.add(handle)
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
             self._pool.submit(self._pump, handle, index, loop, flight.queue, time.perf_counter())
         return flight
@@ -357,13 +362,14 @@ class ModelServer:
             result = handle.result()
             tokens = len(result.token_ids)
             self.metrics.generation_tokens.inc(tokens)
+            self.metrics.finished.labels(reason=result.finish_reason).inc()
             if first is not None and tokens > 1:
                 self.metrics.tpot.observe((time.perf_counter() - first) / (tokens - 1))
             post(Event("done", index, result))
         except Exception as e:  # reported to the request, which answers 500; the server stays up
             post(Event("error", index, e))
         finally:
-            call(self._release, 1)
+            call(self._release, 1, handle)
 
     # ------------------------------------------------------------------------------------ helpers
 
