@@ -208,13 +208,21 @@ def _special_tokens(artifact_dir: Path, config: dict) -> dict[str, str]:
 
 
 class ChatTemplate:
-    """A compiled chat template and the special tokens it is rendered with."""
+    """A compiled chat template (or several named ones) and the special tokens it is rendered with."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
-        self.source = source
+    def __init__(self, source: str | Mapping[str, str], special_tokens: Mapping[str, str] | None = None) -> None:
+        """``source``: the template text, or named templates (``"default"``, optionally ``"tool_use"``, ...)."""
+        templates = {"default": source} if isinstance(source, str) else dict(source)
+        if "default" not in templates:
+            raise ChatTemplateError(
+                f"several chat templates ({', '.join(sorted(map(str, templates)))}) and none named 'default'; "
+                "name one 'default'"
+            )
+        self.templates: dict[str, str] = templates
+        self.source: str = templates["default"]
         self.special_tokens = dict(special_tokens or {})
         try:
-            self._template = _compile(source)
+            self._compiled = {name: _compile(text) for name, text in templates.items()}
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the chat template does not compile: {e.message} (line {e.lineno})") from e
 
@@ -222,31 +230,37 @@ class ChatTemplate:
     def from_artifact(cls, artifact_dir: Path) -> ChatTemplate | None:
         """The artifact's template, or None when it has none.
 
-        ``chat_template.jinja`` wins over ``tokenizer_config.json``'s ``"chat_template"``, which is a string
-        or a list of ``{"name", "template"}`` (then the one named ``"default"``), as transformers loads them.
+        As transformers loads them: ``chat_template.jinja`` (and ``additional_chat_templates/*.jinja``) win
+        over ``tokenizer_config.json``'s ``"chat_template"``, which is a string or a list of
+        ``{"name", "template"}``. With several, ``render`` uses ``"tool_use"`` when given tools and it exists,
+        else ``"default"``.
         """
         artifact_dir = Path(artifact_dir)
         cfg_path = artifact_dir / "tokenizer_config.json"
         config = _read_json(cfg_path) if cfg_path.is_file() else {}
-        jinja_path = artifact_dir / "chat_template.jinja"
-        if jinja_path.is_file():
-            source = jinja_path.read_text(encoding="utf-8")
+        files = {}
+        if (artifact_dir / "chat_template.jinja").is_file():
+            files["default"] = (artifact_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        extra = artifact_dir / "additional_chat_templates"
+        if extra.is_dir():
+            for f in sorted(extra.glob("*.jinja")):
+                files[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+        if files:
+            source: Any = files["default"] if list(files) == ["default"] else files
         else:
             source = config.get("chat_template")
             if isinstance(source, (list, tuple)):
-                named = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
-                if "default" not in named:
+                try:
+                    source = {t["name"]: t["template"] for t in source}
+                except (TypeError, KeyError) as e:
                     raise ChatTemplateError(
-                        f"{cfg_path} has several chat templates ({sorted(map(str, named))}) and none named 'default'"
-                    )
-                source = named["default"]
-            elif isinstance(source, Mapping):
-                if "default" not in source:
-                    raise ChatTemplateError(f"{cfg_path} has several chat templates ({sorted(source)}), none 'default'")
-                source = source["default"]
+                        f"{cfg_path}: a list chat_template must hold {{'name': ..., 'template': ...}} entries"
+                    ) from e
         if source is None:
             return None
-        if not isinstance(source, str):
+        if not isinstance(source, (str, Mapping)) or (
+            isinstance(source, Mapping) and not all(isinstance(v, str) for v in source.values())
+        ):
             raise ChatTemplateError(f"{cfg_path}: chat_template must be a string, got {type(source).__name__}")
         return cls(source, _special_tokens(artifact_dir, config))
 
@@ -287,8 +301,9 @@ class ChatTemplate:
                 if not isinstance(d, Mapping):
                     raise ChatTemplateError("documents must be a list of dicts with 'title' and 'text' keys")
         variables = _plain({**self.special_tokens, **kwargs})
+        template = self._compiled["tool_use" if tools is not None and "tool_use" in self._compiled else "default"]
         try:
-            return self._template.render(
+            return template.render(
                 messages=chat,
                 tools=_plain(tools),
                 documents=_plain(documents),
@@ -296,4 +311,4 @@ class ChatTemplate:
                 **variables,
             )
         except jinja2.exceptions.TemplateError as e:
-            raise ChatTemplateError(f"the chat template refused these messages: {e.message or e}") from e
+            raise ChatTemplateError(f"the chat template raised an error for these messages: {e.message or e}") from e

@@ -39,8 +39,9 @@ class StopStrings:
     def feed(self, text: str) -> tuple[str, str | None]:
         """New decoded text in; ``(text safe to emit now, the stop string matched or None)``.
 
-        Several stop strings: the one that starts earliest in the text wins (at the same start, the
-        first listed). After a match every call returns ``("", matched)``.
+        The first stop string to be completed ends the text; when one call completes several, the one
+        that starts earliest wins (at the same start, the first listed). After a match every call
+        returns ``("", matched)``.
         """
         if self.matched is not None:
             return "", self.matched

@@ -10,6 +10,14 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        )  # ids that decode(skip_special_tokens=True) drops
+        # SentencePiece-style byte fallback (<0xE6> tokens): the ByteFallback decoder turns a whole run of byte
+        # tokens into U+FFFD per byte when the run is not valid UTF-8, so a run's text is final only once it ends.
+        byte_fallback = '"ByteFallback"' in Path(path).read_text(encoding="utf-8")
+        ids = (self._tok.token_to_id(f"<0x{b:02X}>") for b in range(256)) if byte_fallback else ()
+        self.byte_fallback_ids: frozenset[int] = frozenset(i for i in ids if i is not None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids as ``transformers``' ``tokenizer(text, add_special_tokens=...)`` gives them.

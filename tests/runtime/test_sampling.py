@@ -5,13 +5,15 @@ processors, built by transformers' ``_get_logits_processor`` (so in its order), 
 prompt/generated ids, for each processor alone and all combined, float32 and float16 logits; the kept
 token sets are identical and the probabilities agree within 1e-6 + 1e-5·p (presence/frequency
 penalties, absent from transformers, are applied in the reference with vLLM's arithmetic right after the
-repetition penalty); (2) temperature 0 is argmax (lowest id on ties) of the penalised logits; (3) a seed
+repetition penalty); the same at V=32768, where top-k/top-p take their fast paths, and with many exact
+ties at the top-k threshold; (2) temperature 0 is argmax (lowest id on ties) of the penalised logits; (3) a seed
 gives the same tokens alone or interleaved with other requests, one RNG draw per sampled token, and
 different seeds differ; (4) empirical frequencies of 20000 draws match the distribution within 5
 standard errors and excluded tokens are never drawn; (5) logprobs are the raw log-softmax (numpy
 reference, 1e-5) with the k most likely alternatives; (6) GenerationDefaults.from_artifact reads
 generation_config.json as transformers' GenerationConfig + generate's global defaults; (7) each invalid
-parameter raises ValueError naming the parameter, the value and what is accepted.
+parameter raises ValueError naming the parameter, the value and what is accepted, and unknown keys in
+``from_dict`` and bad generation_config.json values are refused by name.
 """
 
 from __future__ import annotations
@@ -133,6 +135,46 @@ def test_distribution_equals_transformers_processors(case, dtype):
         assert excess[worst] <= 0, f"{case}: p[{worst}] {got[worst]:.9g} vs transformers {ref[worst]:.9g}"
         if case in ("top_k", "top_p", "top_p_small", "min_p", "all"):
             assert kept_got.sum() < V, f"{case} filtered nothing: the case does not test the filter"
+
+
+LARGE_CASES = {
+    "top_k": dict(temperature=0.8, top_k=40),
+    "top_k_large": dict(temperature=0.8, top_k=3000),
+    "top_p_peaky": dict(temperature=0.7, top_p=0.9),
+    "top_p_flat": dict(temperature=3.0, top_p=0.95),
+    "top_p_min_p": dict(temperature=1.0, top_p=0.6, min_p=0.02, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("case", list(LARGE_CASES))
+def test_large_vocabulary_fast_paths_equal_transformers(case):
+    """At V=32768 top-k and top-p select from a subsample / a candidate nucleus instead of sorting
+    everything (or fall back to the full sort for a flat distribution): same kept set, same p."""
+    n_vocab = 32768
+    params = SamplingParams(**{**OFF, **LARGE_CASES[case]})
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        logits = (rng.standard_normal(n_vocab) * 3).astype(np.float32)
+        prompt = rng.integers(0, n_vocab, 50).tolist()
+        s = Sampler(params, prompt, n_vocab)
+        got = s.distribution(logits)
+        ref = hf_distribution(params, logits, prompt, [])
+        assert np.array_equal(got > 0, ref > 0), f"{case}: kept {int((got > 0).sum())} vs {int((ref > 0).sum())}"
+        assert np.all(np.abs(got - ref) <= ATOL + RTOL * ref), case
+        assert 1 < (got > 0).sum() < n_vocab
+
+
+def test_top_k_keeps_ties_like_transformers():
+    """Logits with many exact ties (float16 rounding of a coarse grid): every token tied with the
+    k-th largest is kept, on both the subsample path (large V, small k) and the full partition."""
+    rng = np.random.default_rng(11)
+    for n_vocab, k in ((32768, 7), (32768, 300), (512, 100), (512, 3)):
+        logits = rng.integers(-40, 40, n_vocab).astype(np.float16) / np.float16(8)
+        params = SamplingParams(**{**OFF, "temperature": 1.0, "top_k": k})
+        got = Sampler(params, [], n_vocab).distribution(logits)
+        ref = hf_distribution(params, logits, [0], [])
+        assert np.array_equal(got > 0, ref > 0) and (got > 0).sum() > k, (n_vocab, k)
+        assert np.all(np.abs(got - ref) <= ATOL + RTOL * ref)
 
 
 def test_greedy_is_argmax_of_penalised_logits_lowest_id_on_ties():
@@ -262,6 +304,23 @@ def test_generation_defaults_read_as_transformers(tmp_path, name):
     resolved = SamplingParams().resolve(got)
     assert resolved.resolved
     assert resolved.temperature == (got.temperature if got.do_sample else 0.0)
+
+
+def test_generation_defaults_refuse_bad_files(tmp_path):
+    path = tmp_path / "generation_config.json"
+    for content, message in (
+        ({"do_sample": True, "top_p": 1.5}, "top_p=1.5 is not accepted"),
+        ({"temperature": -1}, "temperature=-1 is not accepted"),
+        ({"top_k": "many"}, "top_k='many' is not accepted"),
+        ({"do_sample": "yes"}, "do_sample='yes' must be true or false"),
+    ):
+        path.write_text(json.dumps(content))
+        with pytest.raises(ValueError) as e:
+            GenerationDefaults.from_artifact(tmp_path)
+        assert str(path) in str(e.value) and message in str(e.value), str(e.value)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        GenerationDefaults.from_artifact(tmp_path)
 
 
 def test_generation_defaults_without_file_and_resolve(tmp_path):
