@@ -3,8 +3,11 @@
 from kvforge.graphs.manifest import ArtifactError
 from kvforge.runtime.chat import ChatTemplate, ChatTemplateError
 from kvforge.runtime.detokenize import IncrementalDetokenizer
-from kvforge.runtime.engine import Engine, GenerationResult
+from kvforge.runtime.engine import Engine
+from kvforge.runtime.generation import GenerationResult, StreamChunk, Timing
 from kvforge.runtime.sampling import GenerationDefaults, Sampler, SamplingParams, TokenLogprob
+from kvforge.runtime.scheduler import RequestHandle, Scheduler
+from kvforge.runtime.session import Session
 from kvforge.runtime.stops import StopStrings
 from kvforge.runtime.tokenizer import Tokenizer
 
@@ -16,9 +19,14 @@ __all__ = [
     "GenerationDefaults",
     "GenerationResult",
     "IncrementalDetokenizer",
+    "RequestHandle",
     "Sampler",
     "SamplingParams",
+    "Scheduler",
+    "Session",
     "StopStrings",
+    "StreamChunk",
+    "Timing",
     "TokenLogprob",
     "Tokenizer",
 ]

@@ -511,18 +511,12 @@ class Engine:
     def chat_prompt(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
         """The token ids of ``messages`` rendered by the model's chat template. Raises
         :class:`~kvforge.runtime.chat.ChatTemplateError` (a ValueError) when the model has none."""
-        from kvforge.runtime.chat import ChatTemplate, ChatTemplateError
+        from kvforge.runtime.chat import ChatTemplate
 
         if self.tokenizer is None:
             raise ValueError("chat needs the artifact's tokenizer; this artifact has none")
         if self._chat_template is None:
-            template = ChatTemplate.from_artifact(self.artifact_dir)
-            if template is None:
-                raise ChatTemplateError(
-                    f"{self.artifact_dir} has no chat template (no chat_template.jinja and no chat_template in "
-                    "tokenizer_config.json); use generate with a plain prompt, or compile a chat model"
-                )
-            self._chat_template = template
+            self._chat_template = ChatTemplate.require(self.artifact_dir)
         text = self._chat_template.render(list(messages), add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -549,9 +543,5 @@ def _sampling_params(sampling: Sampling) -> SamplingParams:
     if isinstance(sampling, SamplingParams):
         return sampling
     if isinstance(sampling, Mapping):
-        fields = set(SamplingParams.__dataclass_fields__)
-        unknown = sorted(set(sampling) - fields)
-        if unknown:
-            raise ValueError(f"sampling has unknown key(s) {unknown}; accepted: {sorted(fields)}")
-        return SamplingParams(**sampling)
+        return SamplingParams.from_dict(sampling)  # unknown keys: ValueError naming them
     raise ValueError(f"sampling must be a SamplingParams, a dict of its fields or None, got {type(sampling).__name__}")

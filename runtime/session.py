@@ -89,6 +89,11 @@ class Session:
         common prefix and appends the rest (how a chat turn re-rendered by a template reuses the
         cache). Returns the length of the common prefix."""
         ids = [int(t) for t in ids]
+        if len(ids) > self.engine.max_seq:
+            raise ValueError(
+                f"the session would hold {len(ids)} tokens; its cache row holds max_seq={self.engine.max_seq} "
+                "(start a new session, or recompile with --max-seq)"
+            )
         common = 0
         for a, b in zip(self._tokens, ids):
             if a != b:

@@ -45,26 +45,30 @@ def llama_reference(llama_dir):
     return AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager").eval()
 
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
 @pytest.fixture(scope="session")
-def chat_llama_artifact(llama_dir, tmp_path_factory) -> Path:
-    """``llama_dir``'s model with a chat template (a Zephyr-style one, in ``tokenizer_config.json``
-    with bos/eos tokens), compiled once (gqa, max_batch 4, max_seq 96, no score graph)."""
+def llama_chat_artifact(llama_dir, tmp_path_factory) -> Path:
+    """``llama_dir``'s model with a ChatML chat template in its tokenizer_config.json (max_batch 2,
+    max_seq 256, no score graph): the artifact chat, sessions' chat and ``kvforge chat`` run on."""
     import json
     import shutil
 
     from kvforge.compile import compile_model
 
-    model = tmp_path_factory.mktemp("chat-llama")
-    for f in llama_dir.iterdir():
-        shutil.copy2(f, model / f.name)
-    config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}
+    model = tmp_path_factory.mktemp("llama-chat") / "model"
+    shutil.copytree(llama_dir, model)
+    config = {
+        "chat_template": CHATML_TEMPLATE,
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    out = tmp_path_factory.mktemp("artifacts") / "chat-llama"
-    compile_model(model, out, max_batch=4, max_seq=96, score_graph=False, progress=None)
+    out = tmp_path_factory.mktemp("artifacts") / "llama-chat"
+    compile_model(model, out, max_batch=2, max_seq=256, score_graph=False, progress=None)
     return out

@@ -1,7 +1,8 @@
 """The ``kvforge`` command line: thin subcommands over the public APIs.
 
     kvforge compile MODEL_DIR -o OUT [--dtype float32] [--max-batch 4] [--max-seq 512] [--lowering gqa]
-    kvforge generate OUT "prompt" [--max-new-tokens 32]
+    kvforge generate OUT "prompt" [--max-new-tokens 32] [--temperature T --top-p P --seed N --stop S ...]
+    kvforge chat OUT [--system TEXT] [--max-new-tokens 256] [sampling flags]
     kvforge demo [--model DIR] [--prompt TEXT ...]
     kvforge compare OUT --reference MODEL_DIR [--prompts FILE] [--text FILE] [--steps N] [--json PATH] [--plot PATH]
     kvforge bench OUT [--reference MODEL_DIR] [--prompt-lens 32,128,512] [--batch-sizes 1,4] [--new-tokens N]
@@ -90,24 +91,83 @@ def _run_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of generate and chat; each one left out takes the model's default
+    (generation_config.json; greedy unless it says do_sample)."""
+    g = p.add_argument_group("sampling (default: the model's generation_config.json; greedy without one)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--top-p", type=float, default=None, help="(0, 1]; 1 = off")
+    g.add_argument("--min-p", type=float, default=None, help="[0, 1]; 0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2] (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2] (default 0)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: fresh entropy)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+
+
+def _sampling(args: argparse.Namespace):
+    from kvforge.runtime import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a compiled artifact (greedy)")
+    p = sub.add_parser("generate", help="generate text from a compiled artifact (streams one prompt)")
     p.add_argument("artifact", help="artifact directory written by kvforge compile")
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
+    _add_sampling(p)
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from kvforge.runtime import Engine
 
+    sampling = _sampling(args)  # bad values fail before the model loads
     with Engine.load(args.artifact, threads=args.threads) as engine:
-        results = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens)
+        if len(args.prompt) == 1:  # stream: prompt, then each chunk as it is produced
+            chunks = engine.stream(args.prompt[0], args.max_new_tokens, sampling, args.stop)
+            print(args.prompt[0], end="", flush=True)
+            for chunk in chunks:
+                print(chunk.text, end="", flush=True)
+            print()
+            return 0
+        results = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop)
     for prompt, result in zip(args.prompt, results):
-        if len(args.prompt) > 1:
-            print(f"--- {prompt!r} ({result.finish_reason})")
+        print(f"--- {prompt!r} ({result.finish_reason})")
         print(prompt + result.text)
+    return 0
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn chat with a model that has a chat template")
+    p.add_argument("artifact", help="artifact directory written by kvforge compile")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message before the first turn")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
+    _add_sampling(p)
+    p.set_defaults(run=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from kvforge.runtime import ChatTemplate, Engine
+    from kvforge.tools.chat import chat_loop
+
+    sampling = _sampling(args)
+    ChatTemplate.require(args.artifact)  # a model without a template fails before reading stdin
+    with Engine.load(args.artifact, threads=args.threads) as engine:
+        chat_loop(engine, sys.stdin, sys.stdout, sys.stderr, args.system, args.max_new_tokens, sampling, args.stop)
     return 0
 
 
@@ -346,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compile(sub)
     _add_generate(sub)
+    _add_chat(sub)
     _add_demo(sub)
     _add_compare(sub)
     _add_bench(sub)

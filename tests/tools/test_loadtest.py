@@ -18,8 +18,8 @@ from tests.tools.test_serve import KEY, metric, running
 
 
 @pytest.fixture(scope="module")
-def server_url(chat_llama_artifact):
-    with running(chat_llama_artifact, max_queue=8) as (url, _):
+def server_url(llama_chat_artifact):
+    with running(llama_chat_artifact, max_queue=8) as (url, _):
         yield url
 
 

@@ -67,8 +67,8 @@ def running(artifact: Path, **server_options):
 
 
 @pytest.fixture(scope="module")
-def served(chat_llama_artifact):
-    with running(chat_llama_artifact, max_queue=4) as (url, server):
+def served(llama_chat_artifact):
+    with running(llama_chat_artifact, max_queue=4) as (url, server):
         yield url, server
 
 
@@ -78,9 +78,9 @@ def client(served) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def engine(chat_llama_artifact):
+def engine(llama_chat_artifact):
     """A second engine on the same artifact: the reference outputs."""
-    with Engine.load(chat_llama_artifact, threads=1) as e:
+    with Engine.load(llama_chat_artifact, threads=1) as e:
         yield e
 
 
@@ -114,10 +114,10 @@ def metric(text: str, name: str, **labels) -> float:
 # ---------------------------------------------------------------------------------------- routes
 
 
-def test_models_health_and_replica_header(served, client):
+def test_models_health_and_replica_header(served, client, engine):
     url, server = served
     [card] = client.models.list().data
-    assert card.id == MODEL and card.owned_by == "kvforge" and card.max_model_len == 96
+    assert card.id == MODEL and card.owned_by == "kvforge" and card.max_model_len == engine.max_seq
     r = httpx.get(url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["model"] == MODEL
     assert r.headers[REPLICA_HEADER] == server.replica_id == r.json()["replica"]
@@ -182,7 +182,7 @@ def test_chat_default_max_tokens_is_the_rest_of_the_context(client, engine):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0)
     prompt = len(engine.chat_prompt(MESSAGES))
     assert r.usage.prompt_tokens == prompt
-    assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == 96 - prompt
+    assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == engine.max_seq - prompt
 
 
 def test_n_choices_are_seeded_independent_requests(client, engine):
@@ -278,16 +278,19 @@ def test_bad_input_is_400_with_openai_error_object(served, engine):
     assert_error(post(url, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages is empty")
     chat = {"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}
     assert_error(post(url, "/v1/chat/completions", chat), 400, "logprobs: true", param="top_logprobs")
-    # Too long for the artifact (max_seq 96): the prompt alone, and prompt + max_tokens.
-    long_prompt = " ".join(["The for statement iterates"] * 40)
-    assert len(engine.encode(long_prompt)) > 96
-    error = assert_error(post(url, "/v1/completions", {**ok, "prompt": long_prompt}), 400, "--max-seq", "max_seq=96")
+    # Too long for the artifact: the prompt alone, and prompt + max_tokens.
+    max_seq = engine.max_seq
+    long_prompt = " ".join(["The for statement iterates"] * max_seq)
+    assert len(engine.encode(long_prompt)) > max_seq
+    error = assert_error(
+        post(url, "/v1/completions", {**ok, "prompt": long_prompt}), 400, "--max-seq", f"max_seq={max_seq}"
+    )
     assert error["code"] == "context_length_exceeded"
     n = len(engine.encode(PROMPTS[0]))
     error = assert_error(
-        post(url, "/v1/completions", {**ok, "prompt": PROMPTS[0], "max_tokens": 95}),
+        post(url, "/v1/completions", {**ok, "prompt": PROMPTS[0], "max_tokens": max_seq}),
         400,
-        f"lower max_tokens to at most {96 - n}",
+        f"lower max_tokens to at most {max_seq - n}",
         param="max_tokens",
     )
     # Routes and keys.
@@ -353,22 +356,25 @@ def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_full_queue_is_429_then_served(chat_llama_artifact, engine):
-    with running(chat_llama_artifact, max_queue=0) as (url, server):  # capacity: max_batch = 4 sequences
-        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "n": 4, "stream": True}
+def test_full_queue_is_429_then_served(llama_chat_artifact, engine):
+    rows = engine.max_batch
+    with running(llama_chat_artifact, max_queue=0) as (url, server):  # capacity: max_batch sequences
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "n": rows, "stream": True}
         headers = {"authorization": f"Bearer {KEY}"}
         with (
             Gate(server, after=0) as gate,
             httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r,
         ):
-            assert r.status_code == 200 and gate.reached.wait(10)  # 4 sequences admitted, the scheduler held
+            assert r.status_code == 200 and gate.reached.wait(10)  # every row's sequence admitted, scheduler held
             small = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
             error = assert_error(post(url, "/v1/completions", small), 429, "at capacity", "retry later")
             assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
             gate.open()
             events = sse_events(r.iter_lines())
         assert events[-1] == "[DONE]"
-        assert sorted(e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"]) == [0, 1, 2, 3]
+        assert sorted(e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"]) == list(
+            range(rows)
+        )
         wait_until(lambda: server.in_flight == 0, "the sequences to be released")
         assert post(url, "/v1/completions", small).status_code == 200
 
@@ -422,10 +428,10 @@ def test_metrics_count_what_was_served(served, client, engine):
         assert f"\n{gauge} 0.0" in after
 
 
-def test_drain_answers_503_finishes_what_runs_then_stops(chat_llama_artifact, engine):
+def test_drain_answers_503_finishes_what_runs_then_stops(llama_chat_artifact, engine):
     """What the first SIGTERM does (DrainingServer.drain), with the scheduler held mid-request."""
     [expected] = engine.generate(PROMPTS[:1], max_new_tokens=8, sampling=GREEDY)
-    server = ModelServer.load(chat_llama_artifact, threads=1, model_name=MODEL, max_queue=2)
+    server = ModelServer.load(llama_chat_artifact, threads=1, model_name=MODEL, max_queue=2)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     web = DrainingServer(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"), server)
@@ -450,11 +456,11 @@ def test_drain_answers_503_finishes_what_runs_then_stops(chat_llama_artifact, en
     assert server._closed  # the lifespan closed the scheduler and the engine
 
 
-def test_sigterm_exits_0_after_answering(chat_llama_artifact, engine):
+def test_sigterm_exits_0_after_answering(llama_chat_artifact, engine):
     [expected] = engine.generate(PROMPTS[:1], max_new_tokens=8, sampling=GREEDY)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(chat_llama_artifact), "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(llama_chat_artifact), "--port", str(port)]
     proc = subprocess.Popen(
         [*cmd, "--threads", "1", "--served-model-name", MODEL, "--log-level", "warning"],
         stdout=subprocess.PIPE,

@@ -32,12 +32,12 @@ PROMPTS = ["The for statement", "A list is a mutable", "Functions are defined", 
 
 
 @pytest.mark.slow
-def test_two_replicas_serve_the_same_answers(chat_llama_artifact):
-    with Engine.load(chat_llama_artifact, threads=1) as engine:
+def test_two_replicas_serve_the_same_answers(llama_chat_artifact):
+    with Engine.load(llama_chat_artifact, threads=1) as engine:
         expected = engine.generate(PROMPTS, max_new_tokens=10, sampling=SamplingParams(temperature=0.0))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(chat_llama_artifact), "--ray", "--replicas", "2"]
+    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(llama_chat_artifact), "--ray", "--replicas", "2"]
     cmd += ["--port", str(port), "--num-cpus", "2", "--replica-cpus", "0.5", "--served-model-name", MODEL]
     # Its own session: the Ray processes it starts can be ended together if the test fails.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -198,10 +198,10 @@ class ModelServer:
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}"
         self.max_seq = engine.max_seq
         self.max_prompt = engine.manifest.limits.max_prompt
-        self.capacity = engine.max_batch + max_queue
         # None: the model has no template, and /v1/chat/completions answers 400 saying so.
         self.chat_template = ChatTemplate.from_artifact(Path(engine.artifact_dir))
         self.scheduler = engine.scheduler()
+        self.capacity = self.scheduler.rows + max_queue  # sequences in flight: in a row or queued for one
         self.in_flight = 0  # sequences admitted and not yet finished by the scheduler (loop thread)
         self.live: set[Any] = set()  # RequestHandles submitted and not yet drained by their pump (loop thread)
         self.draining = False
