@@ -182,10 +182,12 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 def summarize(records: list[dict[str, Any]], duration_s: float, options: LoadOptions) -> dict[str, Any]:
     ok = [r for r in records if r["ok"]]
     errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
     for r in records:
         if not r["ok"]:
             key = str(r["status"]) if r["status"] != 200 else "incomplete"
             errors[key] = errors.get(key, 0) + 1
+            examples.setdefault(key, r["error"] or "the stream ended without [DONE] or a finish_reason")
     for r in records:
         r["meets_slo"] = bool(
             r["ok"]
@@ -201,6 +203,7 @@ def summarize(records: list[dict[str, Any]], duration_s: float, options: LoadOpt
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "errors": dict(sorted(errors.items())),
+        "error_examples": dict(sorted(examples.items())),  # the first message of each status
         "duration_s": duration_s,
         "throughput_rps": per_s(len(ok)),
         "output_tokens": out_tokens,

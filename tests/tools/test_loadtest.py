@@ -33,7 +33,7 @@ def test_loadtest_counts_and_figures(server_url, tmp_path, capsys):
     assert "completed 6, failed 0 (none)" in report and "goodput" in report and "TTFT" in report
     result = json.loads(out.read_text())
     s = result["summary"]
-    assert (s["requests"], s["completed"], s["failed"], s["errors"]) == (6, 6, 0, {})
+    assert (s["requests"], s["completed"], s["failed"], s["errors"], s["error_examples"]) == (6, 6, 0, {}, {})
     assert result["model"] == "tiny-chat" and plot.stat().st_size > 0
     after = httpx.get(server_url + "/metrics").text
     served = metric(after, "kvforge_requests_total", route="/v1/completions", status="200") - metric(
@@ -64,4 +64,5 @@ def test_loadtest_counts_errors_by_status(server_url, tmp_path):
     assert main([*args, "--json", str(out)]) == 0
     s = json.loads(out.read_text())["summary"]
     assert (s["completed"], s["failed"], s["errors"]) == (0, 3, {"401": 3})
+    assert "API key" in s["error_examples"]["401"]
     assert s["meeting_slo"] == 0 and s["goodput_rps"] == 0 and s["ttft_ms"]["p50"] is None
