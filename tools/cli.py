@@ -324,7 +324,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     try:
-        from kvforge.tools.serve import serving
+        from kvforge.tools.serve import runner, serving
     except ImportError as e:
         raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     if args.ray:
@@ -341,12 +341,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             replica_cpus=args.replica_cpus,
         )
         return 0
-    from kvforge.tools.serve.runner import serve_local
-
     server = serving.ModelServer.load(
         args.artifact, threads=args.threads, model_name=args.served_model_name, max_queue=args.max_queue
     )
-    serve_local(server, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    runner.serve_local(server, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
     return 0
 
 
