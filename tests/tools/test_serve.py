@@ -245,6 +245,33 @@ def test_logprobs_completions_and_chat(client, engine):
     assert got == pytest.approx([t.logprob for t in chat.logprobs], abs=1e-6)
 
 
+def test_token_id_prompts_echo_and_chat_n_stream_with_usage(client, engine):
+    ids = [engine.encode(p) for p in PROMPTS]
+    expected = engine.generate(ids, max_new_tokens=6, sampling=GREEDY)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert [c.text for c in r.choices] == [engine.tokenizer.decode(i) + e.text for i, e in zip(ids, expected)]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+
+    chat = engine.chat(MESSAGES, max_new_tokens=6, sampling=GREEDY)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == chat.text
+        assert mine[-1].finish_reason == chat.finish_reason
+    assert chunks[-1].usage.prompt_tokens == chat.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 2 * len(chat.token_ids)
+
+
 # ---------------------------------------------------------------------------------------- errors
 
 
@@ -403,6 +430,22 @@ def test_client_disconnect_cancels_and_frees_the_row(served, engine):
     assert cancelled == metric(before, "kvforge_sequences_finished_total", reason="cancelled") + 1
     generated = metric(after, "kvforge_generation_tokens_total") - metric(before, "kvforge_generation_tokens_total")
     assert 1 <= generated <= 2  # the prefill's token, and at most the decode step that was held
+
+
+def test_client_leaving_a_whole_answer_cancels_it(served):
+    """Not streamed: the server notices the disconnect while the request waits, and cancels it."""
+    url, server = served
+    before = httpx.get(url + "/metrics").text
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0}
+    with Gate(server, after=0) as gate:  # held at the prefill: the answer cannot come
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, "/v1/completions", body, timeout=httpx.Timeout(10, read=0.5))
+        assert gate.reached.is_set()
+        wait_until(lambda: server.live and all(h.generation.cancel_requested for h in server.live), "the cancellation")
+    wait_until(lambda: server.in_flight == 0 and not server.live, "the row to be freed")
+    after = httpx.get(url + "/metrics").text
+    cancelled = metric(after, "kvforge_sequences_finished_total", reason="cancelled")
+    assert cancelled == metric(before, "kvforge_sequences_finished_total", reason="cancelled") + 1
 
 
 def test_metrics_count_what_was_served(served, client, engine):
