@@ -217,7 +217,7 @@ def summarize(records: list[dict[str, Any]], duration_s: float, options: LoadOpt
 
 
 def run_loadtest(url: str, options: LoadOptions) -> dict[str, Any]:
-    """Run the load and return ``{"url", "model", "options", "summary", "requests"}``."""
+    """Run the load and return the result document (docs/tools.md, ``kvforge loadtest``)."""
     options.check()
     url = base_url(url)
     records, duration, model = asyncio.run(_run(url, options))
@@ -225,7 +225,15 @@ def run_loadtest(url: str, options: LoadOptions) -> dict[str, Any]:
     for r in records:
         r.pop("prompt", None)
     opts = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(options).items() if k != "api_key"}
-    return {"url": url, "model": model, "options": opts, "summary": summary, "requests": records}
+    return {
+        "kind": "kvforge.loadtest",
+        "schema_version": 1,
+        "url": url,
+        "model": model,
+        "options": opts,
+        "summary": summary,
+        "requests": records,
+    }
 
 
 def format_report(result: dict[str, Any]) -> str:

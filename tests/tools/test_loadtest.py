@@ -34,7 +34,8 @@ def test_loadtest_counts_and_figures(server_url, tmp_path, capsys):
     result = json.loads(out.read_text())
     s = result["summary"]
     assert (s["requests"], s["completed"], s["failed"], s["errors"], s["error_examples"]) == (6, 6, 0, {}, {})
-    assert result["model"] == "tiny-chat" and plot.stat().st_size > 0
+    assert (result["kind"], result["schema_version"], result["model"]) == ("kvforge.loadtest", 1, "tiny-chat")
+    assert plot.stat().st_size > 0
     after = httpx.get(server_url + "/metrics").text
     served = metric(after, "kvforge_requests_total", route="/v1/completions", status="200") - metric(
         before, "kvforge_requests_total", route="/v1/completions", status="200"
