@@ -150,7 +150,10 @@ async def _run(url: str, options: LoadOptions) -> tuple[list[dict[str, Any]], fl
     async with httpx.AsyncClient(timeout=options.timeout_s, limits=limits) as client:
         model = options.model
         if model is None:
-            r = await client.get(url + "/v1/models", headers=headers)
+            try:
+                r = await client.get(url + "/v1/models", headers=headers)
+            except httpx.TransportError as e:
+                raise ValueError(f"cannot reach {url} ({type(e).__name__}: {e}); is the server up?") from e
             if r.status_code != 200:
                 raise ValueError(f"GET {url}/v1/models answered {r.status_code}; pass --model (and --api-key?)")
             model = r.json()["data"][0]["id"]
