@@ -89,7 +89,6 @@ class Engine:
         self._dec_write = np.zeros(b, dtype=np.int64)
         self._dec_lengths = np.ones(b, dtype=np.int64)  # a decode step through the prefill graph
         self._logits = np.zeros(b * vocab, dtype=self.cache.buffer.dtype)
-        self._next = np.zeros(b, dtype=np.int64)
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
         self._decode_bindings: dict[tuple[int, int], object] = {}  # (first row, batch) -> binding
@@ -368,6 +367,7 @@ class Engine:
         with self._lock:
             self._check_step_rows(1)
             self._rows_owner = owner
+            self.batch = 0  # the step API's batch is overwritten: decode() needs a new prefill
         try:
             yield self.general_rows()
         finally:
@@ -397,7 +397,11 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this artifact has no tokenizer; pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return [int(t) for t in prompt]
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            bad = next(t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
+            raise ValueError(f"a prompt is a string or a list of token ids; this one holds {bad!r}")
+        return [int(t) for t in ids]
 
     def request(
         self,

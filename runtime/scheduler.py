@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -160,3 +161,4 @@ class Scheduler:
                     loop.step()
             except Exception as error:  # a bug outside any one request: fail what runs, keep serving
                 loop.fail_all(error)
+            time.sleep(0)  # let a session's thread waiting for the engine's lock take its step

@@ -2,8 +2,9 @@
 exactly their solo greedy tokens (and seeded samples) while rows join and retire; streaming through
 handles; cancel frees the row at the next step; queue/TTFT/decode timings recorded and ordered;
 chunked prefill of joining requests (no call above one chunk); a failing request fails alone; bad
-parameters raise at submit; rows are the scheduler's until close; the cache is never reallocated;
-the runtime (generate, stream, sessions, scheduler, chat) imports neither torch nor transformers."""
+parameters raise at submit; rows are the scheduler's until close (closing the engine cancels and
+joins it); the cache is never reallocated; the runtime (generate, stream, sessions, scheduler, chat)
+imports neither torch nor transformers."""
 
 from __future__ import annotations
 
@@ -156,6 +157,10 @@ def test_a_failing_request_fails_alone(engine, solo, monkeypatch):
             sched.submit(PROMPTS[4], max_new_tokens=0)
         with pytest.raises(ValueError, match="prompt 0 has 97 tokens"):
             sched.submit([5] * 97, max_new_tokens=2)
+        with pytest.raises(ValueError, match="top_p"):
+            sched.submit(PROMPTS[4], sampling={"top_p": 2.0})
+        with pytest.raises(ValueError, match="a prompt is a string or a list of token ids"):
+            sched.submit(["two", "prompts"])
         more = sched.submit(PROMPTS[4], max_new_tokens=NEW[4])
         with pytest.raises(RuntimeError, match="sampler exploded"):
             bad.result(timeout=60)
@@ -221,3 +226,31 @@ def test_the_runtime_imports_neither_torch_nor_transformers(llama_chat_artifact)
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False", "False"]
+
+
+def test_closing_the_engine_cancels_and_joins_its_scheduler(llama_artifact):
+    engine = Engine.load(llama_artifact)
+    sched = engine.scheduler()
+    handle = sched.submit(PROMPTS[0], max_new_tokens=80)
+    next(iter(handle))  # running
+    engine.close()
+    assert handle.result(timeout=10).finish_reason == "cancelled"
+    assert not sched._thread.is_alive()
+
+
+def test_random_stream_of_requests_equals_solo_runs(engine):
+    """12 requests of random prompt and output lengths, a prefill chunk of 7 (prompts fill over
+    several steps while rows finish and move): every request's tokens equal its solo run."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prompts = [[0, *rng.integers(2, 384, int(rng.integers(1, 40))).tolist()] for _ in range(12)]
+    new = [int(n) for n in rng.integers(1, 20, 12)]
+    expected = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, new)]
+    with engine.scheduler(prefill_chunk=7) as sched:
+        handles = []
+        for p, n in zip(prompts, new):
+            handles.append(sched.submit(p, max_new_tokens=n))
+            time.sleep(float(rng.exponential(0.002)))
+        got = [h.result(timeout=60).token_ids for h in handles]
+    assert got == expected

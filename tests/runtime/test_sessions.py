@@ -184,3 +184,29 @@ def test_cache_is_never_reallocated_by_sessions(engine, small_chunks):
         s.append(B)
         list(s.stream(max_new_tokens=4))
     assert engine.cache.buffer.ctypes.data == pointer
+
+
+def test_prompts_longer_than_max_prompt_are_prefilled_in_chunks(engine, monkeypatch):
+    """An artifact whose prefill takes at most ``max_prompt`` tokens per call (a TensorRT profile)
+    still takes prompts up to ``max_seq``: generation and sessions prefill them in max_prompt chunks."""
+    import dataclasses
+
+    one_shot = engine.generate([LONG], max_new_tokens=8)[0].token_ids
+    one_shot_logits = _fresh_logits(engine, LONG)
+    manifest = engine.manifest
+    limited = dataclasses.replace(manifest, limits=dataclasses.replace(manifest.limits, max_prompt=8))
+    monkeypatch.setattr(engine, "manifest", limited)
+    calls: list[int] = []
+    original = engine.prefill_rows
+
+    def spy(rows, start, first):
+        calls.append(max(len(r) for r in rows))
+        return original(rows, start, first)
+
+    monkeypatch.setattr(engine, "prefill_rows", spy)
+    assert engine.chunk_tokens == 8
+    assert engine.generate([LONG], max_new_tokens=8)[0].token_ids == one_shot
+    with engine.session() as s:
+        s.append(LONG)
+        assert_close(s.prefill(), one_shot_logits, 1e-5, 1e-5, "max_prompt-chunked session prefill")
+    assert max(calls) == 8 and len(calls) == 2 * 7  # 51 tokens: 7 chunks, twice

@@ -6,12 +6,14 @@ is a one-line error with exit 2."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
 import pytest
 
 from kvforge.runtime import Engine, SamplingParams
+from kvforge.tools.chat import chat_loop
 from kvforge.tools.cli import main
 
 
@@ -100,12 +102,15 @@ def test_chat_answers_each_turn_like_engine_chat(llama_chat_artifact):
 
 
 def test_chat_ends_at_end_of_input(llama_chat_artifact):
-    done = _chat(llama_chat_artifact, "The for statement?")  # no newline, then EOF
-    assert done.returncode == 0 and done.stdout.count("\n") == 1
+    inp, out, err = io.StringIO("The for statement?\nAnd?"), io.StringIO(), io.StringIO()  # no newline, then EOF
+    with Engine.load(llama_chat_artifact) as engine:
+        assert chat_loop(engine, inp, out, err, max_new_tokens=4) == 2
+        assert engine.general_rows() == engine.max_batch  # the chat's session gave its row back
+    assert out.getvalue().count("\n") == 2 and err.getvalue() == ""
 
 
-def test_chat_without_a_template_is_a_one_line_error(llama_artifact):
-    done = _chat(llama_artifact, "hello\n")
-    assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.startswith("kvforge: error: ") and "has no chat template" in done.stderr
-    assert done.stderr.count("\n") == 1
+def test_chat_without_a_template_is_a_one_line_error(llama_artifact, capsys):
+    assert main(["chat", str(llama_artifact)]) == 2  # before reading stdin
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("kvforge: error: ")
+    assert "has no chat template" in captured.err and captured.err.count("\n") == 1
