@@ -134,7 +134,11 @@ class CompletionStreamResponse(ResponseModel):
 # ------------------------------------------------------------------------------------------ chat
 
 
-class ChatMessage(RequestModel):
+class ChatMessage(BaseModel):
+    # Extra keys (an assistant message's ``tool_calls``, ``refusal``, ... as clients send history
+    # back) are accepted and not passed to the template, which sees ``role`` and ``content``.
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
