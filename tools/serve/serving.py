@@ -197,7 +197,6 @@ class ModelServer:
         self.model_name = model_name or Path(engine.artifact_dir).name
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}"
         self.max_seq = engine.max_seq
-        self.max_prompt = engine.manifest.limits.max_prompt
         # None: the model has no template, and /v1/chat/completions answers 400 saying so.
         self.chat_template = ChatTemplate.from_artifact(Path(engine.artifact_dir))
         self.scheduler = engine.scheduler()
@@ -265,7 +264,9 @@ class ModelServer:
         n = len(prompt_ids)
         if n == 0:
             raise ServingError(f"{what} is empty; send at least one token", param=param, code="invalid_value")
-        limit = min(self.max_prompt, self.max_seq - 1)  # a prompt must leave room for one token
+        # A cache row holds prompt + completion (prompts longer than the artifact's max_prompt are
+        # prefilled in chunks by the scheduler); a prompt must leave room for one token.
+        limit = self.max_seq - 1
         if n > limit:
             raise ServingError(
                 f"{what} has {n} tokens; this model accepts at most {limit} prompt tokens (its context is "
