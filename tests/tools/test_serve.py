@@ -496,7 +496,7 @@ def test_drain_answers_503_finishes_what_runs_then_stops(llama_chat_artifact, en
     thread.join(30)
     assert not thread.is_alive()  # drained, then stopped by itself
     assert results["r"].status_code == 200 and results["r"].json()["choices"][0]["text"] == expected.text
-    assert server._closed  # the lifespan closed the scheduler and the engine
+    assert server.closed  # the lifespan closed the scheduler and the engine
 
 
 def test_sigterm_exits_0_after_answering(llama_chat_artifact, engine):

@@ -225,6 +225,10 @@ class ModelServer:
             engine.close()
             raise
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Finish what the scheduler holds, then release the pumps and the engine (idempotent)."""
         if self._closed:
