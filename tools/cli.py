@@ -296,6 +296,109 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (one process, or Ray Serve replicas)")
+    p.add_argument("artifact", help="artifact directory written by kvforge compile")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="sequences that may wait for a cache row beyond max_batch; more get HTTP 429 (default 64)",
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per engine")
+    p.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the artifact dir's name)"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ray = p.add_argument_group("Ray Serve (scale-out)")
+    ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead of one process")
+    ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine (default 1)")
+    ray.add_argument("--address", default=None, help="join this Ray cluster (auto, ray://HOST:10001); default: local")
+    ray.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local cluster (default: all)")
+    ray.add_argument("--replica-cpus", type=float, default=None, help="CPUs reserved per replica (fractions allowed)")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        from kvforge.tools.serve import runner, serving
+    except ImportError as e:
+        raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
+    if args.ray:
+        from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
+
+        settings = ReplicaSettings(args.artifact, args.threads, args.served_model_name, args.max_queue, args.api_key)
+        serve_ray(
+            settings,
+            replicas=args.replicas,
+            host=args.host,
+            port=args.port,
+            address=args.address,
+            num_cpus=args.num_cpus,
+            replica_cpus=args.replica_cpus,
+        )
+        return 0
+    server = serving.ModelServer.load(
+        args.artifact, threads=args.threads, model_name=args.served_model_name, max_queue=args.max_queue
+    )
+    runner.serve_local(server, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    return 0
+
+
+def _add_loadtest(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("loadtest", help="Poisson load against an OpenAI-compatible endpoint: throughput, TTFT, goodput")
+    p.add_argument("url", help="base URL of the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson; inf: all at once)")
+    p.add_argument("--requests", type=int, default=32, help="requests to send (default 32)")
+    p.add_argument(
+        "--prompt-lens", type=_int_list, default=[16, 32], metavar="N,N,...", help="prompt lengths in words, drawn"
+    )
+    p.add_argument(
+        "--output-lens", type=_int_list, default=[16, 32], metavar="N,N,...", help="max_tokens values, drawn"
+    )
+    p.add_argument("--slo-ttft", type=float, default=1000.0, metavar="MS", help="TTFT objective, ms (default 1000)")
+    p.add_argument("--slo-tpot", type=float, default=100.0, metavar="MS", help="time per output token, ms (100)")
+    p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
+    p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=None, help="bearer token, if the server needs one")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths (default 0)")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, s (default 300)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of latencies over time")
+    p.set_defaults(run=_run_loadtest)
+
+
+def _run_loadtest(args: argparse.Namespace) -> int:
+    from kvforge.tools import loadtest
+    from kvforge.tools.report import pyplot, write_json
+
+    if args.plot:
+        pyplot()
+    options = loadtest.LoadOptions(
+        rate=args.rate,
+        requests=args.requests,
+        prompt_lens=tuple(args.prompt_lens),
+        output_lens=tuple(args.output_lens),
+        slo_ttft_ms=args.slo_ttft,
+        slo_tpot_ms=args.slo_tpot,
+        concurrency=args.concurrency,
+        model=args.model,
+        api_key=args.api_key,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
+    result = loadtest.run_loadtest(args.url, options)
+    print(loadtest.format_report(result))
+    if args.json:
+        print(f"wrote {write_json(result, args.json)}")
+    if args.plot:
+        print(f"wrote {loadtest.plot_loadtest(result, args.plot)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -306,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_bench(sub)
     _add_inspect(sub)
+    _add_serve(sub)
+    _add_loadtest(sub)
     return parser
 
 

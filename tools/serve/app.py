@@ -1,0 +1,195 @@
+"""The FastAPI app: OpenAI's routes over one :class:`ModelServer`.
+
+    app = build_app(ModelServer.load("out"), api_key="secret")   # then: uvicorn.run(app) or Ray Serve
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``: server-sent
+events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
+``/v1`` routes need ``Authorization: Bearer KEY`` when an ``api_key`` is set. Every error is
+OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input
+(malformed JSON, unknown model or field, invalid value, too long a prompt), 401 for a missing or
+wrong key, 404/405 for unknown routes, 429 when the queue is full, 503 while draining, 500 when the
+runtime fails. Every response carries ``x-kvforge-replica`` (which process or Ray replica answered).
+
+A client that goes away is noticed while its request runs: the request's task is cancelled
+(``listen_for_disconnect``) and its sequences are cancelled in the scheduler, which frees their
+rows at its next step.
+
+The app's lifespan closes the server (scheduler, then engine) at shutdown when ``owns_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvforge.tools.serve import chat, completions
+from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve.serving import ModelServer, ServingError
+
+REPLICA_HEADER = "x-kvforge-replica"
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+T = TypeVar("T")
+
+
+def error_response(error: ServingError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A one-line message for pydantic's errors, and the first offending field."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            ctx = err.get("ctx", {}).get("error", "")
+            return (f"the request body is not valid JSON ({ctx}); send a JSON object", None)
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        if kind == "extra_forbidden":
+            parts.append(f"unknown field '{where}': remove it (see the OpenAI API reference for this route)")
+        elif kind == "missing":
+            parts.append(f"field '{where}' is required")
+        else:
+            parts.append(f"field '{where}': {err.get('msg')} (got {err.get('input')!r})")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request body", param
+
+
+class _Observe:
+    """ASGI middleware: count answered requests by route and status, and stamp the replica header."""
+
+    def __init__(self, app: ASGIApp, server: ModelServer) -> None:
+        self.app, self.server = app, server
+        self.header = (REPLICA_HEADER.encode(), server.replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in ROUTES else "other"
+
+        async def send_observed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+                self.server.metrics.requests.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_observed)
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; if the client disconnects first, cancel it (its sequences are cancelled)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return await task  # CancelledError after a disconnect: nobody reads the answer
+
+
+def build_app(server: ModelServer, *, api_key: str | None = None, owns_server: bool = True) -> FastAPI:
+    """The OpenAI-compatible app over ``server``. ``api_key``: required bearer token on /v1 routes.
+    ``owns_server``: close the server when the app shuts down (uvicorn or Ray Serve lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_server:
+            await asyncio.to_thread(server.close)
+
+    app = FastAPI(title="kvforge", summary="OpenAI-compatible server over a kvforge artifact", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(_Observe, server=server)
+
+    @app.exception_handler(ServingError)
+    async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(ServingError(message, param=param, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{exc.detail}: {request.method} {request.url.path} (routes: {', '.join(ROUTES)})"
+        return error_response(ServingError(message, status=exc.status_code, type=kind))
+
+    async def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ServingError(
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the server "
+                "was started with (--api-key)",
+                status=401,
+                code="invalid_api_key",
+            )
+
+    v1 = [Depends(authorized)]
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=server.model_name, max_model_len=server.max_seq)])
+
+    async def respond(request: Request, handler, body: Any) -> Response:
+        prep = handler.prepare(server, body)
+        server.admit(len(prep.sequences))
+        flight = server.start(prep.sequences)
+        if body.stream:
+            return StreamingResponse(handler.stream(server, body, prep, flight), media_type="text/event-stream")
+        try:
+            response = await _until_disconnected(request, handler.full(server, body, prep, flight))
+        finally:
+            flight.cancel()  # a no-op once finished; frees the rows of a client that left
+        return JSONResponse(response.model_dump())
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def create_completion(body: p.CompletionRequest, request: Request) -> Response:
+        return await respond(request, completions, body)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def create_chat_completion(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await respond(request, chat, body)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        queued, running = server.scheduler_stats()
+        body = {
+            "status": "draining" if server.draining else "ok",
+            "model": server.model_name,
+            "replica": server.replica_id,
+            "in_flight": server.in_flight,
+            "queued": queued,
+            "running": running,
+            "capacity": server.capacity,
+        }
+        return JSONResponse(body, status_code=503 if server.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = server.metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app

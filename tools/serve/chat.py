@@ -1,0 +1,177 @@
+"""``POST /v1/chat/completions``: OpenAI's chat completions over :class:`ModelServer`.
+
+The messages are rendered with the artifact's chat template exactly as transformers'
+``apply_chat_template(..., add_generation_prompt=True)`` does (the runtime's ``ChatTemplate``), then
+encoded without special tokens (as ``apply_chat_template(tokenize=True)`` does). ``max_tokens``
+(or ``max_completion_tokens``) defaults to the rest of the model's context. ``logprobs: true`` with
+``top_logprobs: k`` returns each token's logprob and k alternatives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from kvforge.runtime.chat import ChatTemplateError
+from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve.serving import (
+    SSE_DONE,
+    Flight,
+    ModelServer,
+    SeqRequest,
+    ServingError,
+    check_unsupported,
+    raise_on_error,
+    sampling_params,
+    sse,
+    usage,
+)
+
+
+@dataclass
+class Prepared:
+    sequences: list[SeqRequest]
+    prompt_tokens: int
+
+
+def _content(message: p.ChatMessage, index: int) -> str:
+    """A message's text: a string, or the text parts of a content list."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ServingError(
+                f"messages[{index}] has a content part of type {part.get('type')!r}; this server takes text only "
+                "(parts {'type': 'text', 'text': ...})",
+                param=f"messages[{index}].content",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
+    server.check_model(req.model)
+    check_unsupported({"logit_bias": req.logit_bias, "tools": req.tools})
+    if req.tool_choice not in (None, "none"):
+        raise ServingError("tool_choice is not supported (this server has no tools); remove it", param="tool_choice")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise ServingError(
+            "response_format other than {'type': 'text'} is not supported; remove it", param="response_format"
+        )
+    if not req.messages:
+        raise ServingError("messages is empty; send at least one message", param="messages")
+    if server.chat_template is None:
+        raise ServingError(
+            f"model {server.model_name!r} has no chat template (no chat_template in its tokenizer_config.json nor a "
+            "chat_template.jinja); use /v1/completions with a plain prompt",
+            param="messages",
+            code="no_chat_template",
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ServingError("top_logprobs needs logprobs: true; set both or neither", param="top_logprobs")
+    server.check_n(req.n)
+    messages = [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(req.messages)]
+    try:
+        text = server.chat_template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise ServingError(f"the chat template rejected the messages: {e}", param="messages") from e
+    ids = server.encode(text, special=False)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = server.check_lengths(ids, max_tokens, what="the rendered messages", param="messages")
+    base = sampling_params(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    sequences = [
+        SeqRequest(ids, max_tokens, base if req.seed is None else replace(base, seed=req.seed + j), stop or None)
+        for j in range(req.n)
+    ]
+    return Prepared(sequences, len(ids))
+
+
+def chat_logprobs(server: ModelServer, logprobs) -> p.ChatCompletionLogProbs:
+    content = []
+    for lp in logprobs:
+        token = server.token_text(lp.token_id)
+        top = []
+        for t, v in lp.top:
+            alt = server.token_text(t)
+            top.append(p.TopLogprob(token=alt, logprob=v, bytes=list(alt.encode())))
+        content.append(
+            p.ChatCompletionLogProb(token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top)
+        )
+    return p.ChatCompletionLogProbs(content=content)
+
+
+async def full(
+    server: ModelServer, req: p.ChatCompletionRequest, prep: Prepared, flight: Flight
+) -> p.ChatCompletionResponse:
+    results = {}
+    async with contextlib.aclosing(flight.events()) as events:
+        async for event in events:
+            raise_on_error(event)
+            if event.kind == "done":
+                results[event.index] = event.payload
+    choices = [
+        p.ChatCompletionResponseChoice(
+            index=i,
+            message=p.ChatResponseMessage(content=results[i].text),
+            logprobs=chat_logprobs(server, results[i].logprobs) if req.logprobs else None,
+            finish_reason=results[i].finish_reason,
+            stop_reason=results[i].stop_string,
+        )
+        for i in range(len(prep.sequences))
+    ]
+    completion = sum(len(r.token_ids) for r in results.values())
+    return p.ChatCompletionResponse(
+        model=server.model_name, choices=choices, usage=usage(prep.prompt_tokens, completion)
+    )
+
+
+async def stream(
+    server: ModelServer, req: p.ChatCompletionRequest, prep: Prepared, flight: Flight
+) -> AsyncIterator[str]:
+    """Server-sent events: per choice a first chunk with the assistant role, content deltas, a last
+    chunk with the finish_reason; the usage chunk if asked; ``[DONE]``."""
+    head = p.ChatCompletionStreamResponse(
+        id=p.random_id("chatcmpl"), created=int(time.time()), model=server.model_name, choices=[]
+    )
+
+    def chunk(index: int, delta: p.DeltaMessage, **fields) -> str:
+        choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
+        return sse(head.model_copy(update={"choices": [choice]}))
+
+    completion = 0
+    try:
+        for index in range(len(prep.sequences)):
+            yield chunk(index, p.DeltaMessage(role="assistant", content=""))
+        async with contextlib.aclosing(flight.events()) as events:
+            async for event in events:
+                raise_on_error(event)
+                if event.kind == "chunk":
+                    piece = event.payload
+                    logprobs = chat_logprobs(server, piece.logprobs) if req.logprobs and piece.logprobs else None
+                    if piece.text or logprobs is not None:
+                        yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
+                else:
+                    result = event.payload
+                    completion += len(result.token_ids)
+                    yield chunk(
+                        event.index,
+                        p.DeltaMessage(),
+                        finish_reason=result.finish_reason,
+                        stop_reason=result.stop_string,
+                    )
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+    except ServingError as e:
+        yield sse(e.body())
+    yield SSE_DONE

@@ -1,0 +1,162 @@
+"""``POST /v1/completions``: OpenAI's text completions over :class:`ModelServer`.
+
+``prompt`` is a string, a list of strings, a list of token ids or a list of such lists; each prompt
+gets ``n`` choices, numbered ``prompt_index * n + j`` (OpenAI's and vLLM's order). Choice ``j`` of a
+seeded request samples with ``seed + j``, so the ``n`` choices differ and each is reproducible.
+``usage.prompt_tokens`` counts each prompt once; ``completion_tokens`` counts every generated id
+(an eos included, as the runtime reports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve.serving import (
+    SSE_DONE,
+    Flight,
+    ModelServer,
+    SeqRequest,
+    ServingError,
+    check_unsupported,
+    raise_on_error,
+    sampling_params,
+    sse,
+    usage,
+)
+
+
+@dataclass
+class Prepared:
+    sequences: list[SeqRequest]
+    prompt_texts: list[str]  # for echo
+    prompt_tokens: int  # usage: each prompt once
+    n: int
+
+
+def _prompts(server: ModelServer, prompt) -> list[tuple[list[int], str]]:
+    """(token ids, text) of each prompt in OpenAI's four prompt forms."""
+    if isinstance(prompt, str):
+        return [(server.encode(prompt), prompt)]
+    if not prompt:
+        raise ServingError("prompt is an empty list; send a string or a non-empty list", param="prompt")
+    if all(isinstance(x, int) for x in prompt):
+        ids = [int(x) for x in prompt]
+        return [(ids, server.tokenizer.decode(ids))]
+    if all(isinstance(x, str) for x in prompt):
+        return [(server.encode(x), x) for x in prompt]
+    return [([int(t) for t in ids], server.tokenizer.decode(list(ids))) for ids in prompt]
+
+
+def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
+    server.check_model(req.model)
+    check_unsupported({"suffix": req.suffix, "logit_bias": req.logit_bias})
+    if req.best_of is not None and req.best_of != req.n:
+        raise ServingError("best_of is not supported (only best_of = n); remove it", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise ServingError("echo with logprobs (prompt logprobs) is not supported; drop one", param="echo")
+    prompts = _prompts(server, req.prompt)
+    server.check_n(req.n, len(prompts))
+    vocab = server.engine.vocab_size
+    base = sampling_params(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        logprobs=req.logprobs,
+    )
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    sequences = []
+    for i, (ids, _) in enumerate(prompts):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
+        what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+        max_tokens = server.check_lengths(ids, req.max_tokens, what=what)
+        for j in range(req.n):
+            sampling = base if req.seed is None else replace(base, seed=req.seed + j)
+            sequences.append(SeqRequest(ids, max_tokens, sampling, stop or None))
+    return Prepared(sequences, [text for _, text in prompts], sum(len(ids) for ids, _ in prompts), req.n)
+
+
+def completion_logprobs(server: ModelServer, logprobs, offset: int) -> p.CompletionLogProbs:
+    """OpenAI's legacy logprobs object; ``text_offset`` counts from the start of the prompt text."""
+    out = p.CompletionLogProbs()
+    for lp in logprobs:
+        token = server.token_text(lp.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({server.token_text(t): v for t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, flight: Flight) -> p.CompletionResponse:
+    results = {}
+    async with contextlib.aclosing(flight.events()) as events:
+        async for event in events:
+            raise_on_error(event)
+            if event.kind == "done":
+                results[event.index] = event.payload
+    choices = []
+    for index, seq in enumerate(prep.sequences):
+        result = results[index]
+        prompt_text = prep.prompt_texts[index // prep.n]
+        logprobs = None
+        if seq.sampling.logprobs is not None:
+            logprobs = completion_logprobs(server, result.logprobs, len(prompt_text))
+        choices.append(
+            p.CompletionResponseChoice(
+                index=index,
+                text=(prompt_text if req.echo else "") + result.text,
+                logprobs=logprobs,
+                finish_reason=result.finish_reason,
+                stop_reason=result.stop_string,
+            )
+        )
+    completion = sum(len(r.token_ids) for r in results.values())
+    return p.CompletionResponse(model=server.model_name, choices=choices, usage=usage(prep.prompt_tokens, completion))
+
+
+async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, flight: Flight) -> AsyncIterator[str]:
+    """Server-sent events: one ``data:`` line per chunk of each choice, a last chunk per choice with
+    its finish_reason, the usage chunk if asked (``stream_options.include_usage``), ``[DONE]``."""
+    head = p.CompletionStreamResponse(
+        id=p.random_id("cmpl"), created=int(time.time()), model=server.model_name, choices=[]
+    )
+    offsets = [len(prep.prompt_texts[i // prep.n]) for i in range(len(prep.sequences))]
+    completion = 0
+
+    def chunk(index: int, text: str, **fields) -> str:
+        return sse(head.model_copy(update={"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}))
+
+    try:
+        if req.echo:
+            for index in range(len(prep.sequences)):
+                yield chunk(index, prep.prompt_texts[index // prep.n])
+        async with contextlib.aclosing(flight.events()) as events:
+            async for event in events:
+                raise_on_error(event)
+                index = event.index
+                if event.kind == "chunk":
+                    piece = event.payload
+                    logprobs = None
+                    if prep.sequences[index].sampling.logprobs is not None and piece.logprobs:
+                        logprobs = completion_logprobs(server, piece.logprobs, offsets[index])
+                        offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    if piece.text or logprobs is not None:
+                        yield chunk(index, piece.text, logprobs=logprobs)
+                else:
+                    result = event.payload
+                    completion += len(result.token_ids)
+                    yield chunk(index, "", finish_reason=result.finish_reason, stop_reason=result.stop_string)
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+    except ServingError as e:
+        yield sse(e.body())
+    yield SSE_DONE

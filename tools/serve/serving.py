@@ -1,0 +1,383 @@
+"""``ModelServer``: one engine and its in-flight scheduler, shared by every HTTP request.
+
+The only place the server touches the runtime. A request becomes one or more scheduler requests
+("sequences": ``n`` choices of each prompt); each sequence's handle is drained by a pump thread
+(the scheduler's handles block) that posts its chunks and its final result to the request's
+asyncio queue. The HTTP layer (:mod:`.completions`, :mod:`.chat`) only reads those events.
+
+Admission. ``capacity = max_batch + max_queue`` sequences may be in flight (running in a cache row
+or queued for one). A request that would exceed it gets 429; a draining server (SIGTERM) answers
+503. A sequence counts until its pump has seen the scheduler finish it, so a cancelled one frees
+its place when the scheduler has actually dropped it.
+
+Cancellation. When the reader of a :class:`Flight`'s events goes away (client disconnect: the
+ASGI task is cancelled, or the event iterator is closed), every unfinished handle is cancelled;
+the scheduler frees the row at its next step.
+
+Threads. The scheduler runs its own thread; pumps run in a pool of ``capacity`` threads (one per
+admitted sequence, so a queued sequence never waits for a pump). Counters touched by the event
+loop (``in_flight``) change on the loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvforge.runtime import Engine
+from kvforge.runtime.chat import ChatTemplate
+from kvforge.runtime.sampling import SamplingParams
+from kvforge.tools.serve.metrics import ServeMetrics
+from kvforge.tools.serve.protocol import UsageInfo
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's chat API allows
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ServingError(Exception):
+    """A request the server refuses: becomes OpenAI's error object with ``status``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class SeqRequest:
+    """One scheduler request: one choice of one prompt."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] | None
+
+
+@dataclass
+class Event:
+    """What a pump posts: ``kind`` "chunk" (payload: a stream chunk), "done" (payload: the
+    GenerationResult) or "error" (payload: the exception); ``index`` is the sequence's position."""
+
+    kind: str
+    index: int
+    payload: Any
+
+
+class Flight:
+    """The sequences of one HTTP request in the scheduler: their handles and the queue their pumps
+    post to. Made by :meth:`ModelServer.start`; read with :meth:`events`; :meth:`cancel` cancels
+    every sequence the scheduler has not finished (idempotent)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.handles: list[Any] = []
+        self.finished: set[int] = set()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every sequence's events as they come, until each is done or failed. Closing or cancelling
+        the iterator early cancels what has not finished."""
+        try:
+            while len(self.finished) < self.count:
+                event = await self.queue.get()
+                if event.kind != "chunk":
+                    self.finished.add(event.index)
+                yield event
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        for index, handle in enumerate(self.handles):
+            if index not in self.finished:
+                handle.cancel()
+
+
+def sampling_params(
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    presence_penalty: float,
+    frequency_penalty: float,
+    seed: int | None,
+    logprobs: int | None,
+) -> SamplingParams:
+    """The runtime's SamplingParams for OpenAI's fields; invalid values -> ServingError 400 naming
+    the field (the runtime's own message says what is accepted)."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ServingError(
+            f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs", code="invalid_value"
+        )
+    fields = dict(
+        temperature=temperature,
+        top_p=top_p,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        seed=seed,
+        logprobs=logprobs,
+    )
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        message = str(e)
+        param = next((name for name in fields if name in message), None)
+        raise ServingError(message, param=param, code="invalid_value") from e
+
+
+def check_unsupported(values: dict[str, Any]) -> None:
+    """400 for OpenAI fields kvforge cannot honour, when set to anything but their no-op value."""
+    for name, value in values.items():
+        if value:
+            raise ServingError(
+                f"'{name}' is not supported by this server; remove it from the request", param=name, code="unsupported"
+            )
+
+
+def sse(body: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON body."""
+    text = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    return f"data: {text}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def raise_on_error(event: Event) -> None:
+    """A pump's "error" event as a 500 ServingError (the runtime failed; the request cannot finish)."""
+    if event.kind == "error":
+        error = event.payload
+        raise ServingError(
+            f"generation failed: {type(error).__name__}: {error}", status=500, type="internal_error", code="internal"
+        ) from error
+
+
+class ModelServer:
+    """An engine, its scheduler and the chat template of one artifact, served under one model name.
+
+    Owns the engine (closed by :meth:`close`). Built once per process or per Ray Serve replica.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model_name: str | None = None,
+        max_queue: int = 64,
+        replica_id: str | None = None,
+    ) -> None:
+        if engine.tokenizer is None:
+            raise ValueError(f"{engine.artifact_dir} has no tokenizer; the server needs one to take text prompts")
+        if max_queue < 0:
+            raise ValueError(f"--max-queue must be at least 0, got {max_queue}")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name or Path(engine.artifact_dir).name
+        self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.max_seq = engine.max_seq
+        # None: the model has no template, and /v1/chat/completions answers 400 saying so.
+        self.chat_template = ChatTemplate.from_artifact(Path(engine.artifact_dir))
+        self.scheduler = engine.scheduler()
+        self.capacity = self.scheduler.rows + max_queue  # sequences in flight: in a row or queued for one
+        self.in_flight = 0  # sequences admitted and not yet finished by the scheduler (loop thread)
+        self.live: set[Any] = set()  # RequestHandles submitted and not yet drained by their pump (loop thread)
+        self.draining = False
+        self.metrics = ServeMetrics(self)
+        self._pool = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="kvforge-pump")
+        self._closed = False
+
+    @classmethod
+    def load(
+        cls,
+        artifact_dir: str | Path,
+        *,
+        threads: int | None = None,
+        model_name: str | None = None,
+        max_queue: int = 64,
+        replica_id: str | None = None,
+    ) -> ModelServer:
+        engine = Engine.load(artifact_dir, threads=threads)
+        try:
+            return cls(engine, model_name=model_name, max_queue=max_queue, replica_id=replica_id)
+        except BaseException:
+            engine.close()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Finish what the scheduler holds, then release the pumps and the engine (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.close()
+        self._pool.shutdown(wait=True)
+        self.engine.close()
+
+    # ------------------------------------------------------------------------------ scheduler state
+
+    def scheduler_stats(self) -> tuple[int, int]:
+        """(sequences waiting for a cache row, rows generating) among this server's live requests,
+        from each handle's ``generation.state`` (the scheduler has no public counters)."""
+        states = [handle.generation.state for handle in self.live]
+        queued = states.count("waiting")
+        return queued, len(states) - queued - states.count("done")
+
+    # ------------------------------------------------------------------------------------- requests
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ServingError(
+                f"model {model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models lists it)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+    def check_lengths(
+        self, prompt_ids: Sequence[int], max_tokens: int | None, *, what: str = "the prompt", param: str = "prompt"
+    ) -> int:
+        """Validate one prompt against the artifact's limits; return the max_tokens to use (the rest of
+        the row when None). ``what``/``param`` name the prompt in the error (e.g. "prompt 2")."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ServingError(f"{what} is empty; send at least one token", param=param, code="invalid_value")
+        # A cache row holds prompt + completion (prompts longer than the artifact's max_prompt are
+        # prefilled in chunks by the scheduler); a prompt must leave room for one token.
+        limit = self.max_seq - 1
+        if n > limit:
+            raise ServingError(
+                f"{what} has {n} tokens; this model accepts at most {limit} prompt tokens (its context is "
+                f"max_seq={self.max_seq} tokens, prompt + completion): shorten the prompt, or recompile the model "
+                "with a larger --max-seq",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return self.max_seq - n
+        if max_tokens < 1:
+            raise ServingError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if n + max_tokens > self.max_seq:
+            raise ServingError(
+                f"this model's context is {self.max_seq} tokens; the request asks for {n + max_tokens} "
+                f"({n} in the prompt + {max_tokens} max_tokens): lower max_tokens to at most {self.max_seq - n} "
+                "or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def check_n(self, n: int, prompts: int = 1) -> None:
+        if n < 1:
+            raise ServingError(f"n must be at least 1, got {n}", param="n", code="invalid_value")
+        if n * prompts > self.capacity:
+            raise ServingError(
+                f"the request needs {n * prompts} sequences (n={n} × {prompts} prompt(s)); this server holds at most "
+                f"{self.capacity} at once (max_batch + --max-queue): lower n or send fewer prompts per request",
+                param="n",
+                code="invalid_value",
+            )
+
+    def admit(self, need: int) -> None:
+        """Reserve ``need`` places, or refuse: 503 while draining, 429 when the queue is full."""
+        if self.draining:
+            raise ServingError(
+                "the server is shutting down and takes no new requests; retry on another replica",
+                status=503,
+                type="service_unavailable",
+                code="draining",
+            )
+        if self.in_flight + need > self.capacity:
+            raise ServingError(
+                f"the server is at capacity ({self.in_flight} sequences in flight, limit {self.capacity} = "
+                "max_batch + --max-queue); retry later",
+                status=429,
+                type="rate_limit_error",
+                code="queue_full",
+            )
+        self.in_flight += need
+
+    def _release(self, count: int, handle: Any = None) -> None:
+        self.in_flight -= count
+        self.live.discard(handle)
+
+    def start(self, sequences: Sequence[SeqRequest]) -> Flight:
+        """Submit ``sequences`` (admitted by :meth:`admit`) to the scheduler and start their pumps.
+        A submission the scheduler refuses (ValueError) cancels the ones before it: 400."""
+        loop = asyncio.get_running_loop()
+        flight = Flight(len(sequences))
+        for index, seq in enumerate(sequences):
+            try:
+                handle = self.scheduler.submit(
+                    seq.prompt_ids, max_new_tokens=seq.max_tokens, sampling=seq.sampling, stop=seq.stop
+                )
+            except ValueError as e:
+                flight.cancel()
+                self._release(len(sequences) - index)  # never submitted: no pump will release them
+                raise ServingError(str(e), code="invalid_value") from e
+            flight.handles.append(handle)
+            self.live.add(handle)
+            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+            self._pool.submit(self._pump, handle, index, loop, flight.queue, time.perf_counter())
+        return flight
+
+    def _pump(self, handle: Any, index: int, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, started: float):
+        """Pool thread: drain one handle into the request's queue; record TTFT, TPOT and tokens."""
+
+        def call(fn, *args) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                loop.call_soon_threadsafe(fn, *args)
+
+        def post(event: Event) -> None:
+            call(queue.put_nowait, event)
+
+        first = None
+        try:
+            for chunk in handle:
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter()
+                    self.metrics.ttft.observe(first - started)
+                post(Event("chunk", index, chunk))
+            result = handle.result()
+            tokens = len(result.token_ids)
+            self.metrics.generation_tokens.inc(tokens)
+            self.metrics.finished.labels(reason=result.finish_reason).inc()
+            if first is not None and tokens > 1:
+                self.metrics.tpot.observe((time.perf_counter() - first) / (tokens - 1))
+            post(Event("done", index, result))
+        except Exception as e:  # reported to the request, which answers 500; the server stays up
+            post(Event("error", index, e))
+        finally:
+            call(self._release, 1, handle)
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (special tokens included)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
