@@ -212,6 +212,28 @@ def build(
     return record
 
 
+def build_checked(out_dir: str | Path, *, gpu_memory: str | None = None, progress: Progress | None = None):
+    """``kvforge build``: refuse without CUDA or TensorRT (one line, what is missing, what to run),
+    refuse limits that cannot fit (naming the limit to lower), then :func:`build`. The workspace
+    limit is what the budget leaves after the weights, the cache and the reserve."""
+    from kvforge.compile import plan as memory_plan
+
+    root = Path(out_dir)
+    manifest = mf.read(root, verify=False)
+    check_buildable(manifest)
+    gpu, trt = environment.cuda_gpu(), environment.tensorrt_module(MIN_TENSORRT)
+    refusal = environment.build_refusal(gpu, trt)
+    if refusal:
+        raise environment.DeviceUnavailableError(refusal)
+    plan = memory_plan.plan_for(root, gpu_memory=gpu_memory, free_bytes=gpu.free_bytes, gpu_name=gpu.name)
+    if plan.fits is False:
+        raise ValueError(f"{plan.advice} (kvforge plan OUT shows the figures); then recompile with those limits")
+    workspace = None
+    if gpu_memory is not None:
+        workspace = max(plan.budget_bytes - plan.weights_bytes - plan.kv_cache_bytes - plan.reserve_bytes, 0)
+    return build(root, workspace_bytes=workspace, progress=progress)
+
+
 def write_record(root: Path, manifest: mf.Manifest, record: mf.EngineRecord) -> mf.Manifest:
     """Rewrite the manifest with ``engines.tensorrt`` = ``record`` (the other fields unchanged)."""
     from dataclasses import replace

@@ -73,6 +73,8 @@ class BenchOptions:
     warmup: int = 1
     threads: int | None = None  # ORT intra-op threads and torch threads; None: each library's default
     seed: int = 0
+    device: str = "cpu"  # Engine.load(device=...): "cpu" | "cuda"
+    backend: str = "ort"  # Engine.load(backend=...): "ort" | "tensorrt"
 
     def resolve(self, max_batch: int, max_seq: int) -> BenchOptions:
         """These options with the default cells filled in for an artifact, and checked: a default
@@ -232,7 +234,7 @@ def _run_bench(
 ) -> dict[str, Any]:
     load_before = _load_average()
     rss_before = rss_bytes()
-    with Engine.load(artifact, threads=options.threads) as engine:
+    with Engine.load(artifact, threads=options.threads, device=options.device, backend=options.backend) as engine:
         manifest = engine.manifest
         options = options.resolve(engine.max_batch, engine.max_seq)
         cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
