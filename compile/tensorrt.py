@@ -161,6 +161,8 @@ def build(
     _add_next_token_ids(trt, network)
 
     config = builder.create_builder_config()
+    if manifest.dtype == "float32" and hasattr(trt.BuilderFlag, "TF32"):
+        config.clear_flag(trt.BuilderFlag.TF32)  # float32 means float32: TF32 matmuls would flip greedy tokens
     if workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     for p in plan_profiles:
