@@ -1,7 +1,9 @@
 """Every verified family end to end (tests/families.py), under both lowerings: compile, then
 prefill and decode logits within tolerance of transformers, and 36 greedy tokens identical to
 transformers' generate for batch 1 and for a ragged batch of 2. Prompts + outputs cross the
-8-token sliding windows and Phi-3's 32-token longrope switch."""
+8-token sliding windows and Phi-3's 32-token longrope switch. Under the onnx lowering, the graph
+TensorRT builds from, ``inspect``'s TensorRT lint finds no unsupported op, no restriction
+violation and an opset in the parser's range in every graph."""
 
 from __future__ import annotations
 
@@ -32,6 +34,20 @@ def _hf_steps(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]
     return logits
 
 
+def _assert_tensorrt_lint_clean(out, case: str) -> None:
+    """The TensorRT lint of kvforge inspect, as is: every finding is reported, none is waived."""
+    from kvforge.tools.inspect_artifact import inspect
+
+    report = inspect(out)["tensorrt"]
+    findings = {
+        name: {k: check[k] for k in ("unsupported", "violations") if check[k]}
+        | ({} if check["opset_ok"] else {"opset": check["opset"]})
+        for name, check in report["graphs"].items()
+    }
+    findings = {name: f for name, f in findings.items() if f}
+    assert not findings and report["compatible"], f"{case}: TensorRT lint findings {findings}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lowering", ["onnx", "gqa"])
 @pytest.mark.parametrize(
@@ -55,6 +71,8 @@ def test_family(case, architecture, config_class, overrides, lowering, tmp_path)
     )
     assert manifest.model.architecture == architecture
     assert manifest.parity["greedy_match"] and manifest.parity["verified_family"]
+    if lowering == "onnx":
+        _assert_tensorrt_lint_clean(out, case)
     reference = getattr(transformers, architecture).from_pretrained(model_dir, attn_implementation="eager").eval()
 
     with Engine.load(out) as engine:
