@@ -42,3 +42,33 @@ def test_build_refusal_messages():
         "run `kvforge build OUT` on the target GPU"
     )
     assert environment.build_refusal(environment.Gpu(0, "G", "9.0", 1, 1), object()) is None
+
+
+def test_load_refuses_an_artifact_that_does_not_fit(llama_artifact):
+    import dataclasses
+
+    from kvforge.graphs import manifest as mf
+    from kvforge.runtime import backends
+
+    manifest = mf.read(llama_artifact, verify=False)
+    parts = backends.device_bytes(manifest, "ort")
+    assert parts == {"weights": manifest.weights.bytes, "kv_cache": manifest.kv_cache["bytes"], "activations": 0}
+    need = sum(parts.values())
+    backends.check_fits(manifest, "ort", need, "GPU")  # exactly enough
+    with pytest.raises(environment.DeviceUnavailableError) as e:
+        backends.check_fits(manifest, "ort", need - 1, "Tiny GPU")
+    assert "free: recompile with a smaller --max-seq (now 96) or --max-batch (now 4)" in str(e.value)
+    assert "on the GPU (weights " in str(e.value) and "Tiny GPU has " in str(e.value)
+    with pytest.raises(environment.DeviceUnavailableError, match="recompile with a smaller --dtype or a larger GPU"):
+        backends.check_fits(manifest, "ort", manifest.weights.bytes // 2, "Tiny GPU")
+    # TensorRT: the plan's bytes, its activation figure, and two caches when it does not alias.
+    record = {"plan_file": "engine.plan", "plan_sha256": "0", "plan_bytes": 1000, "source_graph": "prefill",
+              "tensorrt_version": "10.15", "gpu_name": "G", "compute_capability": "9.0", "profiles": [],
+              "timing_cache_file": None, "strongly_typed": True, "workspace_bytes": None,
+              "device_memory_bytes": 500, "cache_aliased": False}  # fmt: skip
+    trt = dataclasses.replace(manifest, engines={"tensorrt": record})
+    assert backends.device_bytes(trt, "tensorrt") == {
+        "weights": 1000,
+        "kv_cache": 2 * manifest.kv_cache["bytes"],
+        "activations": 500,
+    }
