@@ -173,8 +173,13 @@ def build(
         if index != p.index:
             raise RuntimeError(f"TensorRT gave profile {p.name} index {index}, expected {p.index}")
     cache_path = root / TIMING_CACHE_FILE
+    if cache_path.is_file():
+        say(f"reusing the timing cache {TIMING_CACHE_FILE} ({cache_path.stat().st_size} bytes)")
     timing_cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-    config.set_timing_cache(timing_cache, ignore_mismatch=False)
+    if not config.set_timing_cache(timing_cache, ignore_mismatch=False):
+        # A cache timed on another GPU or TensorRT is refused: start afresh rather than mix timings.
+        say(f"{TIMING_CACHE_FILE} was made on another GPU or TensorRT version: timing from scratch")
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
     config.progress_monitor = _progress_monitor(trt, say)
 
     say(f"building one plan with profiles {[p.name for p in plan_profiles]} on {gpu.name}")

@@ -179,7 +179,8 @@ def _run_build(args: argparse.Namespace) -> int:
     )
     print(
         f"built {record.plan_file} for {record.gpu_name} (compute {record.compute_capability}, TensorRT "
-        f"{record.tensorrt_version}) in {record.build_seconds:.1f}s -> {args.artifact}"
+        f"{record.tensorrt_version}) in {record.build_seconds:.1f}s -> {args.artifact}; KV cache "
+        + ("aliased (updated in place)" if record.cache_aliased else "not aliased (two caches, alternated)")
     )
     return 0
 
