@@ -314,7 +314,9 @@ def plan_for(
             raise ValueError(f"the artifact is {manifest.dtype}; --dtype applies to model directories only")
         dtype = manifest.dtype
         limits = manifest.limits
-        changed = max_batch not in (None, limits.max_batch) or max_seq not in (None, limits.max_seq)
+        # "What if" limits: TensorRT's activation figure was measured for the artifact's own only.
+        pairs = ((max_batch, limits.max_batch), (max_seq, limits.max_seq), (max_prompt, limits.max_prompt))
+        changed = any(given not in (None, mine) for given, mine in pairs)
         max_batch = max_batch or limits.max_batch
         max_seq = max_seq or limits.max_seq
         max_prompt = max_prompt or min(limits.max_prompt, max_seq)
