@@ -104,6 +104,12 @@ class Stream:
         cudart = _cudart()
         check(cudart.cudaMemcpyAsync(dst, src, nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.handle))
 
+    def copy_2d_on_device(self, dst: int, src: int, pitch: int, width: int, height: int) -> None:
+        """``height`` rows of ``width`` bytes, ``pitch`` bytes apart in both, device to device."""
+        cudart = _cudart()
+        kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        check(cudart.cudaMemcpy2DAsync(dst, pitch, src, pitch, width, height, kind, self.handle))
+
     def synchronize(self) -> None:
         check(_cudart().cudaStreamSynchronize(self.handle))
 

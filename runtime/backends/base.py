@@ -33,11 +33,13 @@ STEP_INPUTS = (contract.INPUT_IDS, contract.POSITION_IDS, contract.WRITE_INDICES
 
 @dataclass(frozen=True)
 class DeviceView:
-    """A cache view the engine passes back to ``bind``: a name in the binding plan, not memory."""
+    """A cache view the engine passes back to ``bind``: rows ``[first, first + shape[0])`` of one
+    layer's key or value cache, by name; a place in the binding plan, not memory."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    first: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ class DeviceCache:
     """The engine's view of a device cache: same surface as :class:`kvforge.runtime.cache.KVCache`
     (``views``, ``buffer.dtype``, ``nbytes``), the memory itself owned by the backend."""
 
-    def __init__(self, layout: bp.CacheLayout, copies: int) -> None:
+    def __init__(self, layout: bp.CacheLayout, copies: int, backend: GpuBackend | None = None) -> None:
         self.layout = layout
+        self.backend = backend  # does the device copies of copy_row
         self.copies = copies  # 1 (alias) or 2 (alternate)
         self.num_layers, self.max_batch, self.max_seq = layout.num_layers, layout.max_batch, layout.max_seq
         shape = contract.cache_shape(
@@ -65,8 +68,25 @@ class DeviceCache:
     def nbytes(self) -> int:
         return self.layout.nbytes * self.copies
 
-    def views(self, batch: int) -> dict[str, DeviceView]:
-        return {name: DeviceView(name, s.shape, np.dtype(s.dtype)) for name, s in self.layout.slices(batch).items()}
+    def views(self, batch: int, first: int = 0) -> dict[str, DeviceView]:
+        """Rows ``[first, first + batch)`` of every layer's cache, by past-input name (as
+        :meth:`kvforge.runtime.cache.KVCache.views`)."""
+        return {
+            name: DeviceView(name, s.shape, np.dtype(s.dtype), first)
+            for name, s in self.layout.slices(batch, first=first).items()
+        }
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of cache row ``src`` into row ``dst``, every layer,
+        key and value, on the device (as :meth:`kvforge.runtime.cache.KVCache.copy_row`)."""
+        if src == dst or length == 0:
+            return
+        for row in (src, dst):
+            if not 0 <= row < self.max_batch:
+                raise ValueError(f"cache row {row} is outside [0, {self.max_batch})")
+        if not 0 <= length <= self.max_seq:
+            raise ValueError(f"length {length} is outside [0, {self.max_seq}]")
+        self.backend.copy_rows(src, dst, length)
 
 
 @dataclass
@@ -92,6 +112,7 @@ class GpuBinding:
     logits: np.ndarray  # the engine's host logits array, written back after each run
     batch: int
     seq: int
+    first: int = 0  # the first cache row of the views
     tensors: dict[str, object] = field(default_factory=dict)  # what Engine reads: {"logits": host array}
     read_logits: bool = True  # False: greedy reads next_token_ids only (4 bytes a row)
 
@@ -129,15 +150,36 @@ class GpuBackend:
     # ------------------------------------------------------------ interface pieces
 
     def allocate_cache(self, manifest: mf.Manifest) -> DeviceCache:
-        return DeviceCache(self.layout, 2 if self.mode == bp.ALTERNATE else 1)
+        return DeviceCache(self.layout, 2 if self.mode == bp.ALTERNATE else 1, self)
+
+    def row_copies(self, src: int, dst: int, length: int) -> list[tuple[int, int, int, int]]:
+        """The 2-D copies that move ``length`` positions of cache row ``src`` to row ``dst``: per
+        layer slot, ``(dst_offset, src_offset, width_bytes, height)``: ``height = H_kv`` rows of
+        ``width_bytes``, at a pitch of ``S_max * D * itemsize`` bytes (one head's sequence)."""
+        width = length * self.layout.head_dim * bp.ITEMSIZE[self.layout.dtype]
+        out = []
+        for slot in range(2 * self.layout.num_layers):
+            base = slot * self.layout.slot_bytes
+            row = self.layout.row_bytes
+            out.append((base + dst * row, base + src * row, width, self.layout.num_kv_heads))
+        return out
+
+    def copy_rows(self, src: int, dst: int, length: int) -> None:
+        """Run :meth:`row_copies` on the device, in the cache that holds the latest rows."""
+        buffer = self.buffers[bp.CACHE_B if self.parity else bp.CACHE]
+        pitch = self.layout.max_seq * self.layout.head_dim * bp.ITEMSIZE[self.layout.dtype]
+        for dst_off, src_off, width, height in self.row_copies(src, dst, length):
+            self.stream.copy_2d_on_device(buffer.ptr + dst_off, buffer.ptr + src_off, pitch, width, height)
+        self.stream.synchronize()
 
     def address(self, s: bp.Slice) -> int:
         return self.buffers[s.buffer].ptr + s.offset
 
     def plans(
-        self, graph_inputs: list[str], graph_outputs: list[str], batch: int, seq: int
+        self, graph_inputs: list[str], graph_outputs: list[str], batch: int, seq: int, first: int = 0
     ) -> dict[int, bp.BindingPlan]:
-        """The binding plan of each cache parity this backend's mode uses."""
+        """The binding plan of each cache parity this backend's mode uses, for cache rows
+        ``[first, first + batch)``."""
         parities = (0, 1) if self.mode == bp.ALTERNATE else (0,)
         return {
             p: bp.plan_bindings(
@@ -149,6 +191,7 @@ class GpuBackend:
                 seq=seq,
                 mode=self.mode,
                 parity=p,
+                first=first,
             )
             for p in parities
         }
@@ -196,14 +239,20 @@ class GpuBackend:
         s = binding.plans[0].outputs[bp.NEXT_TOKEN_IDS]
         return self.staging.view(s.offset, s.shape, np.int32)
 
-    def step_arrays(self, inputs: dict[str, object], outputs: dict[str, object]) -> tuple[dict, np.ndarray, int, int]:
-        """Split the engine's arrays: host step inputs, the host logits array, batch and seq."""
+    def step_arrays(
+        self, inputs: dict[str, object], outputs: dict[str, object]
+    ) -> tuple[dict, np.ndarray, int, int, int]:
+        """Split the engine's arrays: host step inputs, the host logits array, batch, seq and the
+        first cache row of the views."""
         host = {k: v for k, v in inputs.items() if k in STEP_INPUTS}
         logits = outputs[contract.LOGITS]
         if not isinstance(logits, np.ndarray) or logits.ndim != 2:
             raise ValueError("the GPU backends return last-token logits [B, V] only (no score graph on the GPU yet)")
+        firsts = {v.first for v in inputs.values() if isinstance(v, DeviceView)}
+        if len(firsts) != 1:
+            raise ValueError("bind the cache views of one row range (the engine's cache.views(batch, first))")
         ids = host[contract.INPUT_IDS]
-        return host, logits, int(ids.shape[0]), int(ids.shape[1])
+        return host, logits, int(ids.shape[0]), int(ids.shape[1]), firsts.pop()
 
     def close(self) -> None:
         for b in self.buffers.values():

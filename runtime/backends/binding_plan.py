@@ -99,15 +99,22 @@ class CacheLayout:
             raise IndexError(f"no cache slot for layer {layer}, kind {kind}")
         return (2 * layer + kind) * self.slot_bytes
 
-    def slices(self, batch: int, buffer: str = CACHE) -> dict[str, Slice]:
-        """The first ``batch`` rows of every layer's cache, by past-input name."""
-        if not 1 <= batch <= self.max_batch:
-            raise ValueError(f"batch {batch} is outside 1..{self.max_batch} (the artifact's max_batch)")
+    def slices(self, batch: int, buffer: str = CACHE, first: int = 0) -> dict[str, Slice]:
+        """Rows ``[first, first + batch)`` of every layer's cache, by past-input name: each the
+        contiguous ``[batch, H_kv, S_max, D]`` at ``first * row_bytes`` into its slot. A row range
+        that starts at a row whose offset is not a multiple of 256 bytes is refused by
+        :func:`check_plan` (``row_bytes`` is a multiple of 256 for any even ``H_kv * S_max`` with
+        ``D * itemsize`` >= 128, i.e. for every real model)."""
+        if not 1 <= batch <= self.max_batch or not 0 <= first <= self.max_batch - batch:
+            raise ValueError(
+                f"cache rows [{first}, {first + batch}) are outside [0, {self.max_batch}) (the artifact's max_batch)"
+            )
         shape = (batch, self.num_kv_heads, self.max_seq, self.head_dim)
+        skip = first * self.row_bytes
         out = {}
         for layer in range(self.num_layers):
-            out[contract.past_key_name(layer)] = Slice(buffer, self.offset(layer, 0), shape, self.dtype)
-            out[contract.past_value_name(layer)] = Slice(buffer, self.offset(layer, 1), shape, self.dtype)
+            out[contract.past_key_name(layer)] = Slice(buffer, self.offset(layer, 0) + skip, shape, self.dtype)
+            out[contract.past_value_name(layer)] = Slice(buffer, self.offset(layer, 1) + skip, shape, self.dtype)
         return out
 
 
@@ -167,10 +174,12 @@ def plan_bindings(
     seq: int,
     mode: str,
     parity: int = 0,
+    first: int = 0,
 ) -> BindingPlan:
     """Bind every name the graph has, and only those: ``graph_inputs``/``graph_outputs`` are the
-    engine's own I/O names (checked against the KV contract). Raises ``ValueError`` for a name
-    the plan cannot place or an address that breaks the 256-byte rule."""
+    engine's own I/O names (checked against the KV contract); the cache views are rows
+    ``[first, first + batch)``. Raises ``ValueError`` for a name the plan cannot place or an
+    address that breaks the 256-byte rule."""
     if mode not in (ALIAS, ALTERNATE):
         raise ValueError(f"unknown cache mode {mode!r}; expected {ALIAS!r} or {ALTERNATE!r}")
     if mode == ALIAS and parity != 0:
@@ -178,7 +187,7 @@ def plan_bindings(
     read, write = (CACHE, CACHE_B) if parity == 0 else (CACHE_B, CACHE)
     if mode == ALIAS:
         write = CACHE
-    past = cache.slices(batch, read)
+    past = cache.slices(batch, read, first)
     present_of = dict(zip(contract.present_names(cache.num_layers), contract.past_names(cache.num_layers)))
     step_shapes = {
         contract.INPUT_IDS: (batch, seq),
@@ -214,7 +223,10 @@ def check_plan(plan: BindingPlan) -> None:
     alternate mode never on it; no two tensors of the step overlapping otherwise."""
     for name, s in plan.all().items():
         if s.offset % ALIGNMENT:
-            raise ValueError(f"{name} is bound at offset {s.offset}, not a multiple of {ALIGNMENT} bytes")
+            raise ValueError(
+                f"{name} is bound at offset {s.offset}, not a multiple of {ALIGNMENT} bytes (TensorRT's rule); "
+                "a cache row range must start at a 256-byte row boundary: compile with an even --max-seq"
+            )
     n = len([k for k in plan.inputs if k.startswith("past_key_values.")]) // 2
     for past, present in zip(contract.past_names(n), contract.present_names(n)):
         if past not in plan.inputs or present not in plan.outputs:

@@ -4,8 +4,8 @@ One session (the prefill graph; decode is its one-token case, as on the CPU), so
 copy of the weights on the device. Every input and output is bound through IOBinding **by
 pointer** to the binding plan's device slices: each ``present.*`` output on its past input's
 address (GroupQueryAttention shares past and present), the step tensors in the ``io`` buffer.
-Decode runs as an ORT CUDA graph per batch size (provider option ``enable_cuda_graph``; run option
-``gpu_graph_id`` = the batch size, ``-1`` for prefill, which is not captured): ORT's rule is
+Decode runs as an ORT CUDA graph per row range (provider option ``enable_cuda_graph``; run option
+``gpu_graph_id`` = ``first * max_batch + batch``, ``-1`` for prefill, which is not captured): ORT's rule is
 fixed addresses and shapes per graph id, which the binding plan gives.
 
 The session optimizes the graphs at load (``ORT_ENABLE_ALL``): ORT's offline optimization for the
@@ -69,15 +69,15 @@ class OrtCudaBackend(GpuBackend):
     def bind(self, graph: str, inputs: dict[str, object], outputs: dict[str, object]) -> GpuBinding:
         if graph != "prefill":
             raise ValueError(f"the ORT CUDA backend runs the prefill graph (decode is its one-token case), not {graph}")
-        host, logits, batch, seq = self.step_arrays(inputs, outputs)
-        plans = self.plans(self._inputs, self._outputs, batch, seq)
+        host, logits, batch, seq, first = self.step_arrays(inputs, outputs)
+        plans = self.plans(self._inputs, self._outputs, batch, seq, first)
         io_binding = self.session.io_binding()
         plan = plans[0]
         for name, s in plan.inputs.items():
             io_binding.bind_input(name, "cuda", 0, _np_type(s.dtype), list(s.shape), self.address(s))
         for name, s in plan.outputs.items():
             io_binding.bind_output(name, "cuda", 0, _np_type(s.dtype), list(s.shape), self.address(s))
-        binding = GpuBinding(graph, plans, host, logits, batch, seq)
+        binding = GpuBinding(graph, plans, host, logits, batch, seq, first)
         binding.tensors[contract.LOGITS] = logits
         binding.tensors["io_binding"] = io_binding
         return binding
@@ -85,7 +85,9 @@ class OrtCudaBackend(GpuBackend):
     def run(self, binding: GpuBinding) -> None:
         self.upload(binding)
         self.stream.synchronize()  # ORT runs on its own stream: the inputs must have landed
-        graph_id = str(binding.batch) if (self.cuda_graphs and binding.seq == 1) else NO_CAPTURE
+        # One graph per row range; ids from 1 (ORT reserves 0): first * max_batch + batch is unique.
+        graph_id = str(binding.first * self.layout.max_batch + binding.batch)
+        graph_id = graph_id if (self.cuda_graphs and binding.seq == 1) else NO_CAPTURE
         self.session.run_with_iobinding(binding.tensors["io_binding"], self._options(graph_id))
         self.download(binding)
 

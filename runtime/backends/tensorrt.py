@@ -9,9 +9,9 @@ stream) and both are bound to the same cache through the binding plan. Whether e
 (``get_aliased_input_tensor``): yes -> one cache, updated in place; no -> two caches,
 alternated each step (the load message says which).
 
-Decode runs as a CUDA graph per batch size (and per cache parity when alternating), captured on
-its first use after one eager run: the binding plan keeps every address fixed, and a step only
-rewrites the values in the bound input buffers. The plan also outputs ``next_token_ids``
+Decode runs as a CUDA graph per row range (first row and batch size; and per cache parity when
+alternating), captured on its first use after one eager run: the binding plan keeps every address
+fixed, and a step only rewrites the values in the bound input buffers. The plan also outputs ``next_token_ids``
 (argmax over V), so greedy decoding can read back ``4 * B`` bytes instead of ``[B, V]`` logits.
 
 **Not yet run on a GPU**: written against TensorRT's documented Python API (>= 10.15:
@@ -65,8 +65,8 @@ class TensorRTBackend(GpuBackend):
             ctx.set_optimization_profile_async(record.profile(profile).index, self.stream.ptr)
             self.contexts[profile] = ctx
         self.stream.synchronize()
-        self._applied: dict[str, tuple[int, int, int]] = {}  # profile -> (batch, seq, parity) bound now
-        self._graphs: dict[tuple[int, int], device.CudaGraph] = {}  # (batch, parity) -> decode graph
+        self._applied: dict[str, tuple[int, ...]] = {}  # profile -> (first, batch, seq, parity) bound now
+        self._graphs: dict[tuple[int, int, int], device.CudaGraph] = {}  # (first, batch, parity) -> graph
         print(f"[kvforge] {self.message}")
 
     # ------------------------------------------------------------ interface
@@ -80,11 +80,11 @@ class TensorRTBackend(GpuBackend):
     def bind(self, graph: str, inputs: dict[str, object], outputs: dict[str, object]) -> GpuBinding:
         if graph != "prefill":
             raise ValueError(f"the TensorRT plan runs the prefill graph (decode is its one-token profile), not {graph}")
-        host, logits, batch, seq = self.step_arrays(inputs, outputs)
+        host, logits, batch, seq, first = self.step_arrays(inputs, outputs)
         if seq > 1:
             self.check_prompt(seq)
-        plans = self.plans(self._inputs, self._outputs, batch, seq)
-        binding = GpuBinding(graph, plans, host, logits, batch, seq)
+        plans = self.plans(self._inputs, self._outputs, batch, seq, first)
+        binding = GpuBinding(graph, plans, host, logits, batch, seq, first)
         binding.tensors[contract.LOGITS] = logits
         return binding
 
@@ -92,7 +92,7 @@ class TensorRTBackend(GpuBackend):
         profile = "decode" if binding.seq == 1 else "prefill"
         ctx = self.contexts[profile]
         self.upload(binding)
-        key = (binding.batch, self.parity)
+        key = (binding.first, binding.batch, self.parity)
         if profile == "decode" and self.cuda_graphs and key in self._graphs:
             self._graphs[key].launch(self.stream)
         else:
@@ -107,7 +107,7 @@ class TensorRTBackend(GpuBackend):
 
     def _apply(self, profile: str, ctx, binding: GpuBinding) -> None:
         """Set the context's input shapes and every tensor address, unless already bound so."""
-        state = (binding.batch, binding.seq, self.parity)  # the plan's addresses depend on these only
+        state = (binding.first, binding.batch, binding.seq, self.parity)  # all the plan's addresses hang on
         if self._applied.get(profile) == state:
             return
         plan = self.current(binding)

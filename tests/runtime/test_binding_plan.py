@@ -118,7 +118,7 @@ def test_plan_refuses_unknown_names_and_bad_batches():
         bp.plan_bindings(
             _layout(), _io(), graph_inputs=["attention_mask"], graph_outputs=[], batch=1, seq=1, mode=bp.ALIAS
         )
-    with pytest.raises(ValueError, match=r"batch 4 is outside 1..3"):
+    with pytest.raises(ValueError, match=r"cache rows \[0, 4\) are outside \[0, 3\)"):
         _plan(bp.ALIAS, batch=4)
     with pytest.raises(ValueError, match="parity must be 0"):
         _plan(bp.ALIAS, parity=1)
@@ -158,3 +158,20 @@ def test_load_messages_say_the_mode_and_the_memory():
     assert "keeping two KV caches (2 x 32.0 MiB) and alternating them each step (no copy" in bp.load_message(
         bp.ALTERNATE, layout, "tensorrt"
     )
+
+
+def test_row_ranges_start_at_their_row_offset():
+    # [4, 2, 64, 8] float16: a row is 2*64*8*2 = 2048 bytes, a multiple of 256: any first row binds.
+    layout = _layout(max_batch=4, num_kv_heads=2, max_seq=64, head_dim=8)
+    io = bp.io_layout(4, 8, 11, "float16")
+    names = dict(graph_inputs=contract.prefill_input_names(L), graph_outputs=contract.output_names(L))
+    plan = bp.plan_bindings(layout, io, **names, batch=2, seq=1, mode=bp.ALIAS, first=1)
+    assert plan.inputs["past_key_values.1.key"] == bp.Slice(
+        "cache", layout.offset(1, 0) + 2048, (2, 2, 64, 8), "float16"
+    )
+    assert plan.outputs["present.1.key"] == plan.inputs["past_key_values.1.key"]
+    with pytest.raises(ValueError, match=r"cache rows \[3, 5\) are outside \[0, 4\)"):
+        bp.plan_bindings(layout, io, **names, batch=2, seq=1, mode=bp.ALIAS, first=3)
+    # A 180-byte row (the tiny layout) cannot start a bound range: named, with what to do.
+    with pytest.raises(ValueError, match="not a multiple of 256 bytes .*compile with an even --max-seq"):
+        bp.plan_bindings(_layout(), _io(), **names, batch=1, seq=1, mode=bp.ALIAS, first=1)

@@ -79,8 +79,8 @@ def _binding(backend, manifest, batch, seq):
     }
     cache = backend.allocate_cache(manifest).views(batch)
     logits = np.zeros((batch, manifest.model.vocab_size), dtype=np.float32)
-    h, lg, b, s = backend.step_arrays({**host, **cache}, {contract.LOGITS: logits})
-    assert (b, s) == (batch, seq) and lg is logits and sorted(h) == sorted(host)
+    h, lg, b, s, first = backend.step_arrays({**host, **cache}, {contract.LOGITS: logits})
+    assert (b, s, first) == (batch, seq, 0) and lg is logits and sorted(h) == sorted(host)
     plans = backend.plans(contract.prefill_input_names(n), contract.output_names(n), batch, seq)
     return GpuBinding("prefill", plans, h, lg, batch, seq)
 
@@ -166,3 +166,27 @@ def test_gpu_modules_import_without_torch_or_cuda():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_row_range_views_and_row_copies(llama_artifact, host_device):
+    backend, manifest = _backend(llama_artifact, bp.ALIAS)
+    cache = backend.allocate_cache(manifest)
+    views = cache.views(2, first=1)
+    assert {v.first for v in views.values()} == {1}
+    layout = backend.layout
+    # Fill the host-memory "device" cache with a known pattern, copy row 2 -> row 0 for 5 positions.
+    raw = backend.buffers["cache"].bytes.view(np.float32)
+    raw[...] = np.arange(raw.size)
+    backend.stream.copy_2d_on_device = lambda dst, src, pitch, width, height: [
+        ctypes.memmove(dst + h * pitch, src + h * pitch, width) for h in range(height)
+    ]
+    shape = (layout.max_batch, layout.num_kv_heads, layout.max_seq, layout.head_dim)
+    before = [backend.buffers["cache"].view(layout.offset(0, k), shape, np.float32).copy() for k in (0, 1)]
+    cache.copy_row(2, 0, 5)
+    for k in (0, 1):
+        after = backend.buffers["cache"].view(layout.offset(0, k), shape, np.float32)
+        np.testing.assert_array_equal(after[0, :, :5], before[k][2, :, :5])  # copied positions
+        np.testing.assert_array_equal(after[0, :, 5:], before[k][0, :, 5:])  # the rest kept
+        np.testing.assert_array_equal(after[1:], before[k][1:])  # other rows untouched
+    with pytest.raises(ValueError, match=r"cache row 9 is outside \[0, 4\)"):
+        cache.copy_row(9, 0, 1)
