@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.kvforge-installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint format bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/decode_speed.py
+
+# Every @pytest.mark.gpu test plus a short bench per GPU backend -> gpu_check.json (< 5 min on one GPU).
+# Needs the [gpu] extra (README, "GPU set-up"); skips each GPU test whose stack is absent, saying why.
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py --out gpu_check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

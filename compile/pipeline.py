@@ -36,6 +36,13 @@ from kvforge.graphs.architectures import UnsupportedArchitectureError, supported
 
 Progress = Callable[[str], None]
 DEFAULT_MAX_SEQ = 512
+# --target -> (default dtype, default lowering). cpu: today's ORT CPU graphs; cuda: ORT's CUDA
+# provider (GroupQueryAttention); tensorrt: the portable onnx lowering TensorRT parses.
+TARGETS = {"cpu": ("float32", "gqa"), "cuda": ("float16", "gqa"), "tensorrt": ("float16", "onnx")}
+CUDA_AT_LOAD = (
+    "ORT's offline optimizer for the CUDA provider needs the CUDA provider itself; the CUDA session "
+    "optimizes the portable graphs at load (ORT_ENABLE_ALL) instead"
+)
 
 
 def stderr_progress(message: str) -> None:
@@ -52,8 +59,22 @@ class CompileOptions:
     quantize: str | None = None  # "int4" | "int8": MatMul weights as MatMulNBits (ORT only)
     block_size: int = quantize_stage.DEFAULT_BLOCK_SIZE
     optimize: bool = True  # also write ORT-optimized <graph>.ort.onnx
+    target: str = "cpu"  # "cpu" | "cuda" | "tensorrt" (TARGETS)
+    max_prompt: int | None = None  # longest prompt (TensorRT's prefill profile); None: max_seq
 
     def check(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
+        if self.target == "tensorrt" and self.lowering != "onnx":
+            raise ValueError(
+                f"--target tensorrt needs the onnx lowering (TensorRT cannot parse {self.lowering}); drop --lowering"
+            )
+        if self.target == "tensorrt" and self.quantize:
+            raise ValueError(
+                "--quantize makes MatMulNBits graphs, which only ONNX Runtime runs; not with --target tensorrt"
+            )
+        if self.max_prompt is not None and not 1 <= self.max_prompt <= self.max_seq:
+            raise ValueError(f"max_prompt must lie in 1..max_seq={self.max_seq}, got {self.max_prompt}")
         if self.dtype not in load_stage.DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(load_stage.DTYPES)}")
         if self.lowering not in lowering.LOWERINGS:
@@ -84,14 +105,17 @@ def compile_model(
     model_dir: str | Path,
     out_dir: str | Path,
     *,
-    dtype: str = "float32",
+    dtype: str | None = None,
     max_batch: int = 4,
     max_seq: int | None = None,
-    lowering: str = "gqa",
+    lowering: str | None = None,
     score_graph: bool = True,
     quantize: str | None = None,
     block_size: int = quantize_stage.DEFAULT_BLOCK_SIZE,
     optimize: bool = True,
+    target: str = "cpu",
+    max_prompt: int | None = None,
+    gpu_memory: str | None = None,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -102,8 +126,12 @@ def compile_model(
     ``max_position_embeddings`` if that is smaller. ``score_graph`` adds ``score.onnx`` (logits of
     every position, for perplexity and comparisons; it shares the weights file). ``quantize``
     ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only).
-    ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs. Nothing is
-    written to ``out_dir`` unless compile succeeds.
+    ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs (CPU target only).
+    ``target`` ("cpu" | "cuda" | "tensorrt") sets the defaults of ``dtype`` and ``lowering``
+    (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
+    and TensorRT (``gpu_memory`` caps the build), else says to run ``kvforge build OUT`` on the
+    target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile. Nothing
+    is written to ``out_dir`` unless compile succeeds.
     """
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
@@ -122,7 +150,14 @@ def compile_model(
             f"max_seq={max_seq} exceeds the model's max_position_embeddings={max_positions}; "
             f"use --max-seq {max_positions} or less"
         )
-    options = CompileOptions(dtype, max_batch, max_seq, lowering, score_graph, quantize, block_size, optimize)
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    dtype = dtype or TARGETS[target][0]
+    lowering = lowering or TARGETS[target][1]
+    optimize = optimize and target == "cpu"  # the .ort.onnx graphs are optimized for ORT's CPU provider
+    options = CompileOptions(
+        dtype, max_batch, max_seq, lowering, score_graph, quantize, block_size, optimize, target, max_prompt
+    )
     options.check()
     _check_out_dir(out)
 
@@ -137,7 +172,22 @@ def compile_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     say(f"done in {time.perf_counter() - started:.1f}s -> {out}")
+    if target == "tensorrt":
+        manifest = _build_if_possible(out, manifest, gpu_memory, say)
     return manifest
+
+
+def _build_if_possible(out: Path, manifest: mf.Manifest, gpu_memory: str | None, say: Progress) -> mf.Manifest:
+    """Build the TensorRT engine now when this machine can; else say where to build it."""
+    from kvforge.compile import tensorrt as tensorrt_stage
+    from kvforge.graphs import environment
+
+    refusal = environment.build_refusal(environment.cuda_gpu(), environment.tensorrt_module())
+    if refusal:
+        say(f"engines not built ({refusal.removeprefix('cannot build TensorRT engines here: ')})")
+        return manifest
+    tensorrt_stage.build_checked(out, gpu_memory=gpu_memory, progress=say)
+    return mf.read(out, verify=False)
 
 
 def _compile_into(
@@ -294,7 +344,7 @@ def _manifest(
             vocab_size=dims.vocab_size,
         ),
         dtype=options.dtype,
-        limits=mf.Limits(options.max_batch, options.max_seq, options.max_seq),
+        limits=mf.Limits(options.max_batch, options.max_seq, options.max_prompt or options.max_seq),
         lowering=options.lowering,
         kv_cache={
             "layout": "[layers, 2 (key, value), max_batch, kv_heads, max_seq, head_dim]",
@@ -325,7 +375,19 @@ def _manifest(
             "lm_head": "quantized",
             "embedding": options.dtype,
         },
-        ort_optimization=None
-        if not optimized
-        else {"optimized_for": optimize_stage.OPTIMIZED_FOR, "level": "ORT_ENABLE_EXTENDED", "fusions": "onnxscript"},
+        ort_optimization=_ort_optimization(options, optimized),
+        target=options.target,
     )
+
+
+def _ort_optimization(options: CompileOptions, optimized: dict[str, str]) -> dict | None:
+    if optimized:
+        return {"optimized_for": optimize_stage.OPTIMIZED_FOR, "level": "ORT_ENABLE_EXTENDED", "fusions": "onnxscript"}
+    if options.target == "cuda":
+        return {
+            "optimized_for": "CUDAExecutionProvider",
+            "level": "ORT_ENABLE_ALL",
+            "offline": False,
+            "why": CUDA_AT_LOAD,
+        }
+    return None

@@ -84,7 +84,8 @@ class Manifest:
     parity: dict[str, Any]  # measured at compile time against transformers
     quantization: dict[str, Any] | None = None  # scheme, block_size, op, ... when weights are quantized
     ort_optimization: dict[str, Any] | None = None  # how the <graph>.ort.onnx files were optimized
-    engines: dict[str, Any] = field(default_factory=dict)  # TensorRT plans, when built
+    engines: dict[str, Any] = field(default_factory=dict)  # {"tensorrt": EngineRecord as a dict}, when built
+    target: str = "cpu"  # "cpu" | "cuda" | "tensorrt": what the artifact was compiled for (kvforge compile --target)
 
     def to_json(self) -> str:
         return json.dumps({"format": "kvforge", **asdict(self)}, indent=2) + "\n"
@@ -170,18 +171,104 @@ def read(artifact_dir: str | Path, verify: bool = True) -> Manifest:
     files = [(g.file, g.sha256, None) for g in manifest.graphs.values()]
     files += [(g.ort_file, g.ort_sha256, None) for g in manifest.graphs.values() if g.ort_file]
     files.append((manifest.weights.file, manifest.weights.sha256, manifest.weights.bytes))
+    engine = engine_record(manifest)
+    engine_file = engine.plan_file if engine else None
+    if engine:
+        files.append((engine.plan_file, engine.plan_sha256, engine.plan_bytes))
     for name, digest, size in files:
         file = root / name
+        # A changed or missing engine is rebuilt from the graphs; anything else means recompiling.
+        redo = REBUILD if name == engine_file else "recompile the model"
         if not file.is_file():
-            raise ArtifactError(f"artifact file {name} is missing from {str(root)!r}; recompile the model")
+            raise ArtifactError(f"artifact file {name} is missing from {str(root)!r}; {redo}")
         if size is not None and file.stat().st_size != size:
             raise ArtifactError(
                 f"artifact file {name} has {file.stat().st_size} bytes, the manifest says {size}: "
-                "the file is truncated or corrupted; recompile the model"
+                f"the file is truncated or corrupted; {redo}"
             )
         if verify and sha256_file(file) != digest:
             raise ArtifactError(
                 f"artifact file {name} does not match its sha256 in the manifest: it is corrupted "
-                "or was modified; recompile the model"
+                f"or was modified; {redo}"
             )
     return manifest
+
+
+# ---------------------------------------------------------------- TensorRT engine record
+
+REBUILD = "rebuild with `kvforge build OUT`"
+ENGINE_KEY = "tensorrt"
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """One optimization profile of the plan: ``shapes`` maps an input name to its
+    ``[min, opt, max]`` shapes (lists of ints)."""
+
+    name: str  # "prefill" | "decode"
+    index: int  # the profile index in the plan (the execution context's profile)
+    shapes: dict[str, list[list[int]]]
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """``manifest.engines["tensorrt"]``: the TensorRT plan built by ``kvforge build`` and the GPU and
+    TensorRT it was built with. Engines run only where they were built: :func:`check_engine`."""
+
+    plan_file: str  # "engine.plan", relative to the artifact
+    plan_sha256: str
+    plan_bytes: int
+    source_graph: str  # the graph the plan was built from: "prefill" (decode is its S = 1 profile)
+    tensorrt_version: str
+    gpu_name: str
+    compute_capability: str  # "9.0"
+    profiles: list[EngineProfile]
+    timing_cache_file: str | None  # kept in the artifact, reused by the next build
+    strongly_typed: bool
+    workspace_bytes: int | None  # the builder's workspace limit (from --gpu-memory), None: TensorRT's default
+    device_memory_bytes: int  # TensorRT's own activation figure for one context (device_memory_size_v2)
+    outputs: list[str] = field(default_factory=list)  # extra outputs added at build: "next_token_ids"
+    cache_aliased: bool | None = None  # every present.* aliases its past input (get_aliased_input_tensor)
+    built_utc: str = ""
+    build_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineRecord:
+        try:
+            return cls(**{**data, "profiles": [EngineProfile(**p) for p in data["profiles"]]})
+        except (KeyError, TypeError) as e:
+            raise ArtifactError(f"manifest engines.{ENGINE_KEY} is malformed ({e}); {REBUILD}") from e
+
+    def profile(self, name: str) -> EngineProfile:
+        for p in self.profiles:
+            if p.name == name:
+                return p
+        raise ArtifactError(f"the TensorRT plan has no {name!r} profile; {REBUILD}")
+
+
+def engine_record(manifest: Manifest) -> EngineRecord | None:
+    """The artifact's TensorRT engine record, or None when no engine was built."""
+    data = manifest.engines.get(ENGINE_KEY)
+    return EngineRecord.from_dict(data) if data else None
+
+
+def check_engine(record: EngineRecord | None, *, tensorrt_version: str, gpu_name: str, compute_capability: str) -> None:
+    """Refuse an engine that cannot run here. TensorRT plans are specific to the TensorRT version
+    and to the GPU (its compute capability, and the tactics timed on that model); raises
+    :class:`ArtifactError` naming what differs, with "rebuild with `kvforge build OUT`"."""
+    if record is None:
+        raise ArtifactError(f"this artifact has no TensorRT engine; build one on this GPU: {REBUILD}")
+    differences = []
+    if record.tensorrt_version != tensorrt_version:
+        differences.append(f"TensorRT {record.tensorrt_version}, this machine has TensorRT {tensorrt_version}")
+    if record.compute_capability != compute_capability:
+        differences.append(
+            f"compute capability {record.compute_capability}, this GPU ({gpu_name}) has {compute_capability}"
+        )
+    elif record.gpu_name != gpu_name:
+        differences.append(f"GPU {record.gpu_name!r}, this GPU is {gpu_name!r}")
+    if differences:
+        raise ArtifactError(f"the TensorRT engine was built for {'; '.join(differences)}: {REBUILD}")

@@ -48,8 +48,7 @@ import numpy as np
 
 from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
-from kvforge.runtime import batching
-from kvforge.runtime.cache import KVCache
+from kvforge.runtime import backends, batching
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk, check_max_new_tokens
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
@@ -77,7 +76,7 @@ class Engine:
 
         limits, vocab = manifest.limits, manifest.model.vocab_size
         self.max_batch, self.max_seq, self.vocab_size = limits.max_batch, limits.max_seq, vocab
-        self.cache = KVCache(manifest)
+        self.cache = backend.allocate_cache(manifest)  # on the backend's device, owned by the backend
         # Persistent input/output buffers; a call binds the leading elements as [B, S] views.
         n, b = limits.max_batch * limits.max_seq, limits.max_batch
         self._ids = np.zeros(n, dtype=np.int64)
@@ -114,8 +113,16 @@ class Engine:
         optimized: bool = True,
         one_session: bool = True,
         verify: bool = True,
+        device: str = "cpu",
+        backend: str = "ort",
     ) -> Engine:
-        """Load an artifact on ONNX Runtime's CPU provider.
+        """Load an artifact on ONNX Runtime's CPU provider, or on a GPU.
+
+        ``device="cuda"`` with ``backend="tensorrt"`` runs the artifact's TensorRT plan (built by
+        ``kvforge build OUT``), with ``backend="ort"`` ONNX Runtime's CUDA provider; both keep the
+        cache on the device (:mod:`kvforge.runtime.backends`; not yet run on a GPU). Without CUDA
+        (or TensorRT, or ORT's CUDA provider) they raise
+        :class:`kvforge.graphs.environment.DeviceUnavailableError` naming what is missing.
 
         ``threads``, ``spin``, ``prepack``, ``optimized``: ONNX Runtime session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
@@ -127,8 +134,11 @@ class Engine:
         :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.
         """
+        backends.check_choice(device, backend)
         root = Path(artifact_dir)
         manifest = mf.read(root, verify=verify)
+        if device == "cuda":
+            return cls(root, manifest, backends.open_gpu_backend(root, manifest, backend))
         if manifest.dtype == "bfloat16":
             raise mf.ArtifactError(
                 "this artifact is bfloat16, which ONNX Runtime's CPU provider cannot run; "

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvforge.runtime.cache import KVCache
+
 
 @dataclass(frozen=True)
 class OrtOptions:
@@ -92,6 +94,10 @@ class OrtBackend:
             self._weights.add_to(so, path)
         self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
         return self.sessions[name]
+
+    def allocate_cache(self, manifest) -> KVCache:
+        """The KV cache of this backend: one numpy array in host memory (see :mod:`kvforge.runtime.cache`)."""
+        return KVCache(manifest)
 
     def input_names(self, graph: str) -> list[str]:
         return [i.name for i in self.session(graph).get_inputs()]

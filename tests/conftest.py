@@ -72,3 +72,27 @@ def llama_chat_artifact(llama_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("artifacts") / "llama-chat"
     compile_model(model, out, max_batch=2, max_seq=256, score_graph=False, progress=None)
     return out
+
+
+def pytest_runtest_setup(item) -> None:
+    """Skip ``@pytest.mark.gpu`` tests cleanly where their GPU stack is absent, saying what is missing.
+
+    ``@pytest.mark.gpu`` needs CUDA; ``@pytest.mark.gpu("tensorrt")`` also TensorRT >= 10.15,
+    ``@pytest.mark.gpu("ort")`` also ONNX Runtime's CUDA provider (onnxruntime-gpu)."""
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    from kvforge.graphs import environment
+
+    gpu = environment.cuda_gpu()
+    if isinstance(gpu, str):
+        pytest.skip(f"needs CUDA: {gpu}")
+    needs = set(marker.args) | set(item.callspec.params.values() if hasattr(item, "callspec") else ())
+    if "tensorrt" in needs:
+        trt = environment.tensorrt_module()
+        if isinstance(trt, str):
+            pytest.skip(f"needs TensorRT: {trt}")
+    if "ort" in needs:
+        reason = environment.ort_cuda_provider()
+        if reason:
+            pytest.skip(f"needs ORT's CUDA provider: {reason}")

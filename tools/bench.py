@@ -73,6 +73,8 @@ class BenchOptions:
     warmup: int = 1
     threads: int | None = None  # ORT intra-op threads and torch threads; None: each library's default
     seed: int = 0
+    device: str = "cpu"  # Engine.load(device=...): "cpu" | "cuda"
+    backend: str = "ort"  # Engine.load(backend=...): "ort" | "tensorrt"
 
     def resolve(self, max_batch: int, max_seq: int) -> BenchOptions:
         """These options with the default cells filled in for an artifact, and checked: a default
@@ -232,7 +234,7 @@ def _run_bench(
 ) -> dict[str, Any]:
     load_before = _load_average()
     rss_before = rss_bytes()
-    with Engine.load(artifact, threads=options.threads) as engine:
+    with Engine.load(artifact, threads=options.threads, device=options.device, backend=options.backend) as engine:
         manifest = engine.manifest
         options = options.resolve(engine.max_batch, engine.max_seq)
         cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
@@ -246,6 +248,7 @@ def _run_bench(
             run = lambda rows=rows: _kvforge_run(engine, rows, options.new_tokens)  # noqa: E731
             ours[p, b], tokens["kvforge", p, b] = _measure(run, options, device, progress, _cell("kvforge", p, b))
             _add_rss_before(ours[p, b], rss_before)
+        gpu = _gpu_figures(engine, manifest) if device == "cuda" else None
     gc.collect()
 
     theirs: dict[tuple[int, int], dict[str, Any]] = {}
@@ -291,7 +294,30 @@ def _run_bench(
             "batch_sizes": list(options.batch_sizes),
         },
         "environment": _environment(device, load_before),
+        "gpu": gpu,
         "cells": results,
+    }
+
+
+def _gpu_figures(engine, manifest) -> dict[str, Any]:
+    """Device-side figures of a GPU run (not yet run on a GPU): bytes copied each way per step,
+    device memory, and the bandwidth roofline: weight bytes / a device-copy bandwidth measured
+    now = the least time a decode step can take, since it reads every weight once."""
+    from kvforge.runtime import device as dev
+
+    backend = engine.backend
+    bandwidth = dev.measure_copy_bandwidth()
+    free, total = dev.memory_info()
+    weights = manifest.weights.bytes
+    return {
+        "backend": backend.name,
+        "cache_mode": backend.mode,
+        **backend.stats.per_step(),
+        "steps_counted": backend.stats.steps,
+        "device_memory_used_bytes": total - free,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "weights_bytes": weights,
+        "roofline_decode_ms_per_step": 1e3 * weights / bandwidth,
     }
 
 

@@ -1,6 +1,9 @@
 """The ``kvforge`` command line: thin subcommands over the public APIs.
 
-    kvforge compile MODEL_DIR -o OUT [--dtype float32] [--max-batch 4] [--max-seq 512] [--lowering gqa]
+    kvforge compile MODEL_DIR -o OUT [--target cpu|cuda|tensorrt] [--dtype D] [--max-batch 4] [--max-seq 512]
+                                     [--max-prompt N] [--lowering gqa|onnx]
+    kvforge plan MODEL_DIR|OUT [--dtype D] [--max-batch N] [--max-seq N] [--max-prompt N] [--gpu-memory 70GiB] [--json]
+    kvforge build OUT [--gpu-memory 70GiB]
     kvforge generate OUT "prompt" [--max-new-tokens 32] [--temperature T --top-p P --seed N --stop S ...]
     kvforge chat OUT [--system TEXT] [--max-new-tokens 256] [sampling flags]
     kvforge demo [--model DIR] [--prompt TEXT ...]
@@ -24,7 +27,19 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a Hugging Face model directory into prefill + decode graphs")
     p.add_argument("model_dir", help="Hugging Face model directory (config.json + *.safetensors)")
     p.add_argument("-o", "--out", required=True, help="output artifact directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--target",
+        default="cpu",
+        choices=["cpu", "cuda", "tensorrt"],
+        help="cpu: ORT CPU graphs (default); cuda: ORT's CUDA provider (gqa, float16); tensorrt: the onnx lowering "
+        "(float16), engines built at once on a GPU with TensorRT, else by `kvforge build OUT` there",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="default: float32 for --target cpu, float16 for cuda and tensorrt",
+    )
     p.add_argument("--max-batch", type=int, default=4, help="rows of the KV cache (default 4)")
     p.add_argument(
         "--max-seq",
@@ -33,11 +48,20 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         help="cache capacity per row, prompt + output (default 512, or the model's max positions if fewer)",
     )
     p.add_argument(
+        "--max-prompt",
+        type=int,
+        default=None,
+        help="longest prompt, TensorRT's prefill profile (default: max-seq)",
+    )
+    p.add_argument(
         "--lowering",
-        default="gqa",
+        default=None,
         choices=["onnx", "gqa"],
-        help="attention lowering: gqa (ORT GroupQueryAttention, the fast one on ORT) or onnx (standard opset 24, "
-        "the graph for TensorRT)",
+        help="attention lowering: gqa (ORT GroupQueryAttention, the fast one on ORT; default for cpu and cuda) or "
+        "onnx (standard opset 24, the graph for TensorRT; --target tensorrt's)",
+    )
+    p.add_argument(
+        "--gpu-memory", default=None, metavar="SIZE", help="--target tensorrt: memory budget of the build, e.g. 70GiB"
     )
     p.add_argument(
         "--quantize",
@@ -77,6 +101,9 @@ def _run_compile(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         block_size=args.block_size,
         optimize=args.optimize,
+        target=args.target,
+        max_prompt=args.max_prompt,
+        gpu_memory=args.gpu_memory,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity
@@ -88,6 +115,74 @@ def _run_compile(args: argparse.Namespace) -> int:
             f"prefill max|diff| {parity['prefill_max_abs_diff']:.2e}, decode {parity['decode_max_abs_diff']:.2e}, "
             f"greedy match {parity['greedy_match']}"
         )
+    if args.target == "tensorrt" and not manifest.engines:
+        from kvforge.graphs.environment import BUILD_HINT
+
+        print(f"TensorRT engines not built here: {BUILD_HINT}")
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="GPU memory plan (weights, KV cache, activations) before any build; no GPU needed")
+    p.add_argument("source", metavar="MODEL_DIR|OUT", help="a Hugging Face model directory or a kvforge artifact")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default float16")
+    p.add_argument("--max-batch", type=int, default=None, help="default 4 (an artifact: its own)")
+    p.add_argument("--max-seq", type=int, default=None, help="default 512 (an artifact: its own)")
+    p.add_argument("--max-prompt", type=int, default=None, help="default max-seq (an artifact: its own)")
+    p.add_argument(
+        "--gpu-memory", default=None, metavar="SIZE", help="budget, e.g. 70GiB (default: this GPU's free memory)"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from kvforge.compile import plan as memory_plan
+    from kvforge.graphs import environment
+
+    free, name = None, None
+    if args.gpu_memory is None:
+        gpu = environment.cuda_gpu()
+        if not isinstance(gpu, str):
+            free, name = gpu.free_bytes, gpu.name
+    plan = memory_plan.plan_for(
+        args.source,
+        dtype=args.dtype,
+        max_batch=args.max_batch,
+        max_seq=args.max_seq,
+        max_prompt=args.max_prompt,
+        gpu_memory=args.gpu_memory,
+        free_bytes=free,
+        gpu_name=name,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else memory_plan.format_plan(plan))
+    return 0
+
+
+def _add_build(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build", help="build (or rebuild) an artifact's TensorRT engine on this GPU")
+    p.add_argument("artifact", metavar="OUT", help="artifact compiled with --target tensorrt (the onnx lowering)")
+    p.add_argument(
+        "--gpu-memory", default=None, metavar="SIZE", help="memory budget, e.g. 70GiB (default: the GPU's free memory)"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(run=_run_build)
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    from kvforge.compile import tensorrt as tensorrt_stage
+    from kvforge.compile.pipeline import stderr_progress
+
+    record = tensorrt_stage.build_checked(
+        args.artifact, gpu_memory=args.gpu_memory, progress=None if args.quiet else stderr_progress
+    )
+    print(
+        f"built {record.plan_file} for {record.gpu_name} (compute {record.compute_capability}, TensorRT "
+        f"{record.tensorrt_version}) in {record.build_seconds:.1f}s -> {args.artifact}; KV cache "
+        + ("aliased (updated in place)" if record.cache_aliased else "not aliased (two caches, alternated)")
+    )
     return 0
 
 
@@ -208,7 +303,15 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the per-step differences")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
     p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
+    _add_device_flags(p)
     p.set_defaults(run=_run_compare)
+
+
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where kvforge runs (default cpu)")
+    p.add_argument(
+        "--backend", default="ort", choices=["ort", "tensorrt"], help="ort (CPU or CUDA provider) or tensorrt (cuda)"
+    )
 
 
 def _run_compare(args: argparse.Namespace) -> int:
@@ -227,6 +330,8 @@ def _run_compare(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         threads=args.threads,
         progress=Progress("compare"),
+        device=args.device,
+        backend=args.backend,
     )
     print(compare.format_report(result))
     if args.json:
@@ -251,6 +356,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the timings")
+    _add_device_flags(p)
     p.set_defaults(run=_run_bench)
 
 
@@ -267,6 +373,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         "repeat": args.repeat,
         "warmup": args.warmup,
         "threads": args.threads,
+        "device": args.device,
+        "backend": args.backend,
     }
     options = bench.BenchOptions(**{name: value for name, value in given.items() if value is not None})
     result = bench.run_bench(args.artifact, args.reference, options)
@@ -403,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compile(sub)
+    _add_plan(sub)
+    _add_build(sub)
     _add_generate(sub)
     _add_chat(sub)
     _add_demo(sub)

@@ -71,12 +71,17 @@ def run_compare(
     verify: bool = True,
     threads: int | None = None,
     progress: Progress | None = None,
+    device: str = "cpu",
+    backend: str = "ort",
 ) -> dict[str, Any]:
     """Run both sides and return the report (see docs/tools.md). ``verify=False`` skips the sha256
     check of the artifact's files (to measure a modified artifact); ``threads`` sets ONNX Runtime's
-    and torch's thread counts (None: each library's default)."""
+    and torch's thread counts (None: each library's default); ``device``/``backend`` go to
+    :meth:`Engine.load` (the transformers side stays on the CPU)."""
     with torch_threads(threads):
-        return _run_compare(artifact, reference_dir, prompts, text, steps, atol, verify, threads, progress)
+        return _run_compare(
+            artifact, reference_dir, prompts, text, steps, atol, verify, threads, progress, device, backend
+        )
 
 
 def _run_compare(
@@ -89,13 +94,15 @@ def _run_compare(
     verify: bool,
     threads: int | None,
     progress: Progress | None,
+    device: str = "cpu",
+    backend: str = "ort",
 ) -> dict[str, Any]:
     say = progress or Progress("compare", enabled=False)
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
     if not prompts:
         raise ValueError("no prompts given")
-    with Engine.load(artifact, threads=threads, verify=verify) as engine:
+    with Engine.load(artifact, threads=threads, verify=verify, device=device, backend=backend) as engine:
         if engine.tokenizer is None:
             raise ValueError(f"artifact {str(artifact)!r} has no tokenizer.json; compare needs text prompts")
         manifest = engine.manifest

@@ -224,6 +224,7 @@ def _manifest_summary(manifest: mf.Manifest) -> dict[str, Any]:
         "quantization": getattr(manifest, "quantization", None),
         "ort_optimization": getattr(manifest, "ort_optimization", None),
         "engines": dict(manifest.engines),
+        "target": getattr(manifest, "target", "cpu"),
     }
 
 
