@@ -132,7 +132,7 @@ def _softcapped_attention(op, query, key, value, mask, scale: float, softcap: fl
     masked = _named(op.Where(allowed, capped, op.Constant(value_float=float("-inf"))), "attention/mask")
     probs = _named(op.Softmax(masked, axis=-1), "attention/softmax")
     if model_dtype != ir.DataType.FLOAT:
-        probs = _named(op.CastLike(probs, query), "attention/softmax/downcast")
+        probs = _named(op.Cast(probs, to=model_dtype), "attention/softmax/downcast")
     output = _named(op.MatMul(probs, values), "attention/pv")  # (B, H_kv, G, S, D)
     return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
 
