@@ -95,15 +95,14 @@ def _named(value, name: str):
 def _softcapped_attention(op, query, key, value, mask, scale: float, softcap: float, kv_heads: int):
     """Soft-capped grouped-query attention in standard ONNX ops, for the ``onnx`` lowering.
 
-    Same inputs and output as ``Attention(query, key, value, mask, scale=scale, softcap=softcap)``
-    (query ``[B, H_q, S, D]``, key/value the present caches ``[B, H_kv, S_max, D]`` with
-    ``kv_heads = H_kv``, mask
-    ``[B, 1, S, S_max]`` bool, True = attend; output ``[B, H_q, S, D]`` in the model's dtype), in
-    ops that TensorRT's ONNX parser takes. The order and the dtypes are transformers' eager
-    attention of Gemma-2: ``(Q·Kᵀ)·scale``, then ``softcap·tanh(scores / softcap)``, both in the
-    model's dtype; the mask; softmax in float32, cast back to the model's dtype before ``·V``.
-    Masked keys get ``-inf`` (ONNX ``Attention``'s boolean-mask semantics); the contract's mask
-    always lets a query attend its own cache row, so no row is fully masked.
+    Same inputs and output as ``Attention(query, key, value, mask, scale=scale, softcap=softcap)``:
+    query ``[B, H_q, S, D]``; key/value the present caches ``[B, H_kv, S_max, D]``, ``H_kv`` given
+    as ``kv_heads``; mask ``[B, 1, S, S_max]`` bool, True = attend; output ``[B, H_q, S, D]`` in
+    the model's dtype. Written in ops that TensorRT's ONNX parser takes, in the order and dtypes of
+    transformers' eager attention of Gemma-2: ``(Q·Kᵀ)·scale`` and ``softcap·tanh(scores/softcap)``
+    in the model's dtype, then the mask, softmax in float32, cast back to the model's dtype, ``·V``.
+    Masked keys get ``-inf``, as ``Attention`` does for a boolean mask. (A fully masked row would
+    give NaN here and 0 there; the contract's mask always lets a query attend its own cache row.)
 
     GQA: the query heads are grouped per KV head (``[B, H_kv, G, S, D]``, a free reshape) and the
     cache gains a broadcast axis (``[B, H_kv, 1, S_max, D]``), so the cache is never copied per
