@@ -7,7 +7,9 @@ value of one layer; the function passes them, with the layer's past cache, to th
 the op with the translation of the chosen lowering:
 
 * ``onnx``: opset-24 ``TensorScatter`` (axis -2) for the cache update and ``Attention`` with a
-  boolean mask. TensorRT >= 10.15 parses both; ORT's CPU provider runs them in place.
+  boolean mask. TensorRT >= 10.15 parses both; ORT's CPU provider runs them in place. A layer with
+  an attention logit soft-cap (Gemma-2) spells its attention out in MatMul/Tanh/Where/Softmax
+  instead, because TensorRT's parser rejects ``Attention``'s ``softcap`` attribute.
 * ``gqa``: ONNX Runtime's ``com.microsoft.GroupQueryAttention`` with the past and present caches
   in one shared buffer (ORT's fast path, CPU and CUDA). It derives its lengths from the same
   inputs: ``seqlens_k[b] = write_indices[b] + S - 1`` (the index of the row's last new token;
@@ -72,14 +74,66 @@ def _onnx_translation() -> Callable:
     def cached_attention_onnx(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
         present_key = op.TensorScatter(past_key, key, write_indices, axis=-2)
         present_value = op.TensorScatter(past_value, value, write_indices, axis=-2)
+        if softcap > 0.0:  # TensorRT's parser rejects Attention's softcap attribute: spell it out
+            kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
+            output = _softcapped_attention(op, query, present_key, present_value, mask, scale, softcap, kv_heads)
+            return output, present_key, present_value
         # Attention returns (Y, present_key, present_value, qk_matmul_output); only Y is used.
-        if softcap > 0.0:
-            output = op.Attention(query, present_key, present_value, mask, scale=scale, softcap=softcap)
-        else:
-            output = op.Attention(query, present_key, present_value, mask, scale=scale)
+        output = op.Attention(query, present_key, present_value, mask, scale=scale)
         return output[0], present_key, present_value
 
     return cached_attention_onnx
+
+
+def _named(value, name: str):
+    """Name the node that produces ``value`` (export prefixes the module scope:
+    ``/model/layers.0/self_attn/<name>``) and return the value."""
+    value.producer().name = name
+    return value
+
+
+def _softcapped_attention(op, query, key, value, mask, scale: float, softcap: float, kv_heads: int):
+    """Soft-capped grouped-query attention in standard ONNX ops, for the ``onnx`` lowering.
+
+    Same inputs and output as ``Attention(query, key, value, mask, scale=scale, softcap=softcap)``:
+    query ``[B, H_q, S, D]``; key/value the present caches ``[B, H_kv, S_max, D]``, ``H_kv`` given
+    as ``kv_heads``; mask ``[B, 1, S, S_max]`` bool, True = attend; output ``[B, H_q, S, D]`` in
+    the model's dtype. Written in ops that TensorRT's ONNX parser takes, in the order and dtypes of
+    transformers' eager attention of Gemma-2: ``(Q·Kᵀ)·scale`` and ``softcap·tanh(scores/softcap)``
+    in the model's dtype, then the mask, softmax in float32, cast back to the model's dtype, ``·V``.
+    Masked keys get ``-inf``, as ``Attention`` does for a boolean mask. (A fully masked row would
+    give NaN here and 0 there; the contract's mask always lets a query attend its own cache row.)
+
+    GQA: the query heads are grouped per KV head (``[B, H_kv, G, S, D]``, a free reshape) and the
+    cache gains a broadcast axis (``[B, H_kv, 1, S_max, D]``), so the cache is never copied per
+    group, as expanding K/V to ``H_q`` heads would do at every step.
+    """
+    from onnxscript import ir
+
+    num_heads, head_dim = query.shape[1], query.shape[3]  # static ints
+    model_dtype = query.dtype
+    group_axis = op.Constant(value_ints=[2])
+    grouped = op.Reshape(query, op.Constant(value_ints=[0, kv_heads, num_heads // kv_heads, -1, head_dim]))
+    grouped = _named(grouped, "attention/group_query_heads")  # (B, H_kv, G, S, D)
+    keys_t = _named(op.Transpose(key, perm=[0, 1, 3, 2]), "attention/keys_transposed")  # (B, H_kv, D, S_max)
+    keys_t = _named(op.Unsqueeze(keys_t, group_axis), "attention/keys_per_group")  # (B, H_kv, 1, D, S_max)
+    values = _named(op.Unsqueeze(value, group_axis), "attention/values_per_group")  # (B, H_kv, 1, S_max, D)
+
+    scores = _named(op.MatMul(grouped, keys_t), "attention/qk")  # (B, H_kv, G, S, S_max)
+    scores = _named(op.Mul(scores, op.CastLike(op.Constant(value_float=scale), query)), "attention/scale")
+    cap = op.CastLike(op.Constant(value_float=softcap), query)
+    capped = _named(op.Div(scores, cap), "attention/softcap/div")
+    capped = _named(op.Tanh(capped), "attention/softcap/tanh")
+    capped = _named(op.Mul(capped, cap), "attention/softcap/mul")
+    if model_dtype != ir.DataType.FLOAT:  # transformers' softmax upcasts to float32
+        capped = _named(op.Cast(capped, to=ir.DataType.FLOAT), "attention/softmax/upcast")
+    allowed = _named(op.Unsqueeze(mask, op.Constant(value_ints=[1])), "attention/mask_per_group")  # (B, 1, 1, S, S_max)
+    masked = _named(op.Where(allowed, capped, op.Constant(value_float=float("-inf"))), "attention/mask")
+    probs = _named(op.Softmax(masked, axis=-1), "attention/softmax")
+    if model_dtype != ir.DataType.FLOAT:
+        probs = _named(op.Cast(probs, to=model_dtype), "attention/softmax/downcast")
+    output = _named(op.MatMul(probs, values), "attention/pv")  # (B, H_kv, G, S, D)
+    return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
 
 
 def _gqa_schema():

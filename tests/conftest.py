@@ -38,6 +38,23 @@ def llama_onnx_artifact(llama_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma2_onnx_artifact(tmp_path_factory) -> Path:
+    """The tiny Gemma-2 of tests/families.py (attention soft-cap 5.0, 2 layers) under the onnx
+    lowering; graphs only: no score graph, no ORT-optimized copies."""
+    from kvforge.compile import compile_model
+    from tests import families
+
+    root = tmp_path_factory.mktemp("gemma2")
+    [case] = [c for c in families.CASES if c[0] == "gemma2-softcap-window"]
+    model_dir = families.build(root / "model", *case[1:])
+    out = root / "out"
+    compile_model(
+        model_dir, out, max_batch=1, max_seq=32, lowering="onnx", score_graph=False, optimize=False, progress=None
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_reference(llama_dir):
     """transformers' model of ``llama_dir`` (eager attention), the reference for every comparison."""
     from transformers import AutoModelForCausalLM
