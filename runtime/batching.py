@@ -167,26 +167,36 @@ class BatchLoop:
         ids = self.engine.decode_ids(n)
         for i, g in enumerate(self.decoding):
             ids[i] = g.token_ids[-1]
+        # Every row greedy and an argmax on the device (TensorRT): read back n token ids, not [n, V] logits.
+        on_device = self.engine.device_argmax and all(g.sampler.plain_greedy for g in self.decoding)
         try:
-            logits = self.engine.decode_rows(n, self.first)
+            if on_device:
+                greedy = self.engine.decode_rows_argmax(n, self.first)
+            else:
+                logits = self.engine.decode_rows(n, self.first)
         except Exception as error:
             for g in self.decoding:
                 g.fail(error)
             self._retire()
             return
-        self._pick(logits, self.decoding, 0)
+        if on_device:
+            self._pick(None, self.decoding, 0, greedy)
+        else:
+            self._pick(logits, self.decoding, 0)
 
-    def _pick(self, logits: np.ndarray, gens: list[Generation], row0: int) -> None:
+    def _pick(
+        self, logits: np.ndarray | None, gens: list[Generation], row0: int, greedy: np.ndarray | None = None
+    ) -> None:
         """Each of ``gens`` (in decoding rows ``row0, row0 + 1, ...``; ``logits[j]`` is ``gens[j]``'s
-        row) picks and accepts its token; then finished rows are retired."""
-        greedy = None
-        if any(g.sampler.plain_greedy for g in gens):
+        row) picks and accepts its token; then finished rows are retired. ``greedy``: the rows'
+        argmax computed on the device (then every row is plain greedy and ``logits`` is None)."""
+        if greedy is None and any(g.sampler.plain_greedy for g in gens):
             greedy = self._next[: len(gens)]
             np.argmax(logits, axis=-1, out=greedy)
         lengths, max_seq = self.engine.lengths, self.engine.max_seq
         for j, g in enumerate(gens):
             try:
-                token = g.pick(logits[j], None if greedy is None else int(greedy[j]))
+                token = g.pick(None if logits is None else logits[j], None if greedy is None else int(greedy[j]))
                 g.accept(token, room=bool(lengths[self.first + row0 + j] < max_seq))
             except Exception as error:  # this request alone fails
                 g.fail(error)

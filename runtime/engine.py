@@ -293,6 +293,38 @@ class Engine:
         Allocates nothing: the binding of this row range is made once and reused, and the positions
         are written into the bound buffers. A row whose cache is full (finished in generation)
         writes into its last slot instead of past the end."""
+        binding = self._decode_binding(batch, first)
+        self.backend.run(binding)
+        self.lengths[first : first + batch] += 1
+        self.last_bindings["decode"] = binding
+        return binding.tensors[contract.LOGITS]
+
+    @property
+    def device_argmax(self) -> bool:
+        """Whether the backend computes each row's argmax on the device (TensorRT's
+        ``next_token_ids`` output), so greedy decoding can read back ``[B]`` ids, not ``[B, V]`` logits."""
+        return bool(getattr(self.backend, "device_argmax", False))
+
+    def decode_rows_argmax(self, batch: int, first: int = 0) -> np.ndarray:
+        """:meth:`decode_rows` for rows that all decode greedily, on a backend with
+        :attr:`device_argmax`: returns each row's argmax token id ``[batch]`` (int32, a view of the
+        backend's buffer, valid until the next step); only those ``4·batch`` bytes cross from the
+        device, and the logits buffer is left as it was."""
+        if not self.device_argmax:
+            raise RuntimeError(f"the {self.backend.name} backend has no device argmax; use decode_rows")
+        binding = self._decode_binding(batch, first)
+        binding.read_logits = False
+        try:
+            self.backend.run(binding)
+        finally:
+            binding.read_logits = True
+        self.lengths[first : first + batch] += 1
+        self.last_bindings["decode"] = binding
+        return self.backend.next_token_ids(binding)
+
+    def _decode_binding(self, batch: int, first: int):
+        """The reusable decode binding of rows ``[first, first + batch)``, with this step's write
+        indices and positions written into its bound buffers."""
         lengths = self.lengths[first : first + batch]
         np.minimum(lengths, self.max_seq - 1, out=self._dec_write[:batch])
         self._dec_pos[:batch] = self._dec_write[:batch]
@@ -310,10 +342,7 @@ class Engine:
                 inputs[contract.INPUT_LENGTHS] = self._dec_lengths[:batch]
             outputs = self._outputs(batch, first)
             binding = self._decode_bindings[(first, batch)] = self.backend.bind(graph, inputs, outputs)
-        self.backend.run(binding)
-        lengths += 1
-        self.last_bindings["decode"] = binding
-        return binding.tensors[contract.LOGITS]
+        return binding
 
     def decode_ids(self, batch: int) -> np.ndarray:
         """The bound token-id input of the next :meth:`decode_rows` step, ``[batch]`` int64 (a view

@@ -121,6 +121,7 @@ class GpuBackend:
     """Device memory and transfers shared by the TensorRT and ORT CUDA backends."""
 
     name = "gpu"
+    device_argmax = False  # TensorRT sets it when its plan has the next_token_ids output
     device = "cuda"
 
     def __init__(self, manifest: mf.Manifest, mode: str) -> None:

@@ -53,6 +53,7 @@ class TensorRTBackend(GpuBackend):
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.device_argmax = bp.NEXT_TOKEN_IDS in self._outputs  # greedy reads back [B] ids (Engine.decode_rows_argmax)
         n = manifest.model.num_layers
         aliases = {present: self.engine.get_aliased_input_tensor(present) for present in contract.present_names(n)}
         super().__init__(manifest, bp.cache_mode(aliases, n))
