@@ -33,6 +33,7 @@ from kvforge.compile.weights import write_shared
 from kvforge.graphs import contract, lowering
 from kvforge.graphs import manifest as mf
 from kvforge.graphs.architectures import UnsupportedArchitectureError, supported
+from kvforge.runtime import validate
 
 Progress = Callable[[str], None]
 DEFAULT_MAX_SEQ = 512
@@ -133,6 +134,7 @@ def compile_model(
     target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile. Nothing
     is written to ``out_dir`` unless compile succeeds.
     """
+    _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize)
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
     config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
@@ -175,6 +177,21 @@ def compile_model(
     if target == "tensorrt":
         manifest = _build_if_possible(out, manifest, gpu_memory, say)
     return manifest
+
+
+def _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize) -> None:
+    """compile_model's arguments by type, before any file is read: paths are str/PathLike, counts
+    Python or numpy ints (``max_batch=2.5`` refused, not truncated), flags bools. Their ranges are
+    :meth:`CompileOptions.check`'s."""
+    validate.path("model_dir", model_dir, "a Hugging Face model directory")
+    validate.path("out_dir", out_dir, "the artifact directory to write")
+    validate.integer("max_batch", max_batch)
+    for name, value in (("max_seq", max_seq), ("max_prompt", max_prompt)):
+        if value is not None:
+            validate.integer(name, value)
+    validate.integer("block_size", block_size)
+    validate.flag("score_graph", score_graph)
+    validate.flag("optimize", optimize)
 
 
 def _build_if_possible(out: Path, manifest: mf.Manifest, gpu_memory: str | None, say: Progress) -> mf.Manifest:

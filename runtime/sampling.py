@@ -42,6 +42,11 @@ import numpy as np
 MAX_LOGPROBS = 20
 
 
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -52,14 +57,18 @@ def _is_real(value: object) -> bool:
 
 def _real(name: str, value: object, accepted: str, ok) -> float:
     """``value`` as a float, or a ValueError naming ``name``, the value and what is accepted."""
-    if not _is_real(value) or math.isnan(float(value)) or not ok(float(value)):
-        raise ValueError(f"{name}={value!r} is not accepted: {name} must be {accepted}")
-    return float(value)
+    try:
+        number = float(value) if _is_real(value) else math.nan
+    except OverflowError:  # an int too large for a float (10**400)
+        number = math.nan
+    if math.isnan(number) or not ok(number):
+        raise ValueError(f"{name}={_short(value)} is not accepted: {name} must be {accepted}")
+    return number
 
 
 def _int(name: str, value: object, accepted: str, ok) -> int:
     if not _is_int(value) or not ok(int(value)):
-        raise ValueError(f"{name}={value!r} is not accepted: {name} must be {accepted}")
+        raise ValueError(f"{name}={_short(value)} is not accepted: {name} must be {accepted}")
     return int(value)
 
 
