@@ -83,7 +83,7 @@ class Engine:
         self.artifact_dir = artifact_dir
         self.manifest = manifest
         self.backend = backend
-        self.tokenizer = Tokenizer(artifact_dir / "tokenizer.json") if manifest.tokenizer.get("has_tokenizer") else None
+        self.tokenizer = _load_tokenizer(artifact_dir) if manifest.tokenizer.get("has_tokenizer") else None
         self.eos_token_ids = frozenset(manifest.generation.get("eos_token_ids", []))
         self.decode_graph = decode_graph
         self._checked: set[str] = set()
@@ -196,7 +196,29 @@ class Engine:
                 f"{graph} graph I/O does not follow the KV contract (inputs {got[0]}, outputs {got[1]}); "
                 "recompile the model with this kvforge"
             )
+        if hasattr(self.backend, "tensor_shapes"):
+            self._check_static_dims(graph, self.backend.tensor_shapes(graph))
         self._checked.add(graph)
+
+    def _check_static_dims(self, graph: str, shapes: Mapping[str, list]) -> None:
+        """The graph's fixed dims must be the manifest's: KV heads and head size of every cache
+        tensor, the vocabulary of the logits (a manifest edited after compile would otherwise make
+        buffers of the wrong size, and ONNX Runtime fail mid-step)."""
+        m = self.manifest.model
+        n = m.num_layers
+        expected = {name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.past_names(n)}
+        expected.update({name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.present_names(n)})
+        expected[contract.LOGITS] = {-1: m.vocab_size}
+        for name, dims in expected.items():
+            shape = shapes.get(name, [])
+            for axis, want in dims.items():
+                got = shape[axis] if -len(shape) <= axis < len(shape) else None
+                if isinstance(got, int) and got != want:
+                    raise mf.ArtifactError(
+                        f"{graph} graph's {name} has shape {shape}, but the manifest says {want} at axis {axis} "
+                        "(model.num_kv_heads/head_dim/vocab_size): the manifest does not describe this graph; "
+                        "recompile the model"
+                    )
 
     def close(self) -> None:
         from kvforge.runtime.scheduler import Scheduler
@@ -603,6 +625,19 @@ class Engine:
         from kvforge.runtime.scheduler import Scheduler
 
         return Scheduler(self, prefill_chunk)
+
+
+def _load_tokenizer(artifact_dir: Path) -> Tokenizer:
+    """The artifact's tokenizer.json; a file the tokenizers library cannot read is an ArtifactError."""
+    path = artifact_dir / "tokenizer.json"
+    if not path.is_file():
+        raise mf.ArtifactError(f"the manifest says the artifact has a tokenizer, but {path} is missing; recompile")
+    try:
+        return Tokenizer(path)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise mf.ArtifactError(
+            f"{path} cannot be read by the tokenizers library ({str(e)[:160]}): it is corrupted; recompile the model"
+        ) from e
 
 
 def _sampling_params(sampling: Sampling) -> SamplingParams:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvforge.graphs.manifest import ArtifactError
 from kvforge.runtime.cache import KVCache
 
 
@@ -92,8 +93,20 @@ class OrtBackend:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if self._weights is not None:
             self._weights.add_to(so, path)
-        self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
+        try:
+            self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
+        except Exception as e:  # ORT's errors (InvalidProtobuf, Fail, ...) are not ValueErrors: say what it means
+            detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ArtifactError(
+                f"ONNX Runtime cannot load {path.name} ({detail}): the file is corrupted or not a graph of this "
+                "kvforge; recompile the model (Engine.load checks sha256 unless verify=False)"
+            ) from e
         return self.sessions[name]
+
+    def tensor_shapes(self, graph: str) -> dict[str, list[int | str | None]]:
+        """Every input's and output's shape as the graph declares it (ints, or symbolic names)."""
+        session = self.session(graph)
+        return {t.name: list(t.shape) for t in [*session.get_inputs(), *session.get_outputs()]}
 
     def allocate_cache(self, manifest) -> KVCache:
         """The KV cache of this backend: one numpy array in host memory (see :mod:`kvforge.runtime.cache`)."""
