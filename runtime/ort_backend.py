@@ -49,6 +49,19 @@ class Binding:
     tensors: dict[str, np.ndarray]  # keeps the bound buffers alive while the binding exists
 
 
+class GraphRunError(RuntimeError):
+    """ONNX Runtime failed while running a graph the engine had validated inputs for: the graph
+    does not run with the manifest's shapes (a corrupted graph loaded with ``verify=False``, or an
+    ONNX Runtime fault). The engine's rows are released; the call that ran it fails."""
+
+    def __init__(self, graph: str, error: Exception) -> None:
+        detail = str(error).strip().splitlines()[0][:240] if str(error).strip() else type(error).__name__
+        super().__init__(
+            f"ONNX Runtime failed running the {graph} graph ({detail}); the artifact's graph does not run as its "
+            "manifest says: load it with verify=True to detect a corrupted file, or recompile the model"
+        )
+
+
 class OrtBackend:
     name = "ort"
 
@@ -128,7 +141,10 @@ class OrtBackend:
         return Binding(graph, binding, {**inputs, **outputs})
 
     def run(self, binding: Binding) -> None:
-        self.session(binding.graph).run_with_iobinding(binding.io_binding)
+        try:
+            self.session(binding.graph).run_with_iobinding(binding.io_binding)
+        except Exception as e:  # the inputs were validated: a failing run means the graph itself is wrong
+            raise GraphRunError(binding.graph, e) from e
 
     def bound_output_pointers(self, binding: Binding) -> list[int]:
         """Data pointers of the outputs as ONNX Runtime sees them after a run (in binding order)."""

@@ -22,6 +22,7 @@ from kvforge.compile import compile_model
 from kvforge.graphs import environment
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine, SamplingParams, backends
+from tests.helpers import corrupt_head_size
 
 CATALOG = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 ROW = re.compile(r"^\| `([a-z0-9-]+)` \| `(.+?)` \|")
@@ -182,6 +183,16 @@ def _(c):
 def _(c):
     with c.edited("prefill.ort.onnx", lambda b: bytes([b[0] ^ 1]) + b[1:]) as art:
         return raised(lambda: Engine.load(art, verify=False), mf.ArtifactError)
+
+
+@trigger("graph-run-failed")
+def _(c):
+    from kvforge.runtime.ort_backend import GraphRunError
+
+    with c.edited("prefill.ort.onnx", lambda b: b) as art:
+        corrupt_head_size(art / "prefill.ort.onnx")
+        with Engine.load(art, threads=1, verify=False) as engine:
+            return raised(lambda: engine.generate([[1, 2]], max_new_tokens=1), GraphRunError)
 
 
 @trigger("tokenizer-unreadable")
