@@ -612,14 +612,38 @@ def _(c, http):
         server.draining = False
 
 
-@trigger("cli-error")
-def _(c):
+def cli(argv: list[str]) -> str:
+    """stderr of ``kvforge ARGV`` run in-process; it must exit with status 2."""
     from kvforge.tools.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        assert main(["generate", str(c.tmp / "nope"), "hi"]) == 2
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse
+            code = e.code
+    assert code == 2, (argv, code, err.getvalue())
     return err.getvalue()
+
+
+@trigger("cli-serve-port")
+def _(c):
+    return cli(["serve", str(c.artifact), "--port", "70000"])
+
+
+@trigger("cli-loadtest-timeout")
+def _(c):
+    return cli(["loadtest", "http://127.0.0.1:9", "--timeout", "0"])
+
+
+@trigger("cli-usage")
+def _(c):
+    return cli(["generate", str(c.artifact), "hi", "--max-new-tokens", "2.5"])
+
+
+@trigger("cli-error")
+def _(c):
+    return cli(["generate", str(c.tmp / "nope"), "hi"])
 
 
 # ------------------------------------------------------------------------------------------ the tests
