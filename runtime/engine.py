@@ -307,7 +307,21 @@ class Engine:
                 f"start={check.short_repr(start)} is not accepted: start must hold one position per row "
                 f"({len(rows)} rows, got {len(starts)} positions)"
             )
+        self._check_continuation(rows, starts)
         return rows, starts
+
+    def _check_continuation(self, rows: list[list[int]], start: list[int]) -> None:
+        """ORT's GroupQueryAttention (the gqa lowering) continues cached sequences only one row at a
+        time when more than one token is fed (it fails with "batch_size must be 1 when
+        sequence_length > 1 and past context is given"; found by tests/test_fuzz.py): refuse it
+        here, before anything runs, saying what works."""
+        if self.manifest.lowering == "gqa" and len(rows) > 1 and max(start) > 0 and max(map(len, rows)) > 1:
+            raise check.InvalidValue(
+                f"start={check.short_repr(start)} is not accepted with {len(rows)} rows of up to "
+                f"{max(map(len, rows))} tokens: this artifact's gqa lowering (ONNX Runtime's GroupQueryAttention) "
+                "continues cached sequences (start > 0) one row at a time when a row has more than one token; "
+                "prefill those rows in separate calls (sessions do), or compile with --lowering onnx"
+            )
 
     def _fill_inputs(
         self, rows: Sequence[Sequence[int]], start: list[int], seq: int, first: int = 0
