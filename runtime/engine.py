@@ -315,7 +315,10 @@ class Engine:
         time when more than one token is fed (it fails with "batch_size must be 1 when
         sequence_length > 1 and past context is given"; found by tests/test_fuzz.py): refuse it
         here, before anything runs, saying what works."""
-        if self.manifest.lowering == "gqa" and len(rows) > 1 and max(start) > 0 and max(map(len, rows)) > 1:
+        seq = max(map(len, rows), default=0)
+        if max(start, default=0) + seq > self.max_seq:
+            return  # refused by the padding check of _fill_inputs, with its own message
+        if self.manifest.lowering == "gqa" and len(rows) > 1 and max(start) > 0 and seq > 1:
             raise check.InvalidValue(
                 f"start={check.short_repr(start)} is not accepted with {len(rows)} rows of up to "
                 f"{max(map(len, rows))} tokens: this artifact's gqa lowering (ONNX Runtime's GroupQueryAttention) "
