@@ -391,6 +391,12 @@ def _(c):
 # ------------------------------------------------------------------------------------------ limits and state
 
 
+@trigger("prefill-continuation-gqa")
+def _(c):
+    c.engine.prefill([[1, 2, 3], [4, 5, 6]])
+    return raised(lambda: c.engine.prefill([[1, 2], [3, 4]], start=[3, 3]))
+
+
 @trigger("decode-count")
 def _(c):
     c.engine.prefill([[1, 2], [3, 4]])
