@@ -413,6 +413,119 @@ def test_scheduler_with_random_cancellations(engine, solo, reference, plan, chun
     assert engine.generate([GOOD], max_new_tokens=4)[0].token_ids == reference
 
 
+# ------------------------------------------------------------------------------------------ HTTP bodies
+
+
+@pytest.fixture(scope="module")
+def http(llama_chat_artifact):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from kvforge.tools.serve.app import build_app
+    from kvforge.tools.serve.serving import ModelServer
+
+    server = ModelServer.load(llama_chat_artifact, threads=1, model_name="m")
+    with TestClient(build_app(server)) as client:
+        yield server, client
+
+
+BODY_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 6),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.lists(st.integers(-2, 400), max_size=6),
+    st.lists(st.text(max_size=4), max_size=3),
+    st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=2),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+COMPLETION_FIELDS = [
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "n",
+    "stop",
+    "logprobs",
+    "echo",
+    "stream",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "best_of",
+    "suffix",
+    "model",
+]
+CHAT_FIELDS = [
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "n",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "tools",
+    "response_format",
+    "model",
+]
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "robot"]),
+            "content": st.one_of(st.text(max_size=20), st.none()),
+        }
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=examples(1.0))
+@given(
+    route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    data=st.data(),
+)
+def test_http_bodies(http, route, data):
+    """Random request bodies: a 200 with choices that keep the limits, or OpenAI's error object
+    with a 4xx status and a message; never a 500 (a server error) for what the client sent."""
+    server, client = http
+    chat = route.endswith("chat/completions")
+    base = (
+        {"model": "m", "messages": data.draw(MESSAGES, label="messages")}
+        if chat
+        else {"model": "m", "prompt": data.draw(st.one_of(st.text(max_size=20), BODY_VALUES), label="prompt")}
+    )
+    extra = data.draw(
+        st.dictionaries(st.sampled_from(CHAT_FIELDS if chat else COMPLETION_FIELDS), BODY_VALUES, max_size=3)
+    )
+    body = {**base, **extra}
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = 2  # bounded generation
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
+    r = client.post(route, json=body)
+    assert r.status_code in (200, 400, 429), (body, r.status_code, r.text)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["message"] and error["type"], r.text
+        return
+    if body.get("stream") is True:
+        assert r.text.rstrip().endswith("data: [DONE]")
+        return
+    answer = r.json()
+    assert answer["choices"] and all(c["finish_reason"] in FINISH_REASONS for c in answer["choices"])
+    assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+    assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] <= server.max_seq * len(
+        answer["choices"]
+    )
+
+
 # ------------------------------------------------------------------------------------------ CLI
 
 
