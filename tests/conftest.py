@@ -18,7 +18,7 @@ try:  # hypothesis profiles of tests/test_fuzz.py (hypothesis is in the dev extr
 
     _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     # ci (default): bounded and deterministic, the whole fuzz file in well under a minute on 2 cores.
-    settings.register_profile("ci", max_examples=40, derandomize=True, print_blob=True, **_FUZZ)
+    settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_FUZZ)
     # long: `HYPOTHESIS_PROFILE=long` (scripts/fuzz.sh), many more random examples.
     settings.register_profile("long", max_examples=2000, derandomize=False, print_blob=True, **_FUZZ)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -48,7 +48,7 @@ GOOD = [1, 17, 42, 99, 5]
 
 
 def examples(share: float) -> int:
-    """This test's examples: a share of the profile's ``max_examples`` (ci: 40; long: 2000)."""
+    """This test's examples: a share of the profile's ``max_examples`` (ci: 100; long: 2000)."""
     return max(5, int(settings.default.max_examples * share))
 
 
