@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.kvforge-installed
 
-.PHONY: setup demo test lint format bench gpu-check clean
+.PHONY: setup demo test lint format bench fuzz gpu-check clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/decode_speed.py
+
+# Property-based fuzzing of the public API, hypothesis' long profile (`make test` runs the bounded ci one).
+fuzz: setup
+	PYTHON=$(BIN)/python scripts/fuzz.sh
 
 # Every @pytest.mark.gpu test plus a short bench per GPU backend -> gpu_check.json (< 5 min on one GPU).
 # Needs the [gpu] extra (README, "GPU set-up"); skips each GPU test whose stack is absent, saying why.

@@ -14,6 +14,7 @@ Output layout (see docs/manifest.md)::
 from __future__ import annotations
 
 import datetime
+import os
 import shutil
 import sys
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 import kvforge.compile.export as export_stage
@@ -133,6 +135,11 @@ def compile_model(
     target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile. Nothing
     is written to ``out_dir`` unless compile succeeds.
     """
+    _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize)
+    # numpy ints are accepted; the manifest (JSON) holds Python ints
+    max_batch, block_size = int(max_batch), int(block_size)
+    max_seq = None if max_seq is None else int(max_seq)
+    max_prompt = None if max_prompt is None else int(max_prompt)
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
     config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
@@ -175,6 +182,38 @@ def compile_model(
     if target == "tensorrt":
         manifest = _build_if_possible(out, manifest, gpu_memory, say)
     return manifest
+
+
+class OptionTypeError(TypeError, ValueError):
+    """A compile_model argument of the wrong type (a ValueError too: the CLI prints it as one line).
+    The same rule as :mod:`kvforge.runtime.validate`, which compile does not import."""
+
+
+def _refuse_type(name: str, value: object, accepted: str) -> OptionTypeError:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return OptionTypeError(f"{name}={text} is not accepted: {name} must be {accepted}")
+
+
+def _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize) -> None:
+    """compile_model's arguments by type, before any file is read: paths are str/PathLike, counts
+    Python or numpy ints (``max_batch=2.5`` refused, not truncated), flags bools. Their ranges are
+    :meth:`CompileOptions.check`'s."""
+    for name, value, what in (
+        ("model_dir", model_dir, "a Hugging Face model directory"),
+        ("out_dir", out_dir, "the artifact directory to write"),
+    ):
+        if not isinstance(value, (str, os.PathLike)):
+            raise _refuse_type(name, value, f"a str or a path: {what}")
+    counts = {"max_batch": max_batch, "max_seq": max_seq, "max_prompt": max_prompt, "block_size": block_size}
+    for name, value in counts.items():
+        if value is None and name in ("max_seq", "max_prompt"):
+            continue
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+            raise _refuse_type(name, value, "an integer (int or numpy integer; bools and floats are refused)")
+    for name, value in (("score_graph", score_graph), ("optimize", optimize)):
+        if not isinstance(value, bool):
+            raise _refuse_type(name, value, "True or False")
 
 
 def _build_if_possible(out: Path, manifest: mf.Manifest, gpu_memory: str | None, say: Progress) -> mf.Manifest:

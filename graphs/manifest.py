@@ -98,6 +98,7 @@ class Manifest:
                 f"manifest schema_version is {version!r}; this kvforge reads schema {SCHEMA_VERSION} "
                 "(recompile the model with this kvforge version: kvforge compile MODEL_DIR -o OUT)"
             )
+        check_schema(data)
         try:
             return cls(
                 **{
@@ -108,8 +109,108 @@ class Manifest:
                     "weights": FileRef(**data["weights"]),
                 }
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise ArtifactError(f"manifest is malformed ({e}); recompile the model") from e
+
+
+# ---------------------------------------------------------------- field types (read side)
+
+DTYPES = ("float32", "float16", "bfloat16")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DIMS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
+
+
+def _malformed(where: str, value: Any, expected: str) -> ArtifactError:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return ArtifactError(f"manifest is malformed: {where} is {text}, expected {expected}; recompile the model")
+
+
+def _positive(where: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _malformed(where, value, "a positive integer")
+    return value
+
+
+def _text(where: str, value: Any, optional: bool = False) -> None:
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise _malformed(where, value, "a string" + (" or null" if optional else ""))
+
+
+def _mapping(where: str, value: Any, optional: bool = False) -> dict:
+    if not (isinstance(value, dict) or (optional and value is None)):
+        raise _malformed(where, value, "an object" + (" or null" if optional else ""))
+    return value or {}
+
+
+def _relative_file(where: str, value: Any) -> None:
+    _text(where, value)
+    path = Path(value)
+    if not value or path.is_absolute() or ".." in path.parts:
+        raise _malformed(where, value, "a file name inside the artifact directory")
+
+
+def check_schema(data: dict[str, Any]) -> None:
+    """Every field the runtime reads, by type and range, and the KV cache record consistent with
+    the model's dims and limits; a hand-edited or corrupted manifest is an :class:`ArtifactError`
+    naming the field, never a TypeError deep in the runtime. Files must lie inside the artifact."""
+    for key in ("model", "limits", "graphs", "weights", "kv_cache", "tokenizer", "generation"):
+        if key not in data:
+            raise ArtifactError(f"manifest is malformed (no {key!r}); recompile the model")
+        _mapping(key, data[key])
+    for key in ("source", "versions", "parity", "engines"):
+        _mapping(key, data.get(key, {}))
+    for key in ("quantization", "ort_optimization"):
+        _mapping(key, data.get(key), optional=True)
+    for key in ("kvforge_version", "created_utc", "lowering", "target"):
+        _text(key, data.get(key, ""))
+    model, limits = data["model"], data["limits"]
+    for name in _DIMS:
+        _positive(f"model.{name}", model.get(name))
+    for name in ("architecture", "model_type"):
+        _text(f"model.{name}", model.get(name))
+    for name in ("max_batch", "max_seq", "max_prompt"):
+        _positive(f"limits.{name}", limits.get(name))
+    if limits["max_prompt"] > limits["max_seq"]:
+        raise _malformed("limits.max_prompt", limits["max_prompt"], f"at most limits.max_seq={limits['max_seq']}")
+    dtype = data.get("dtype")
+    if dtype not in DTYPES:
+        raise _malformed("dtype", dtype, f"one of {', '.join(DTYPES)}")
+    shape = [model["num_layers"], 2, limits["max_batch"], model["num_kv_heads"], limits["max_seq"], model["head_dim"]]
+    cache = data["kv_cache"]
+    if cache.get("shape") != shape or cache.get("dtype") != dtype:
+        raise ArtifactError(
+            f"manifest is inconsistent: kv_cache is {cache.get('shape')!r} {cache.get('dtype')!r}, but the model's "
+            f"dims and limits make {shape} {dtype}; the manifest was edited or corrupted: recompile the model"
+        )
+    graphs = data["graphs"]
+    if not graphs:
+        raise _malformed("graphs", graphs, "at least the prefill graph")
+    for name, graph in graphs.items():
+        _mapping(f"graphs.{name}", graph)
+        _relative_file(f"graphs.{name}.file", graph.get("file"))
+        _text(f"graphs.{name}.sha256", graph.get("sha256"))
+        if graph.get("ort_file") is not None:
+            _relative_file(f"graphs.{name}.ort_file", graph["ort_file"])
+            _text(f"graphs.{name}.ort_sha256", graph.get("ort_sha256"))
+        for side in ("inputs", "outputs"):
+            specs = graph.get(side)
+            if not isinstance(specs, list) or not all(isinstance(t, dict) for t in specs):
+                raise _malformed(f"graphs.{name}.{side}", specs, "a list of tensor specs")
+    weights = data["weights"]
+    _relative_file("weights.file", weights.get("file"))
+    _text("weights.sha256", weights.get("sha256"))
+    size = weights.get("bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise _malformed("weights.bytes", size, "a byte count")
+    for where, record in (("tokenizer", data["tokenizer"]), ("generation", data["generation"])):
+        eos = record.get("eos_token_ids", [])
+        if not isinstance(eos, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise _malformed(f"{where}.eos_token_ids", eos, "a list of token ids")
+    if not isinstance(data["tokenizer"].get("has_tokenizer", False), bool):
+        raise _malformed("tokenizer.has_tokenizer", data["tokenizer"]["has_tokenizer"], "true or false")
+    for name, record in data.get("engines", {}).items():
+        _mapping(f"engines.{name}", record)
 
 
 def _graph(data: dict[str, Any]) -> GraphFile:
@@ -252,7 +353,14 @@ class EngineRecord:
 def engine_record(manifest: Manifest) -> EngineRecord | None:
     """The artifact's TensorRT engine record, or None when no engine was built."""
     data = manifest.engines.get(ENGINE_KEY)
-    return EngineRecord.from_dict(data) if data else None
+    if not data:
+        return None
+    try:
+        return EngineRecord.from_dict(data)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        if isinstance(e, ArtifactError):
+            raise
+        raise ArtifactError(f"the manifest's TensorRT engine record is malformed ({e}); {REBUILD}") from e
 
 
 def check_engine(record: EngineRecord | None, *, tensorrt_version: str, gpu_name: str, compute_capability: str) -> None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvforge.runtime import validate
 from kvforge.runtime.generation import Generation
 
 if TYPE_CHECKING:
@@ -54,9 +55,8 @@ class BatchLoop:
         self.engine = engine
         self.rows = rows
         self.first = first
-        self.chunk = engine.chunk_tokens if chunk is None else min(int(chunk), engine.chunk_tokens)
-        if self.chunk < 1:
-            raise ValueError(f"prefill_chunk must be at least 1, got {chunk}")
+        chunk = validate.optional_count("prefill_chunk", chunk)
+        self.chunk = engine.chunk_tokens if chunk is None else min(chunk, engine.chunk_tokens)
         self.waiting: deque[Generation] = deque()
         self.decoding: list[Generation] = []  # decoding[i] is in cache row first + i
         self.filling: Generation | None = None  # in row first + len(decoding), prompt partly cached

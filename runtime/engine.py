@@ -30,6 +30,20 @@ contiguous ``[B, H_kv, S_max, D]`` views). Who may use which rows:
 * every step takes the engine's lock, so sessions and a scheduler on other threads interleave
   whole steps, never halves of one.
 
+Threads (without a scheduler). One engine may be called from several threads; each call either
+runs whole or is refused, never mixed with another thread's:
+
+* ``generate`` (and ``chat``) holds the engine's lock for the whole call: concurrent calls
+  *serialize* and each returns what it would alone;
+* ``stream`` holds rows ``[0, k)`` while iterated: ``generate``/``stream``/the step API/a new
+  scheduler or session from another thread are *refused* (``RuntimeError``: the rows belong to
+  the running Generation) until it ends;
+* the step API holds one batch: ``decode`` from a thread other than the one whose ``prefill``
+  (or ``score``) made the batch is *refused* (``RuntimeError``), since it would continue another
+  thread's sequences; each ``prefill``/``decode`` call is atomic;
+* a session takes one call at a time: a call while another thread's (or an unfinished stream's)
+  turn runs on it is *refused* (``RuntimeError``); different sessions run side by side.
+
 Generation (:mod:`kvforge.runtime.batching`) runs requests through in-flight batching: rows that
 finish are retired at once and the queued prompts take their rows; decode steps run on the
 contiguous range of active rows only. Stopping: an eos id of the artifact (kept as the last of
@@ -49,6 +63,7 @@ import numpy as np
 from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import backends, batching
+from kvforge.runtime import validate as check
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk, check_max_new_tokens
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
@@ -68,7 +83,7 @@ class Engine:
         self.artifact_dir = artifact_dir
         self.manifest = manifest
         self.backend = backend
-        self.tokenizer = Tokenizer(artifact_dir / "tokenizer.json") if manifest.tokenizer.get("has_tokenizer") else None
+        self.tokenizer = _load_tokenizer(artifact_dir) if manifest.tokenizer.get("has_tokenizer") else None
         self.eos_token_ids = frozenset(manifest.generation.get("eos_token_ids", []))
         self.decode_graph = decode_graph
         self._checked: set[str] = set()
@@ -90,6 +105,7 @@ class Engine:
         self._logits = np.zeros(b * vocab, dtype=self.cache.buffer.dtype)
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
+        self._batch_thread: int | None = None  # the thread whose prefill/score made the batch
         self._decode_bindings: dict[tuple[int, int], object] = {}  # (first row, batch) -> binding
         self.last_bindings: dict[str, object] = {}  # the binding of the latest call, per graph
         # Generation: defaults from generation_config.json, the prefill chunk, row ownership.
@@ -134,6 +150,17 @@ class Engine:
         :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.
         """
+        check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
+        threads = check.optional_count("threads", threads)
+        for name, value in [("spin", spin), ("prepack", prepack), ("optimized", optimized)]:
+            check.flag(name, value)
+        check.flag("one_session", one_session)
+        check.flag("verify", verify)
+        if not isinstance(device, str) or not isinstance(backend, str):
+            raise check.WrongType(
+                f"device={check.short_repr(device)}, backend={check.short_repr(backend)} are not accepted: "
+                "both must be strings (device 'cpu' or 'cuda', backend 'ort' or 'tensorrt')"
+            )
         backends.check_choice(device, backend)
         root = Path(artifact_dir)
         manifest = mf.read(root, verify=verify)
@@ -169,7 +196,29 @@ class Engine:
                 f"{graph} graph I/O does not follow the KV contract (inputs {got[0]}, outputs {got[1]}); "
                 "recompile the model with this kvforge"
             )
+        if hasattr(self.backend, "tensor_shapes"):
+            self._check_static_dims(graph, self.backend.tensor_shapes(graph))
         self._checked.add(graph)
+
+    def _check_static_dims(self, graph: str, shapes: Mapping[str, list]) -> None:
+        """The graph's fixed dims must be the manifest's: KV heads and head size of every cache
+        tensor, the vocabulary of the logits (a manifest edited after compile would otherwise make
+        buffers of the wrong size, and ONNX Runtime fail mid-step)."""
+        m = self.manifest.model
+        n = m.num_layers
+        expected = {name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.past_names(n)}
+        expected.update({name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.present_names(n)})
+        expected[contract.LOGITS] = {-1: m.vocab_size}
+        for name, dims in expected.items():
+            shape = shapes.get(name, [])
+            for axis, want in dims.items():
+                got = shape[axis] if -len(shape) <= axis < len(shape) else None
+                if isinstance(got, int) and got != want:
+                    raise mf.ArtifactError(
+                        f"{graph} graph's {name} has shape {shape}, but the manifest says {want} at axis {axis} "
+                        "(model.num_kv_heads/head_dim/vocab_size): the manifest does not describe this graph; "
+                        "recompile the model"
+                    )
 
     def close(self) -> None:
         from kvforge.runtime.scheduler import Scheduler
@@ -205,12 +254,12 @@ class Engine:
         next step; copy it to keep it). Starts a new batch of ``len(rows)`` rows (cache rows
         ``[0, B)``); ``start > 0`` continues a sequence already in the cache (chunked prefill,
         multi-turn). Refused while a scheduler or stream holds the rows or a session holds one of them."""
+        rows, start = self._step_inputs(rows, start)
         with self._lock:
             self._check_step_rows(len(rows))
-            start = list(start) if start is not None else [0] * len(rows)
             self._check_rows(rows, start)
             logits = self.prefill_rows(rows, start, first=0)
-            self.batch = len(rows)
+            self.batch, self._batch_thread = len(rows), threading.get_ident()
             return logits
 
     def prefill_rows(self, rows: Sequence[Sequence[int]], start: Sequence[int], first: int) -> np.ndarray:
@@ -230,11 +279,11 @@ class Engine:
         tools such as perplexity; the cache is updated as by :meth:`prefill`."""
         if "score" not in self.manifest.graphs:
             raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
+        rows, start = self._step_inputs(rows, start)
         with self._lock:
             self._check_graph_io("score")
             batch = len(rows)
             self._check_step_rows(batch)
-            start = list(start) if start is not None else [0] * batch
             self._check_rows(rows, start)
             seq = max(len(r) for r in rows)
             inputs = self._fill_inputs(rows, start, seq)
@@ -243,8 +292,39 @@ class Engine:
             logits = outputs[contract.LOGITS] = np.empty((batch, seq, self.vocab_size), dtype=self._logits.dtype)
             binding = self.backend.bind("score", inputs, outputs)
             self.backend.run(binding)
-            self.batch = batch
+            self.batch, self._batch_thread = batch, threading.get_ident()
             return logits
+
+    def _step_inputs(self, rows: object, start: object) -> tuple[list[list[int]], list[int]]:
+        """The step API's ``rows`` and ``start`` checked for type: ``list[list[int]]`` and one
+        non-negative int per row (values are checked by :meth:`_check_rows`)."""
+        rows = check.id_rows("rows", rows)
+        if start is None:
+            return rows, [0] * len(rows)
+        starts = check.token_ids("start", start, rule="start must be a list of ints, one cache position per row")
+        if len(starts) != len(rows):
+            raise check.InvalidValue(
+                f"start={check.short_repr(start)} is not accepted: start must hold one position per row "
+                f"({len(rows)} rows, got {len(starts)} positions)"
+            )
+        self._check_continuation(rows, starts)
+        return rows, starts
+
+    def _check_continuation(self, rows: list[list[int]], start: list[int]) -> None:
+        """ORT's GroupQueryAttention (the gqa lowering) continues cached sequences only one row at a
+        time when more than one token is fed (it fails with "batch_size must be 1 when
+        sequence_length > 1 and past context is given"; found by tests/test_fuzz.py): refuse it
+        here, before anything runs, saying what works."""
+        seq = max(map(len, rows), default=0)
+        if max(start, default=0) + seq > self.max_seq:
+            return  # refused by the padding check of _fill_inputs, with its own message
+        if self.manifest.lowering == "gqa" and len(rows) > 1 and max(start) > 0 and seq > 1:
+            raise check.InvalidValue(
+                f"start={check.short_repr(start)} is not accepted with {len(rows)} rows of up to "
+                f"{max(map(len, rows))} tokens: this artifact's gqa lowering (ONNX Runtime's GroupQueryAttention) "
+                "continues cached sequences (start > 0) one row at a time when a row has more than one token; "
+                "prefill those rows in separate calls (sessions do), or compile with --lowering onnx"
+            )
 
     def _fill_inputs(
         self, rows: Sequence[Sequence[int]], start: list[int], seq: int, first: int = 0
@@ -276,15 +356,33 @@ class Engine:
         }
 
     def decode(self, tokens: np.ndarray | Sequence[int]) -> np.ndarray:
-        """Append one token to each row of the current batch; return the next logits ``[B, V]``."""
+        """Append one token to each row of the current batch; return the next logits ``[B, V]``.
+
+        ``tokens``: exactly ``B`` ids (the batch of the last :meth:`prefill`), Python or numpy ints in
+        ``[0, vocab_size)``; a bare int is one row's token. Anything else raises ValueError/TypeError
+        (:mod:`kvforge.runtime.validate`) before the step runs."""
+        if check.is_int(tokens):
+            tokens = [tokens]  # one row: a bare id is accepted as a list of one
+        ids = check.token_ids("tokens", tokens, vocab_size=self.vocab_size)
         with self._lock:
             batch = self.batch
             if batch == 0:
                 raise RuntimeError("decode needs a batch: call prefill first")
+            if self._batch_thread != threading.get_ident():
+                raise RuntimeError(
+                    "the current batch was prefilled by another thread: the step API holds one batch, and "
+                    "decode continues the last prefill, whichever thread made it. Drive prefill/decode from one "
+                    "thread, or use a session per thread (engine.session()) or a scheduler (engine.scheduler())"
+                )
             self._check_step_rows(batch)
+            if len(ids) != batch:
+                raise check.InvalidValue(
+                    f"tokens={check.short_repr(tokens)} is not accepted: decode takes one token per row of the "
+                    f"current batch, {batch} (set by the last prefill), got {len(ids)}"
+                )
             if (self.lengths[:batch] >= self.max_seq).any():
                 raise ValueError(f"a row's cache is full (max_seq={self.max_seq}); recompile with a larger --max-seq")
-            self._dec_ids[:batch] = tokens
+            self._dec_ids[:batch] = ids
             return self.decode_rows(batch)
 
     def decode_rows(self, batch: int, first: int = 0) -> np.ndarray:
@@ -360,9 +458,7 @@ class Engine:
         """Tokens per prefill call in generation, sessions and the scheduler: ``prefill_chunk``
         (settable; default the artifact's ``max_prompt``), never more than ``max_prompt``. Longer
         prompts are prefilled in consecutive chunks (``start > 0``), which gives the same logits."""
-        chunk = int(self.prefill_chunk)
-        if chunk < 1:
-            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
+        chunk = check.count("prefill_chunk", self.prefill_chunk)
         return min(chunk, self.manifest.limits.max_prompt)
 
     def _check_rows(self, rows: Sequence[Sequence[int]], start: Sequence[int], first_index: int = 0) -> None:
@@ -430,17 +526,16 @@ class Engine:
 
     # ---------------------------------------------------------------- generation
 
-    def encode(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        """A prompt's token ids: strings through the artifact's tokenizer, id lists as they are."""
+    def encode(self, prompt: Prompt, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:
+        """A prompt's token ids: strings through the artifact's tokenizer, id sequences (Python or
+        numpy ints) as ``list[int]``. Refuses anything else (bytes, None, floats, bools, nested
+        lists) with a ValueError/TypeError naming ``name``."""
+        prompt = check.prompt(name, prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this artifact has no tokenizer; pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        ids = list(prompt)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            bad = next(t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
-            raise ValueError(f"a prompt is a string or a list of token ids; this one holds {bad!r}")
-        return [int(t) for t in ids]
+        return prompt
 
     def request(
         self,
@@ -489,10 +584,9 @@ class Engine:
         batching on rows ``[0, k)`` (see the module docstring): at most ``k`` at once, and a
         queued prompt takes the row of one that finished.
         """
-        if isinstance(prompts, str):
-            raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
-        if not prompts:
-            raise ValueError("no prompts given")
+        if isinstance(prompts, Sequence) and not isinstance(prompts, str) and len(prompts) == 0:
+            raise check.InvalidValue("no prompts given: prompts must be a list of at least one prompt")
+        prompts = check.prompt_batch("prompts", prompts)
         if isinstance(sampling, Sequence) and not isinstance(sampling, str):
             if len(sampling) != len(prompts):
                 raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts; give one each")
@@ -500,7 +594,7 @@ class Engine:
         else:
             per_prompt = [sampling] * len(prompts)
         gens = [
-            self.request(self.encode(p), max_new_tokens, sp, stop, index=i)
+            self.request(self.encode(p, name=f"prompts[{i}]"), max_new_tokens, sp, stop, index=i)
             for i, (p, sp) in enumerate(zip(prompts, per_prompt))
         ]
         with self._lock, self.own_rows(self) as rows:
@@ -577,6 +671,19 @@ class Engine:
         from kvforge.runtime.scheduler import Scheduler
 
         return Scheduler(self, prefill_chunk)
+
+
+def _load_tokenizer(artifact_dir: Path) -> Tokenizer:
+    """The artifact's tokenizer.json; a file the tokenizers library cannot read is an ArtifactError."""
+    path = artifact_dir / "tokenizer.json"
+    if not path.is_file():
+        raise mf.ArtifactError(f"the manifest says the artifact has a tokenizer, but {path} is missing; recompile")
+    try:
+        return Tokenizer(path)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise mf.ArtifactError(
+            f"{path} cannot be read by the tokenizers library ({str(e)[:160]}): it is corrupted; recompile the model"
+        ) from e
 
 
 def _sampling_params(sampling: Sampling) -> SamplingParams:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvforge.runtime import validate
 from kvforge.runtime.detokenize import IncrementalDetokenizer
 from kvforge.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from kvforge.runtime.stops import StopStrings
@@ -97,8 +98,14 @@ class StreamChunk:
 
 
 def check_max_new_tokens(max_new_tokens: object) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    """``max_new_tokens`` must be a Python or numpy int >= 1 (bools and floats such as 2.0 refused)."""
+    if not validate.is_int(max_new_tokens):
+        raise validate.WrongType(
+            f"max_new_tokens must be an integer >= 1, got {validate.short_repr(max_new_tokens)} "
+            f"({type(max_new_tokens).__name__}); pass an int"
+        )
+    if max_new_tokens < 1:
+        raise validate.InvalidValue(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 
 
 class Generation:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvforge.graphs.manifest import ArtifactError
 from kvforge.runtime.cache import KVCache
 
 
@@ -46,6 +47,19 @@ class Binding:
     graph: str
     io_binding: object  # onnxruntime.IOBinding
     tensors: dict[str, np.ndarray]  # keeps the bound buffers alive while the binding exists
+
+
+class GraphRunError(RuntimeError):
+    """ONNX Runtime failed while running a graph the engine had validated inputs for: the graph
+    does not run with the manifest's shapes (a corrupted graph loaded with ``verify=False``, or an
+    ONNX Runtime fault). The engine's rows are released; the call that ran it fails."""
+
+    def __init__(self, graph: str, error: Exception) -> None:
+        detail = str(error).strip().splitlines()[0][:240] if str(error).strip() else type(error).__name__
+        super().__init__(
+            f"ONNX Runtime failed running the {graph} graph ({detail}); the artifact's graph does not run as its "
+            "manifest says: load it with verify=True to detect a corrupted file, or recompile the model"
+        )
 
 
 class OrtBackend:
@@ -92,8 +106,20 @@ class OrtBackend:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if self._weights is not None:
             self._weights.add_to(so, path)
-        self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
+        try:
+            self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
+        except Exception as e:  # ORT's errors (InvalidProtobuf, Fail, ...) are not ValueErrors: say what it means
+            detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ArtifactError(
+                f"ONNX Runtime cannot load {path.name} ({detail}): the file is corrupted or not a graph of this "
+                "kvforge; recompile the model (Engine.load checks sha256 unless verify=False)"
+            ) from e
         return self.sessions[name]
+
+    def tensor_shapes(self, graph: str) -> dict[str, list[int | str | None]]:
+        """Every input's and output's shape as the graph declares it (ints, or symbolic names)."""
+        session = self.session(graph)
+        return {t.name: list(t.shape) for t in [*session.get_inputs(), *session.get_outputs()]}
 
     def allocate_cache(self, manifest) -> KVCache:
         """The KV cache of this backend: one numpy array in host memory (see :mod:`kvforge.runtime.cache`)."""
@@ -115,7 +141,10 @@ class OrtBackend:
         return Binding(graph, binding, {**inputs, **outputs})
 
     def run(self, binding: Binding) -> None:
-        self.session(binding.graph).run_with_iobinding(binding.io_binding)
+        try:
+            self.session(binding.graph).run_with_iobinding(binding.io_binding)
+        except Exception as e:  # the inputs were validated: a failing run means the graph itself is wrong
+            raise GraphRunError(binding.graph, e) from e
 
     def bound_output_pointers(self, binding: Binding) -> list[int]:
         """Data pointers of the outputs as ONNX Runtime sees them after a run (in binding order)."""

@@ -40,6 +40,15 @@ from pathlib import Path
 import numpy as np
 
 MAX_LOGPROBS = 20
+# The sampler divides and multiplies float32 logits by temperature and repetition_penalty: values
+# outside float32's normal range would become 0 or inf there (found by tests/test_fuzz.py).
+F32_TINY = float(np.finfo(np.float32).tiny)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_int(value: object) -> bool:
@@ -52,14 +61,18 @@ def _is_real(value: object) -> bool:
 
 def _real(name: str, value: object, accepted: str, ok) -> float:
     """``value`` as a float, or a ValueError naming ``name``, the value and what is accepted."""
-    if not _is_real(value) or math.isnan(float(value)) or not ok(float(value)):
-        raise ValueError(f"{name}={value!r} is not accepted: {name} must be {accepted}")
-    return float(value)
+    try:
+        number = float(value) if _is_real(value) else math.nan
+    except OverflowError:  # an int too large for a float (10**400)
+        number = math.nan
+    if math.isnan(number) or not ok(number):
+        raise ValueError(f"{name}={_short(value)} is not accepted: {name} must be {accepted}")
+    return number
 
 
 def _int(name: str, value: object, accepted: str, ok) -> int:
     if not _is_int(value) or not ok(int(value)):
-        raise ValueError(f"{name}={value!r} is not accepted: {name} must be {accepted}")
+        raise ValueError(f"{name}={_short(value)} is not accepted: {name} must be {accepted}")
     return int(value)
 
 
@@ -145,8 +158,9 @@ class SamplingParams:
                 _real(
                     "temperature",
                     self.temperature,
-                    "a finite number >= 0 (0 means greedy) or None",
-                    lambda v: 0 <= v < math.inf,
+                    "a finite number >= 0 (0 means greedy) or None; a positive one within float32's "
+                    f"[{F32_TINY:.2g}, {F32_MAX:.2g}]",
+                    lambda v: v == 0 or F32_TINY <= v <= F32_MAX,
                 ),
             )
         if self.top_k is not None:
@@ -167,8 +181,8 @@ class SamplingParams:
                 _real(
                     "repetition_penalty",
                     self.repetition_penalty,
-                    "a finite number > 0 (1 turns it off) or None",
-                    lambda v: 0 < v < math.inf,
+                    f"a finite number > 0 (1 turns it off) or None, within float32's [{F32_TINY:.2g}, {F32_MAX:.2g}]",
+                    lambda v: F32_TINY <= v <= F32_MAX,
                 ),
             )
         for name in ("presence_penalty", "frequency_penalty"):

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from kvforge.runtime import validate
 from kvforge.runtime.batching import BatchLoop
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 
@@ -78,6 +79,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine, prefill_chunk: int | None = None) -> None:
         self.engine = engine
+        prefill_chunk = validate.optional_count("prefill_chunk", prefill_chunk)  # before the rows are taken
         self._rows = engine.own_rows(self)
         rows = self._rows.__enter__()  # released in close()
         try:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvforge.runtime import validate
 from kvforge.runtime.batching import BatchLoop
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 
@@ -44,6 +45,7 @@ class Session:
         self._tokens: list[int] = []
         self._cached = 0
         self._closed = False
+        self._busy = False  # a turn is running (generate, or a stream being iterated)
 
     @property
     def tokens(self) -> list[int]:
@@ -62,6 +64,11 @@ class Session:
         Returns the ids appended. ValueError when the conversation would exceed ``max_seq`` or an
         id is outside the vocabulary."""
         self._check_open()
+        if add_special_tokens is not None and not isinstance(add_special_tokens, bool):
+            raise validate.WrongType(
+                f"add_special_tokens={validate.short_repr(add_special_tokens)} is not accepted: "
+                "add_special_tokens must be True, False or None (special tokens only when the session is empty)"
+            )
         special = not self._tokens if add_special_tokens is None else add_special_tokens
         ids = self.engine.encode(prompt, add_special_tokens=special)
         engine = self.engine
@@ -79,8 +86,13 @@ class Session:
     def rewind(self, n_tokens: int) -> None:
         """Drop the last ``n_tokens`` tokens of the conversation (0 <= n <= len(tokens))."""
         self._check_open()
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(self._tokens):
-            raise ValueError(f"n_tokens must be an integer in [0, {len(self._tokens)}], got {n_tokens!r}")
+        if not validate.is_int(n_tokens) or not 0 <= n_tokens <= len(self._tokens):
+            error = validate.InvalidValue if validate.is_int(n_tokens) else validate.WrongType
+            raise error(
+                f"n_tokens must be an integer in [0, {len(self._tokens)}] (the session's length), "
+                f"got {validate.short_repr(n_tokens)}"
+            )
+        n_tokens = int(n_tokens)
         del self._tokens[len(self._tokens) - n_tokens :]
         self._cached = min(self._cached, len(self._tokens))
 
@@ -88,7 +100,8 @@ class Session:
         """Make the conversation ``ids``, keeping the cached common prefix: rewinds to the longest
         common prefix and appends the rest (how a chat turn re-rendered by a template reuses the
         cache). Returns the length of the common prefix."""
-        ids = [int(t) for t in ids]
+        self._check_open()
+        ids = validate.token_ids("ids", ids, vocab_size=self.engine.vocab_size)
         if len(ids) > self.engine.max_seq:
             raise ValueError(
                 f"the session would hold {len(ids)} tokens; its cache row holds max_seq={self.engine.max_seq} "
@@ -164,6 +177,12 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the session is closed")
+        if self._busy:
+            raise RuntimeError(
+                "the session is busy: a turn (generate, or a stream not yet finished or closed) is running on it, "
+                "maybe on another thread; a session takes one call at a time (finish or close the stream, or use "
+                "one session per thread)"
+            )
 
     def _start(self) -> int:
         if not self._tokens:
@@ -177,7 +196,14 @@ class Session:
 
     def _run(self, gen: Generation) -> Iterator[StreamChunk]:
         engine = self.engine
-        loop = BatchLoop(engine, rows=1, first=self.row)
+        with engine._lock:
+            self._check_open()  # checked again: another thread may have started a turn since the request
+            self._busy = True
+        try:
+            loop = BatchLoop(engine, rows=1, first=self.row)
+        except BaseException:
+            self._busy = False
+            raise
         loop.add(gen)
         try:
             while not loop.idle:
@@ -195,5 +221,6 @@ class Session:
             # tokens but the last were fed back).
             written = gen.prefilled + max(len(gen.token_ids) - 1, 0)
             self._cached = min(written, len(self._tokens))
+            self._busy = False
             if gen.error is not None:
                 raise gen.error

@@ -6,11 +6,24 @@ downloaded: configs are written in-process and saved with ``save_pretrained``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import make_llama
+
+try:  # hypothesis profiles of tests/test_fuzz.py (hypothesis is in the dev extra)
+    from hypothesis import HealthCheck, settings
+
+    _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    # ci (default): bounded and deterministic, the whole fuzz file in well under a minute on 2 cores.
+    settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_FUZZ)
+    # long: `HYPOTHESIS_PROFILE=long` (scripts/fuzz.sh), many more random examples.
+    settings.register_profile("long", max_examples=2000, derandomize=False, print_blob=True, **_FUZZ)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # the fuzz file skips itself without hypothesis
+    pass
 
 
 @pytest.fixture(scope="session")

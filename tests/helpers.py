@@ -87,3 +87,23 @@ def make_llama(path: Path, seed: int = 0, **overrides) -> Path:
     GenerationConfig(eos_token_id=config["eos_token_id"], bos_token_id=0, pad_token_id=0).save_pretrained(path)
     save_tokenizer(path, config["vocab_size"])
     return path
+
+
+def corrupt_head_size(graph_file: Path) -> None:
+    """Rewrite a graph so it still loads but cannot run: every 4-element int64 shape constant holding
+    the head size 16 asks for 17 instead (a Reshape the hidden size does not divide into). For the
+    refusal of a graph that loads with verify=False and fails when it runs (tests of GraphRunError)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(graph_file, load_external_data=False)
+    changed = 0
+    for t in model.graph.initializer:
+        if t.data_type == onnx.TensorProto.INT64 and list(t.dims) == [4]:
+            values = numpy_helper.to_array(t).copy()
+            if 16 in values.tolist():
+                values[values == 16] = 17
+                t.CopyFrom(numpy_helper.from_array(values, t.name))
+                changed += 1
+    assert changed, f"{graph_file} has no 4-D shape constant with the head size 16"
+    onnx.save(model, graph_file)

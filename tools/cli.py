@@ -431,6 +431,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:  # before anything loads
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise ValueError(f"--num-cpus must be at least 1, got {args.num_cpus}")
+    if args.replica_cpus is not None and not 0 < args.replica_cpus < float("inf"):
+        raise ValueError(f"--replica-cpus must be a positive number, got {args.replica_cpus}")
     try:
         from kvforge.tools.serve import runner, serving
     except ImportError as e:

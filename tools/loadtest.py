@@ -63,6 +63,13 @@ class LoadOptions:
             raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
         if min(self.prompt_lens) < 1 or min(self.output_lens) < 1:
             raise ValueError("--prompt-lens and --output-lens must be positive integers")
+        for flag, value in (
+            ("--timeout", self.timeout_s),
+            ("--slo-ttft", self.slo_ttft_ms),
+            ("--slo-tpot", self.slo_tpot_ms),
+        ):
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{flag} must be a positive number, got {value}")
 
 
 def base_url(url: str) -> str:

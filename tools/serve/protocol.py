@@ -23,9 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class RequestModel(BaseModel):
-    """Request bodies: unknown fields are errors (``extra="forbid"``)."""
+    """Request bodies: unknown fields are errors (``extra="forbid"``), and types are strict
+    (``strict=True``): an integer field refuses ``2.5``, ``2.0``, ``"2"`` and ``true``; token ids
+    must be JSON integers (``[1.0, 2.0]`` and ``[true]`` are refused, not read as ids 1, 2 and 1).
+    A float field still takes a JSON integer (``"temperature": 1``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ResponseModel(BaseModel):

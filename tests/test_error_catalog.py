@@ -1,0 +1,678 @@
+"""docs/errors.md is true: every row's refusal is triggered and prints the documented message.
+
+Reads the catalog's tables (id, message); for each row id runs the trigger below and asserts every
+fixed piece of the documented message (the text between ``…``) appears, in order, in what the code
+raises (or the server answers, with the row's HTTP status, or the CLI prints). Rows without a
+trigger and triggers without a row both fail, so the page and the code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvforge.compile import compile_model
+from kvforge.graphs import environment
+from kvforge.graphs import manifest as mf
+from kvforge.runtime import Engine, SamplingParams, backends
+from tests.helpers import corrupt_head_size
+
+CATALOG = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+ROW = re.compile(r"^\| `([a-z0-9-]+)` \| `(.+?)` \|")
+
+
+def catalog() -> dict[str, str]:
+    rows = {}
+    for line in CATALOG.read_text(encoding="utf-8").splitlines():
+        m = ROW.match(line)
+        if m:
+            assert m.group(1) not in rows, f"row id {m.group(1)} appears twice"
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+ROWS = catalog()
+TRIGGERS = {}
+
+
+def trigger(row_id: str):
+    def register(fn):
+        TRIGGERS[row_id] = fn
+        return fn
+
+    return register
+
+
+def raised(fn, kind: type[BaseException] = ValueError) -> str:
+    """The message of the ``kind`` error ``fn()`` raises (a stream is iterated once)."""
+    with pytest.raises(kind) as info:
+        result = fn()
+        if hasattr(result, "__next__"):
+            next(result)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+class Ctx:
+    """What triggers need: the session artifacts, a loaded engine, a scratch copy to corrupt."""
+
+    def __init__(self, llama_artifact, llama_chat_artifact, llama_dir, tmp: Path, engine: Engine) -> None:
+        self.artifact, self.chat_artifact, self.model_dir, self.tmp, self.engine = (
+            llama_artifact,
+            llama_chat_artifact,
+            llama_dir,
+            tmp,
+            engine,
+        )
+        self.scratch = tmp / "scratch"
+        shutil.copytree(llama_artifact, self.scratch)
+
+    @contextlib.contextmanager
+    def edited(self, name: str, edit):
+        """The scratch artifact with ``name``'s bytes replaced by ``edit(bytes)``, restored after."""
+        path = self.scratch / name
+        original = path.read_bytes()
+        path.write_bytes(edit(original))
+        try:
+            yield self.scratch
+        finally:
+            path.write_bytes(original)
+
+    def manifest_edit(self, change):
+        def edit(raw: bytes) -> bytes:
+            data = json.loads(raw)
+            change(data)
+            return json.dumps(data).encode()
+
+        return self.edited("manifest.json", edit)
+
+
+@pytest.fixture(scope="module")
+def ctx(llama_artifact, llama_chat_artifact, llama_dir, tmp_path_factory):
+    with Engine.load(llama_artifact, threads=1) as engine:
+        yield Ctx(llama_artifact, llama_chat_artifact, llama_dir, tmp_path_factory.mktemp("catalog"), engine)
+
+
+# ------------------------------------------------------------------------------------------ artifact
+
+
+@trigger("artifact-missing")
+def _(c):
+    return raised(lambda: Engine.load(c.tmp / "nope"), mf.ArtifactError)
+
+
+@trigger("artifact-not-kvforge")
+def _(c):
+    (c.tmp / "empty").mkdir(exist_ok=True)
+    return raised(lambda: Engine.load(c.tmp / "empty"), mf.ArtifactError)
+
+
+@trigger("manifest-invalid-json")
+def _(c):
+    with c.edited("manifest.json", lambda b: b[:-20]) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("manifest-foreign")
+def _(c):
+    with c.edited("manifest.json", lambda b: b'{"format": "other"}') as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("manifest-schema")
+def _(c):
+    with c.manifest_edit(lambda d: d.update(schema_version=99)) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("manifest-field")
+def _(c):
+    with c.manifest_edit(lambda d: d["limits"].update(max_seq="96")) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("manifest-inconsistent")
+def _(c):
+    with c.manifest_edit(lambda d: d["limits"].update(max_seq=4096)) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("manifest-outside")
+def _(c):
+    with c.manifest_edit(lambda d: d["weights"].update(file="../weights.data")) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("graph-dims")
+def _(c):
+    with c.manifest_edit(lambda d: d["model"].update(vocab_size=383)) as art:
+        return raised(lambda: Engine.load(art, verify=False), mf.ArtifactError)
+
+
+@trigger("file-missing")
+def _(c):
+    shutil.move(c.scratch / "weights.data", c.tmp / "weights.data")
+    try:
+        return raised(lambda: Engine.load(c.scratch), mf.ArtifactError)
+    finally:
+        shutil.move(c.tmp / "weights.data", c.scratch / "weights.data")
+
+
+@trigger("file-truncated")
+def _(c):
+    with c.edited("weights.data", lambda b: b[:1000]) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("file-sha256")
+def _(c):
+    with c.edited("weights.data", lambda b: bytes([b[0] ^ 1]) + b[1:]) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("graph-unloadable")
+def _(c):
+    with c.edited("prefill.ort.onnx", lambda b: bytes([b[0] ^ 1]) + b[1:]) as art:
+        return raised(lambda: Engine.load(art, verify=False), mf.ArtifactError)
+
+
+@trigger("graph-run-failed")
+def _(c):
+    from kvforge.runtime.ort_backend import GraphRunError
+
+    with c.edited("prefill.ort.onnx", lambda b: b) as art:
+        corrupt_head_size(art / "prefill.ort.onnx")
+        with Engine.load(art, threads=1, verify=False) as engine:
+            return raised(lambda: engine.generate([[1, 2]], max_new_tokens=1), GraphRunError)
+
+
+@trigger("tokenizer-unreadable")
+def _(c):
+    with c.edited("tokenizer.json", lambda b: b"{x" + b[2:]) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("bfloat16-on-cpu")
+def _(c):
+    def to_bf16(d):
+        d["dtype"] = "bfloat16"
+        d["kv_cache"]["dtype"] = "bfloat16"
+
+    with c.manifest_edit(to_bf16) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
+@trigger("generation-config")
+def _(c):
+    with c.edited("generation_config.json", lambda b: b"{not json") as art:
+        return raised(lambda: Engine.load(art))
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+
+@trigger("model-dir-missing")
+def _(c):
+    return raised(lambda: compile_model(c.tmp / "no-model", c.tmp / "out", progress=None))
+
+
+@trigger("model-dir-not-hf")
+def _(c):
+    (c.tmp / "not-hf").mkdir(exist_ok=True)
+    (c.tmp / "not-hf" / "weights.bin").write_bytes(b"x")
+    return raised(lambda: compile_model(c.tmp / "not-hf", c.tmp / "out", progress=None))
+
+
+@trigger("unsupported-architecture")
+def _(c):
+    model = c.tmp / "bert"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    (model / "model.safetensors").write_bytes(b"")
+    return raised(lambda: compile_model(model, c.tmp / "out", progress=None))
+
+
+@trigger("output-dir-foreign")
+def _(c):
+    out = c.tmp / "mine"
+    out.mkdir(exist_ok=True)
+    (out / "notes.txt").write_text("keep me")
+    return raised(lambda: compile_model(c.model_dir, out, progress=None))
+
+
+@trigger("max-seq-positions")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", max_seq=10**6, progress=None))
+
+
+@trigger("compile-count-type")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", max_batch=2.5, progress=None), TypeError)
+
+
+@trigger("max-prompt-range")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", max_seq=96, max_prompt=200, progress=None))
+
+
+@trigger("tensorrt-lowering")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", target="tensorrt", lowering="gqa", progress=None))
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+
+@trigger("prompt-float-id")
+def _(c):
+    return raised(lambda: c.engine.generate([[1.5, 2.7]]), TypeError)
+
+
+@trigger("prompt-bytes")
+def _(c):
+    return raised(lambda: c.engine.generate([b"abc"]), TypeError)
+
+
+@trigger("prompt-none")
+def _(c):
+    return raised(lambda: c.engine.stream(None), TypeError)
+
+
+@trigger("prompts-one-string")
+def _(c):
+    return raised(lambda: c.engine.generate("The for statement"), TypeError)
+
+
+@trigger("prompts-empty")
+def _(c):
+    return raised(lambda: c.engine.generate([]))
+
+
+@trigger("prompt-empty")
+def _(c):
+    return raised(lambda: c.engine.generate([""]))
+
+
+@trigger("prompt-too-long")
+def _(c):
+    return raised(lambda: c.engine.generate([[5] * 97]))
+
+
+@trigger("token-out-of-vocab")
+def _(c):
+    return raised(lambda: c.engine.generate([[0, 384]]))
+
+
+@trigger("no-tokenizer")
+def _(c):
+    with c.manifest_edit(lambda d: d["tokenizer"].update(has_tokenizer=False)) as art, Engine.load(art) as engine:
+        return raised(lambda: engine.generate(["text"]))
+
+
+@trigger("chat-no-template")
+def _(c):
+    return raised(lambda: c.engine.chat([{"role": "user", "content": "hi"}]))
+
+
+# ------------------------------------------------------------------------------------------ parameters
+
+
+@trigger("max-new-tokens-type")
+def _(c):
+    return raised(lambda: c.engine.generate([[1, 2]], max_new_tokens=2.5), TypeError)
+
+
+@trigger("max-new-tokens-range")
+def _(c):
+    return raised(lambda: c.engine.generate([[1, 2]], max_new_tokens=0))
+
+
+@trigger("sampling-range")
+def _(c):
+    return raised(lambda: c.engine.generate([[1, 2]], sampling={"top_p": 2.0}))
+
+
+@trigger("sampling-float32")
+def _(c):
+    return raised(lambda: SamplingParams(temperature=1e39))
+
+
+@trigger("sampling-unknown")
+def _(c):
+    return raised(lambda: c.engine.generate([[1, 2]], sampling={"temprature": 0.5}))
+
+
+@trigger("sampling-type")
+def _(c):
+    return raised(lambda: c.engine.generate([[1, 2]], sampling="greedy"))
+
+
+@trigger("stop-type")
+def _(c):
+    return raised(lambda: c.engine.generate([[1, 2]], stop=5))
+
+
+@trigger("load-threads")
+def _(c):
+    return raised(lambda: Engine.load(c.artifact, threads=0))
+
+
+@trigger("load-flag")
+def _(c):
+    return raised(lambda: Engine.load(c.artifact, verify=1), TypeError)
+
+
+@trigger("unknown-device")
+def _(c):
+    return raised(lambda: Engine.load(c.artifact, device="tpu"))
+
+
+@trigger("rewind-range")
+def _(c):
+    with c.engine.session() as s:
+        s.append([1, 2, 3, 4, 5])
+        return raised(lambda: s.rewind(9))
+
+
+@trigger("prefill-chunk")
+def _(c):
+    return raised(lambda: c.engine.scheduler(prefill_chunk=2.5), TypeError)
+
+
+# ------------------------------------------------------------------------------------------ limits and state
+
+
+@trigger("prefill-continuation-gqa")
+def _(c):
+    c.engine.prefill([[1, 2, 3], [4, 5, 6]])
+    return raised(lambda: c.engine.prefill([[1, 2], [3, 4]], start=[3, 3]))
+
+
+@trigger("decode-count")
+def _(c):
+    c.engine.prefill([[1, 2], [3, 4]])
+    return raised(lambda: c.engine.decode([1, 2, 3]))
+
+
+@trigger("decode-no-batch")
+def _(c):
+    c.engine.generate([[1, 2]], max_new_tokens=1)  # generate takes the rows: the step batch is gone
+    return raised(lambda: c.engine.decode([1]), RuntimeError)
+
+
+@trigger("decode-other-thread")
+def _(c):
+    c.engine.prefill([[1, 2]])
+    seen = []
+
+    def other():
+        try:
+            c.engine.decode([1])
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    return seen[0]
+
+
+@trigger("rows-owned")
+def _(c):
+    with c.engine.scheduler():
+        return raised(lambda: c.engine.generate([[1, 2]]), RuntimeError)
+
+
+@trigger("scheduler-closed")
+def _(c):
+    sched = c.engine.scheduler()
+    sched.close()
+    return raised(lambda: sched.submit([1, 2]), RuntimeError)
+
+
+@trigger("session-full")
+def _(c):
+    with c.engine.session() as s:
+        return raised(lambda: s.append([5] * 97))
+
+
+@trigger("session-rows")
+def _(c):
+    sessions = [c.engine.session() for _ in range(c.engine.max_batch)]
+    try:
+        return raised(c.engine.session, RuntimeError)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+@trigger("session-busy")
+def _(c):
+    with c.engine.session() as s:
+        s.append([1, 2, 3])
+        stream = s.stream(max_new_tokens=3)
+        next(stream)
+        try:
+            return raised(lambda: s.append([4]), RuntimeError)
+        finally:
+            stream.close()
+
+
+@trigger("session-closed")
+def _(c):
+    s = c.engine.session()
+    s.close()
+    return raised(lambda: s.append([1]), RuntimeError)
+
+
+@trigger("session-empty")
+def _(c):
+    with c.engine.session() as s:
+        return raised(lambda: s.generate(max_new_tokens=2))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@trigger("tensorrt-on-cpu")
+def _(c):
+    return raised(lambda: Engine.load(c.artifact, backend="tensorrt"))
+
+
+@trigger("cuda-absent")
+def _(c, monkeypatch):
+    monkeypatch.setattr(environment, "cuda_gpu", lambda index=0: "no NVIDIA driver (catalog test)")
+    return raised(lambda: Engine.load(c.artifact, device="cuda"), environment.DeviceUnavailableError)
+
+
+@trigger("tensorrt-no-engine")
+def _(c, monkeypatch):
+    gpu = environment.Gpu(0, "Test GPU", "9.0", 80 << 30, 80 << 30)
+    monkeypatch.setattr(environment, "cuda_gpu", lambda index=0: gpu)
+    return raised(lambda: Engine.load(c.artifact, device="cuda", backend="tensorrt"), mf.ArtifactError)
+
+
+@trigger("tensorrt-mismatch")
+def _(c):
+    record = mf.EngineRecord(
+        plan_file="engine.plan",
+        plan_sha256="0",
+        plan_bytes=1,
+        source_graph="prefill",
+        tensorrt_version="10.15",
+        gpu_name="H100",
+        compute_capability="9.0",
+        profiles=[],
+        timing_cache_file=None,
+        strongly_typed=True,
+        workspace_bytes=None,
+        device_memory_bytes=0,
+    )
+    check = lambda: mf.check_engine(record, tensorrt_version="10.16", gpu_name="H100", compute_capability="9.0")  # noqa: E731
+    return raised(check, mf.ArtifactError)
+
+
+@trigger("gpu-too-small")
+def _(c):
+    manifest = mf.read(c.artifact, verify=False)
+    return raised(lambda: backends.check_fits(manifest, "ort", manifest.weights.bytes + 1, "Tiny GPU"))
+
+
+@trigger("build-refusal")
+def _(c):
+    return environment.build_refusal("cuda-python is not installed (x)", "TensorRT is not installed (y)")
+
+
+# ------------------------------------------------------------------------------------------ HTTP server
+
+
+@pytest.fixture(scope="module")
+def http(llama_chat_artifact, llama_artifact):
+    """TestClients over build_app: the chat artifact (with an API key), and one without a template."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from kvforge.tools.serve.app import build_app
+    from kvforge.tools.serve.serving import ModelServer
+
+    server = ModelServer.load(llama_chat_artifact, threads=1, model_name="m", max_queue=0)
+    plain = ModelServer.load(llama_artifact, threads=1, model_name="plain")
+    with (
+        TestClient(build_app(server, api_key="k")) as client,
+        TestClient(build_app(plain)) as plain_client,
+    ):
+        yield server, client, plain_client
+
+
+def answer(response, status: int) -> str:
+    assert response.status_code == status, response.text
+    return response.json()["error"]["message"]
+
+
+KEY = {"Authorization": "Bearer k"}
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
+
+
+@trigger("http-400-type")
+def _(c, http):
+    return answer(http[1].post("/v1/completions", json={**BODY, "max_tokens": 2.0}, headers=KEY), 400)
+
+
+@trigger("http-400-unknown-field")
+def _(c, http):
+    return answer(http[1].post("/v1/completions", json={**BODY, "temprature": 1}, headers=KEY), 400)
+
+
+@trigger("http-400-model")
+def _(c, http):
+    return answer(http[1].post("/v1/completions", json={**BODY, "model": "gpt-4"}, headers=KEY), 400)
+
+
+@trigger("http-400-context")
+def _(c, http):
+    return answer(http[1].post("/v1/completions", json={**BODY, "max_tokens": 1000}, headers=KEY), 400)
+
+
+@trigger("http-400-unsupported")
+def _(c, http):
+    return answer(http[1].post("/v1/completions", json={**BODY, "logit_bias": {"1": 2.0}}, headers=KEY), 400)
+
+
+@trigger("http-400-no-template")
+def _(c, http):
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    return answer(http[2].post("/v1/chat/completions", json=body), 400)
+
+
+@trigger("http-401")
+def _(c, http):
+    return answer(http[1].post("/v1/completions", json=BODY), 401)
+
+
+@trigger("http-429")
+def _(c, http):
+    server = http[0]
+    server.in_flight = server.capacity  # every place taken
+    try:
+        return answer(http[1].post("/v1/completions", json=BODY, headers=KEY), 429)
+    finally:
+        server.in_flight = 0
+
+
+@trigger("http-503")
+def _(c, http):
+    server = http[0]
+    server.draining = True
+    try:
+        return answer(http[1].post("/v1/completions", json=BODY, headers=KEY), 503)
+    finally:
+        server.draining = False
+
+
+def cli(argv: list[str]) -> str:
+    """stderr of ``kvforge ARGV`` run in-process; it must exit with status 2."""
+    from kvforge.tools.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse
+            code = e.code
+    assert code == 2, (argv, code, err.getvalue())
+    return err.getvalue()
+
+
+@trigger("cli-serve-port")
+def _(c):
+    return cli(["serve", str(c.artifact), "--port", "70000"])
+
+
+@trigger("cli-loadtest-timeout")
+def _(c):
+    return cli(["loadtest", "http://127.0.0.1:9", "--timeout", "0"])
+
+
+@trigger("cli-usage")
+def _(c):
+    return cli(["generate", str(c.artifact), "hi", "--max-new-tokens", "2.5"])
+
+
+@trigger("cli-error")
+def _(c):
+    return cli(["generate", str(c.tmp / "nope"), "hi"])
+
+
+# ------------------------------------------------------------------------------------------ the tests
+
+
+def test_every_row_has_a_trigger_and_every_trigger_a_row():
+    assert len(ROWS) >= 30
+    assert sorted(set(ROWS) - set(TRIGGERS)) == [], "rows of docs/errors.md without a trigger here"
+    assert sorted(set(TRIGGERS) - set(ROWS)) == [], "triggers without a row in docs/errors.md"
+
+
+@pytest.mark.parametrize("row_id", list(ROWS))
+def test_documented_message_is_printed(row_id, ctx, request, monkeypatch):
+    fn = TRIGGERS[row_id]
+    kwargs = {}
+    if "http" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
+        kwargs["http"] = request.getfixturevalue("http")
+    if "monkeypatch" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
+        kwargs["monkeypatch"] = monkeypatch
+    message = fn(ctx, **kwargs)
+    assert message, f"{row_id}: no message"
+    at = 0
+    for piece in (p.strip() for p in ROWS[row_id].split("…")):
+        found = message.find(piece, at)
+        assert found >= 0, f"{row_id}: documented {piece!r} not in the message {message!r}"
+        at = found + len(piece)
