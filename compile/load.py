@@ -109,10 +109,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
     return LoadedModel(model, spec, Dims.from_config(model.config), config, weights)
 
 
-def load_reference(model_dir: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    """transformers' own model with eager attention, for parity checks (a separate instance with its
-    own config: switching ``_attn_implementation`` on a shared config would switch both models)."""
+def load_reference(model_dir: str | Path, dtype: str = "float32", attention: str = "eager") -> torch.nn.Module:
+    """transformers' own model (``attention``: "eager" for parity checks, "sdpa" for speed on a GPU),
+    a separate instance with its own config: switching ``_attn_implementation`` on a shared config
+    would switch both models."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation=attention)
     return model.eval()

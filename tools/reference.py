@@ -17,8 +17,9 @@ from kvforge.compile import load as load_stage
 from kvforge.graphs import manifest as mf
 
 
-def load(model_dir: str | Path, manifest: mf.Manifest) -> torch.nn.Module:
-    """transformers' model of ``model_dir`` (eager attention, the artifact's dtype, eval mode).
+def load(model_dir: str | Path, manifest: mf.Manifest, attention: str = "eager") -> torch.nn.Module:
+    """transformers' model of ``model_dir`` (``attention``: eager by default, the artifact's dtype,
+    eval mode).
 
     Raises :class:`kvforge.compile.load.ModelDirError` for a missing or non-HF directory, and a
     ``ValueError`` when its vocabulary is not the artifact's (then no logit can be compared).
@@ -31,7 +32,7 @@ def load(model_dir: str | Path, manifest: mf.Manifest) -> torch.nn.Module:
             f"{manifest.model.vocab_size}; pass the model directory the artifact was compiled from"
         )
     try:
-        return load_stage.load_reference(model_dir, manifest.dtype)
+        return load_stage.load_reference(model_dir, manifest.dtype, attention)
     except (OSError, RuntimeError) as e:
         raise load_stage.ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
 
