@@ -145,9 +145,56 @@ def profile_worker(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def genai_profile_worker(job: dict[str, Any]) -> dict[str, Any]:
+    """The same steps through onnxruntime-genai, its profiler on: a copy of the cached model's directory
+    (links to its files) whose genai_config.json sets ``enable_profiling`` and the thread count. ORT
+    writes the profile when genai's session is destroyed."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    source, copy = Path(job["genai_dir"]), Path(job["profile_dir"]) / "genai-model"
+    copy.mkdir(exist_ok=True)
+    for f in source.iterdir():
+        if f.name != "genai_config.json" and not (copy / f.name).exists():
+            (copy / f.name).symlink_to(f)
+    config = json.loads((source / "genai_config.json").read_text())
+    options = config["model"]["decoder"]["session_options"]
+    options["intra_op_num_threads"] = job["threads"]
+    prefix = str(Path(job["profile_dir"]) / "genai-decode")
+    options["enable_profiling"] = prefix
+    (copy / "genai_config.json").write_text(json.dumps(config, indent=4))
+    before = {f.name for f in Path(job["profile_dir"]).glob("genai-decode*.json")}
+
+    prompt = np.asarray(peer.prompts(1, job["prompt_len"], job["vocab"]), dtype=np.int32)
+    total = job["prompt_len"] + 1 + job["warmup"] + job["steps"]
+    model = og.Model(str(copy))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=1)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    generator.generate_next_token()  # the first token: no model run
+    for _ in range(job["warmup"]):
+        generator.generate_next_token()
+    wall = []
+    for _ in range(job["steps"]):
+        start = time.perf_counter()
+        generator.generate_next_token()
+        wall.append(time.perf_counter() - start)
+    del generator, params, model  # the session ends: ORT writes the profile
+    import gc
+
+    gc.collect()
+    written = [f for f in Path(job["profile_dir"]).glob("genai-decode*.json") if f.name not in before]
+    if len(written) != 1:
+        raise RuntimeError(f"expected one new genai profile in {job['profile_dir']}, found {written}")
+    events = json.loads(written[0].read_text())
+    return {"profile_file": str(written[0]), "wall_ms": [1e3 * t for t in wall], **per_op_profile(events, job["steps"])}
+
+
 def worker_main(job_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
-    Path(job["result_file"]).write_text(json.dumps(profile_worker(job)))
+    worker = genai_profile_worker if job.get("side") == "genai" else profile_worker
+    Path(job["result_file"]).write_text(json.dumps(worker(job)))
 
 
 # ---------------------------------------------------------------------------- parent
@@ -163,11 +210,15 @@ def run_profile(job: dict[str, Any], work: Path, tag: str) -> dict[str, Any]:
         return json.loads(Path(job["result_file"]).read_text())
 
 
-def summarize(result: dict[str, Any], steps: int, genai_ops: dict[str, int]) -> dict[str, Any]:
-    """Per op type: graph nodes, kernels per step, ms per step, share of the kernel time; genai's nodes."""
+def summarize(
+    result: dict[str, Any], steps: int, genai_ops: dict[str, int], genai: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Per op type: graph nodes, kernels per step, ms per step, share of the kernel time; genai's
+    nodes (and, with ``genai``, its ms per step)."""
     kernel_us = sum(v["us"] for v in result["ops"].values())
+    genai_prof = genai["ops"] if genai else {}
     rows = []
-    for op in set(result["ops"]) | set(result["graph_op_counts"]) | set(genai_ops):
+    for op in set(result["ops"]) | set(result["graph_op_counts"]) | set(genai_ops) | set(genai_prof):
         prof = result["ops"].get(op, {"kernels": 0, "us": 0.0})
         rows.append(
             {
@@ -177,10 +228,23 @@ def summarize(result: dict[str, Any], steps: int, genai_ops: dict[str, int]) -> 
                 "ms_per_step": prof["us"] / 1e3 / steps,
                 "share": prof["us"] / kernel_us if kernel_us else 0.0,
                 "genai_nodes": genai_ops.get(op, 0),
+                "genai_kernels_per_step": genai_prof.get(op, {"kernels": 0})["kernels"] / steps if genai else None,
+                "genai_ms_per_step": genai_prof[op]["us"] / 1e3 / steps
+                if op in genai_prof
+                else (0.0 if genai else None),
             }
         )
     rows.sort(key=lambda r: (-r["ms_per_step"], -r["kvforge_nodes"], r["op"]))
+    genai_summary = None
+    if genai:
+        genai_summary = {
+            "wall_ms_step": statistics.mean(genai["wall_ms"]),
+            "wall_ms_step_p50": statistics.median(genai["wall_ms"]),
+            "model_run_ms_step": statistics.mean(genai["model_run_ms"]),
+            "kernels_ms_step": sum(v["us"] for v in genai["ops"].values()) / 1e3 / steps,
+        }
     return {
+        "genai": genai_summary,
         "ops": rows,
         "kvforge_nodes": sum(result["graph_op_counts"].values()),
         "genai_nodes": sum(genai_ops.values()),
@@ -195,7 +259,11 @@ def summarize(result: dict[str, Any], steps: int, genai_ops: dict[str, int]) -> 
 
 def print_summary(max_seq: int, s: dict[str, Any], cfg: dict[str, Any], load: tuple) -> None:
     print(
-        f"\nkvforge decode step, {cfg['shape']} gqa fp32 b1, max_seq {max_seq}, {cfg['threads']} threads, "
+        "\n(kvforge nodes: in the graph its session runs, compile-time optimized; genai nodes: in its model.onnx, "
+        "which ORT fuses further at load: genai kernels/step are the nodes it runs)"
+    )
+    print(
+        f"kvforge decode step, {cfg['shape']} gqa fp32 b1, max_seq {max_seq}, {cfg['threads']} threads, "
         f"prompt {cfg['prompt_len']} + {cfg['warmup']} warm-up + {cfg['steps']} profiled steps; "
         f"load avg {load[0]} -> {load[1]}"
     )
@@ -204,13 +272,29 @@ def print_summary(max_seq: int, s: dict[str, Any], cfg: dict[str, Any], load: tu
         f"{s['model_run_ms_step']:.2f}, kernels {s['kernels_ms_step']:.2f}; without the profiler: wall "
         f"{s['unprofiled_wall_ms_step']:.2f} ms (p50 {s['unprofiled_wall_ms_step_p50']:.2f})"
     )
-    print(f"{'op type':34}{'kvforge nodes':>14}{'kernels/step':>13}{'ms/step':>9}{'share':>7}{'genai nodes':>12}")
+    g = s["genai"]
+    if g:
+        print(
+            f"genai, same threads and steps, profiler on: wall {g['wall_ms_step']:.2f} ms (p50 "
+            f"{g['wall_ms_step_p50']:.2f}), ORT model_run {g['model_run_ms_step']:.2f}, "
+            f"kernels {g['kernels_ms_step']:.2f}"
+        )
+    print(
+        f"{'op type':34}{'kvforge nodes':>14}{'kernels/step':>13}{'ms/step':>9}{'share':>7}{'genai nodes':>12}"
+        f"{'genai kernels/step':>19}{'genai ms/step':>14}"
+    )
     for r in s["ops"]:
+        gms = "-" if r["genai_ms_per_step"] is None else f"{r['genai_ms_per_step']:.3f}"
+        gk = "-" if r["genai_kernels_per_step"] is None else f"{r['genai_kernels_per_step']:.0f}"
         print(
             f"{r['op']:34}{r['kvforge_nodes']:14d}{r['kernels_per_step']:13.0f}{r['ms_per_step']:9.3f}"
-            f"{r['share']:7.1%}{r['genai_nodes']:12d}"
+            f"{r['share']:7.1%}{r['genai_nodes']:12d}{gk:>19}{gms:>14}"
         )
-    print(f"{'total':34}{s['kvforge_nodes']:14d}{'':13}{s['kernels_ms_step']:9.3f}{1:7.0%}{s['genai_nodes']:12d}")
+    total_g = f"{g['kernels_ms_step']:.3f}" if g else "-"
+    print(
+        f"{'total':34}{s['kvforge_nodes']:14d}{'':13}{s['kernels_ms_step']:9.3f}{1:7.0%}{s['genai_nodes']:12d}"
+        f"{'':19}{total_g:>14}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,6 +307,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvforge-peer")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached model and artifacts")
+    p.add_argument(
+        "--no-genai-profile",
+        dest="genai_profile",
+        action="store_false",
+        help="skip profiling genai's steps (its node counts are still shown)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
@@ -282,8 +372,13 @@ def main(argv: list[str] | None = None) -> None:
         peer.say(f"profiling {artifact.name}: {args.steps} decode steps on {args.threads} threads")
         load_before = peer.loadavg()
         result = run_profile(job, work, f"{args.shape}-s{max_seq}")
+        genai = None
+        if args.genai_profile:
+            peer.say(f"profiling genai: the same {args.steps} decode steps (buffer of the same length)")
+            genai_job = {**job, "side": "genai", "genai_dir": str(genai_dir)}
+            genai = run_profile(genai_job, work, f"{args.shape}-genai")
         load = (load_before, peer.loadavg())
-        summary = summarize(result, args.steps, genai_ops)
+        summary = summarize(result, args.steps, genai_ops, genai)
         print_summary(max_seq, summary, cfg, load)
         report["runs"][str(max_seq)] = {
             "artifact": str(artifact),
@@ -291,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             "loadavg_after": load[1],
             "summary": summary,
             "raw": result,
+            "genai_raw": genai,
         }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
