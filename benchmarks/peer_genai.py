@@ -247,7 +247,9 @@ def run_transformers(job: dict[str, Any]) -> dict[str, Any]:
         tn, _ = generate(n)
         ttft.append(t1)
         step_mean.append((tn - t1) / (n - 1))
-    return _result(ttft, step_mean, [], tokens, before)
+    result = _result(ttft, step_mean, [], tokens, before)
+    result["torch_threads"] = torch.get_num_threads()  # what it ran on (the default, without --threads)
+    return result
 
 
 def run_genai(job: dict[str, Any]) -> dict[str, Any]:
