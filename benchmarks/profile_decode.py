@@ -145,29 +145,34 @@ def profile_worker(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def genai_profile_worker(job: dict[str, Any]) -> dict[str, Any]:
-    """The same steps through onnxruntime-genai, its profiler on: a copy of the cached model's directory
-    (links to its files) whose genai_config.json sets ``enable_profiling`` and the thread count. ORT
-    writes the profile when genai's session is destroyed."""
-    import numpy as np
-    import onnxruntime_genai as og
-
-    source, copy = Path(job["genai_dir"]), Path(job["profile_dir"]) / "genai-model"
+def _genai_copy(source: Path, copy: Path, threads: int, profile_prefix: str | None) -> Path:
+    """A directory of links to the cached genai model's files with its own genai_config.json: the
+    thread count and, with ``profile_prefix``, ``enable_profiling`` (the cached config is left alone)."""
     copy.mkdir(exist_ok=True)
     for f in source.iterdir():
         if f.name != "genai_config.json" and not (copy / f.name).exists():
             (copy / f.name).symlink_to(f)
     config = json.loads((source / "genai_config.json").read_text())
     options = config["model"]["decoder"]["session_options"]
-    options["intra_op_num_threads"] = job["threads"]
-    prefix = str(Path(job["profile_dir"]) / "genai-decode")
-    options["enable_profiling"] = prefix
+    options["intra_op_num_threads"] = threads
+    options.pop("enable_profiling", None)
+    if profile_prefix:
+        options["enable_profiling"] = profile_prefix
     (copy / "genai_config.json").write_text(json.dumps(config, indent=4))
-    before = {f.name for f in Path(job["profile_dir"]).glob("genai-decode*.json")}
+    return copy
+
+
+def _genai_steps(model_dir: Path, job: dict[str, Any]) -> list[float]:
+    """genai: append the prompt, ``warmup`` untimed steps, ``steps`` timed ones (seconds each); the
+    model is released before returning (its session ends, so a profile is written)."""
+    import gc
+
+    import numpy as np
+    import onnxruntime_genai as og
 
     prompt = np.asarray(peer.prompts(1, job["prompt_len"], job["vocab"]), dtype=np.int32)
     total = job["prompt_len"] + 1 + job["warmup"] + job["steps"]
-    model = og.Model(str(copy))
+    model = og.Model(str(model_dir))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=1)
     generator = og.Generator(model, params)
@@ -180,15 +185,30 @@ def genai_profile_worker(job: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         generator.generate_next_token()
         wall.append(time.perf_counter() - start)
-    del generator, params, model  # the session ends: ORT writes the profile
-    import gc
-
+    del generator, params, model
     gc.collect()
+    return wall
+
+
+def genai_profile_worker(job: dict[str, Any]) -> dict[str, Any]:
+    """The same steps through onnxruntime-genai, its profiler on (``enable_profiling`` in a linked copy
+    of the cached model's directory, same threads; ORT writes the profile when genai's session ends),
+    then again without the profiler."""
+    source, profile_dir = Path(job["genai_dir"]), Path(job["profile_dir"])
+    prefix = str(profile_dir / "genai-decode")
+    before = {f.name for f in profile_dir.glob("genai-decode*.json")}
+    wall = _genai_steps(_genai_copy(source, profile_dir / "genai-model", job["threads"], prefix), job)
+    plain = _genai_steps(_genai_copy(source, profile_dir / "genai-model-plain", job["threads"], None), job)
     written = [f for f in Path(job["profile_dir"]).glob("genai-decode*.json") if f.name not in before]
     if len(written) != 1:
         raise RuntimeError(f"expected one new genai profile in {job['profile_dir']}, found {written}")
     events = json.loads(written[0].read_text())
-    return {"profile_file": str(written[0]), "wall_ms": [1e3 * t for t in wall], **per_op_profile(events, job["steps"])}
+    return {
+        "profile_file": str(written[0]),
+        "wall_ms": [1e3 * t for t in wall],
+        "unprofiled_wall_ms": [1e3 * t for t in plain],
+        **per_op_profile(events, job["steps"]),
+    }
 
 
 def worker_main(job_file: str) -> None:
@@ -242,6 +262,8 @@ def summarize(
             "wall_ms_step_p50": statistics.median(genai["wall_ms"]),
             "model_run_ms_step": statistics.mean(genai["model_run_ms"]),
             "kernels_ms_step": sum(v["us"] for v in genai["ops"].values()) / 1e3 / steps,
+            "unprofiled_wall_ms_step": statistics.mean(genai["unprofiled_wall_ms"]),
+            "unprofiled_wall_ms_step_p50": statistics.median(genai["unprofiled_wall_ms"]),
         }
     return {
         "genai": genai_summary,
@@ -277,7 +299,8 @@ def print_summary(max_seq: int, s: dict[str, Any], cfg: dict[str, Any], load: tu
         print(
             f"genai, same threads and steps, profiler on: wall {g['wall_ms_step']:.2f} ms (p50 "
             f"{g['wall_ms_step_p50']:.2f}), ORT model_run {g['model_run_ms_step']:.2f}, "
-            f"kernels {g['kernels_ms_step']:.2f}"
+            f"kernels {g['kernels_ms_step']:.2f}; without the profiler: wall {g['unprofiled_wall_ms_step']:.2f} ms "
+            f"(p50 {g['unprofiled_wall_ms_step_p50']:.2f})"
         )
     print(
         f"{'op type':34}{'kvforge nodes':>14}{'kernels/step':>13}{'ms/step':>9}{'share':>7}{'genai nodes':>12}"
@@ -374,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         result = run_profile(job, work, f"{args.shape}-s{max_seq}")
         genai = None
         if args.genai_profile:
-            peer.say(f"profiling genai: the same {args.steps} decode steps (buffer of the same length)")
+            peer.say(f"profiling genai: the same {args.steps} decode steps (its buffer: prompt + warm-up + steps)")
             genai_job = {**job, "side": "genai", "genai_dir": str(genai_dir)}
             genai = run_profile(genai_job, work, f"{args.shape}-genai")
         load = (load_before, peer.loadavg())
