@@ -17,6 +17,16 @@ exactly ``--prompt-len`` tokens (seeded, token ids, no tokenizer in the loop) an
 * peak RSS: the worker process's ``VmHWM`` (Python and what the side imports: torch for
   transformers, numpy and onnxruntime for kvforge and genai);
   ``+RSS``: that peak minus the RSS just before the side loaded its model.
+* Threads: every side gets the same intra-op thread count, ``--threads`` (default: the machine's
+  cores, ``os.cpu_count()``): genai through its genai_config.json session options
+  (``intra_op_num_threads``), kvforge through ``Engine.load(threads=)``, transformers through
+  ``torch.set_num_threads``. ``--peer-defaults`` adds a row per peer on its own default threads.
+* Roofline: a memory-bandwidth read of a buffer much larger than the caches (``--roofline-gib``,
+  default 1 GiB of float64, summed by ``--threads`` threads, best of ``--roofline-repeat``), measured
+  in a worker before and after the sides run. Each side's decode step is reported as a fraction of it:
+  (weight bytes a decode step reads) / (step time) / (bandwidth), the weight bytes being those of
+  every MatMul / Gemm / MatMulNBits weight of the graph the side runs (a tied lm_head counted once)
+  plus one row of the embedding table.
 
 Built artifacts are cached under ``--work-dir`` (keyed by shape, precision, limits and a hash of
 kvforge's compile code), so a rerun only measures. Setup and examples: benchmarks/README.md.
@@ -237,7 +247,9 @@ def run_transformers(job: dict[str, Any]) -> dict[str, Any]:
         tn, _ = generate(n)
         ttft.append(t1)
         step_mean.append((tn - t1) / (n - 1))
-    return _result(ttft, step_mean, [], tokens, before)
+    result = _result(ttft, step_mean, [], tokens, before)
+    result["torch_threads"] = torch.get_num_threads()  # what it ran on (the default, without --threads)
+    return result
 
 
 def run_genai(job: dict[str, Any]) -> dict[str, Any]:
@@ -325,7 +337,38 @@ def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def measure_bandwidth(job: dict[str, Any]) -> dict[str, Any]:
+    """Memory read bandwidth: ``job["bytes"]`` of float64 ones (every page touched at allocation, so
+    the timed passes read resident memory) split into ``job["threads"]`` contiguous chunks, each summed
+    by its own thread (numpy releases the GIL in the reduction); the best of ``job["repeat"]`` passes.
+
+    The buffer is far larger than the last-level cache, so a pass streams it from DRAM: the rate a
+    decode step that reads every weight once cannot beat."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    threads = max(1, job["threads"])
+    buffer = np.ones(job["bytes"] // 8, dtype=np.float64)
+    chunks = np.array_split(buffer, threads)
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(job["repeat"]):
+            start = time.perf_counter()
+            total = sum(pool.map(np.sum, chunks))
+            times.append(time.perf_counter() - start)
+    if total != buffer.size:  # every element is 1.0: the passes really read the whole buffer
+        raise RuntimeError(f"bandwidth pass summed {total}, expected {buffer.size}")
+    return {
+        "bytes": buffer.nbytes,
+        "threads": threads,
+        "pass_s": times,
+        "bytes_per_s": buffer.nbytes / min(times),
+    }
+
+
 WORKERS = {
+    "roofline": measure_bandwidth,
     "build-model": build_model,
     "compile-kvforge": compile_kvforge,
     "transformers": run_transformers,
@@ -403,6 +446,59 @@ def set_genai_threads(genai_dir: Path, threads: int | None) -> None:
     config_file.write_text(json.dumps(config, indent=4))
 
 
+MATMUL_OPS = {"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
+GATHER_OPS = {"Gather", "GatherBlockQuantized"}
+
+
+def graph_weight_bytes_per_step(graph_file: Path) -> dict[str, int]:
+    """Bytes of weights one decode step of ``graph_file`` reads: every initializer feeding a MatMul-like
+    op (MatMul, Gemm, MatMulNBits with its scales and zero points, ...), each counted once (a tied
+    lm_head reads the embedding table once), plus one row of each embedding table a Gather reads and
+    no MatMul does. Sizes come from the initializers' dims and types; the data is not loaded."""
+    import onnx
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    sizes = {}
+    for init in model.graph.initializer:
+        count = 1
+        for d in init.dims:
+            count *= d
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        if init.data_type in (onnx.TensorProto.UINT4, onnx.TensorProto.INT4):
+            sizes[init.name] = ((count + 1) // 2, list(init.dims))
+        else:
+            sizes[init.name] = (count * itemsize, list(init.dims))
+    matmul, tables = set(), set()
+    for node in model.graph.node:
+        if node.op_type in MATMUL_OPS:
+            matmul.update(name for name in node.input if name in sizes)
+        elif node.op_type in GATHER_OPS and node.input and node.input[0] in sizes:
+            tables.add(node.input[0])
+    matmul_bytes = sum(sizes[name][0] for name in matmul)
+    row_bytes = sum(sizes[t][0] // max(1, sizes[t][1][0]) for t in tables - matmul if sizes[t][1])
+    return {"matmul_bytes": matmul_bytes, "embedding_row_bytes": row_bytes, "bytes": matmul_bytes + row_bytes}
+
+
+def fp32_weight_bytes_per_step(shape: Shape) -> dict[str, int]:
+    """The same count for the fp32 checkpoint transformers runs, from the shape: q, k, v, o, gate,
+    up, down of every layer, the lm_head (the tied embedding table, once), one embedding row when
+    untied."""
+    head_dim = shape.hidden // shape.heads
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
+    per_layer = shape.hidden * q + 2 * shape.hidden * kv + q * shape.hidden + 3 * shape.hidden * shape.intermediate
+    matmul = 4 * (shape.layers * per_layer + shape.vocab * shape.hidden)
+    row = 0 if shape.tied else 4 * shape.hidden
+    return {"matmul_bytes": matmul, "embedding_row_bytes": row, "bytes": matmul + row}
+
+
+def kvforge_decode_graph(artifact: Path) -> Path:
+    """The portable graph a kvforge decode step runs: ``prefill`` (``Engine.load(one_session=True)``,
+    the default) or ``decode``; the same weights either way."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    graphs = manifest["graphs"]
+    return artifact / graphs.get("prefill", graphs.get("decode"))["file"]
+
+
 def kvforge_quantize_supported() -> bool:
     import inspect
 
@@ -451,29 +547,48 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    cfg, rows = report["config"], report["rows"]
+    cfg, rows, env = report["config"], report["rows"], report["env"]
     weights = report["model"]["weight_bytes"]
+    roof = report["roofline"]
     print(
         f"\n{cfg['shape']}: {report['model']['description']}; batch {cfg['batch']}, prompt {cfg['prompt_len']}, "
-        f"{cfg['new_tokens']} new tokens, median of {cfg['repeat']}, precision {cfg['precision']}, "
-        f"load avg {report['env']['loadavg_before']} -> {report['env']['loadavg_after']}"
+        f"{cfg['new_tokens']} new tokens, median of {cfg['repeat']}, precision {cfg['precision']}"
     )
-    header = f"{'':26}{'TTFT ms':>9}{'ms/step':>9}{'p50 step':>9}{'tok/s':>8}{'peak RSS':>10}{'+RSS':>8}"
-    print(header + f"{'RSS/wts':>9}  greedy vs transformers")
+    print(
+        f"threads {cfg['threads']} (of {env['cpu_count']} cores); kvforge max_seq {cfg['max_seq']}, genai max_length "
+        f"{cfg['prompt_len'] + cfg['new_tokens']}; load avg {env['loadavg_before']} -> {env['loadavg_after']}"
+    )
+    if roof:
+        print(
+            f"roofline: read bandwidth {roof['bytes_per_s'] / 1e9:.1f} GB/s ({roof['buffer_bytes'] / 2**30:.2g} GiB "
+            f"summed by {roof['threads']} threads, best of {roof['repeat']}; "
+            f"before {roof['before_bytes_per_s'] / 1e9:.1f}, after {roof['after_bytes_per_s'] / 1e9:.1f} GB/s)"
+        )
+    header = f"{'':38}{'thr':>4}{'TTFT ms':>9}{'ms/step':>9}{'p50 step':>9}{'tok/s':>8}"
+    print(header + f"{'wts/step':>9}{'roof ms':>8}{'of roof':>8}{'peak RSS':>9}{'+RSS':>6}{'RSS/wts':>8}  greedy vs hf")
     for name, r in rows.items():
         if "error" in r:
-            print(f"{name:26}  failed: {r['error'].splitlines()[0]}")
+            print(f"{name:38}  failed: {r['error'].splitlines()[0]}")
             continue
         p50 = f"{r['decode_ms_step_p50']:9.2f}" if r.get("decode_ms_step_p50") else f"{'-':>9}"
-        added = f"{r['rss_added_bytes'] / 2**20:8.0f}" if r.get("rss_added_bytes") is not None else f"{'-':>8}"
+        added = f"{r['rss_added_bytes'] / 2**20:6.0f}" if r.get("rss_added_bytes") is not None else f"{'-':>6}"
+        step_bytes = r.get("weight_bytes_per_step")
+        wts = f"{step_bytes / 2**20:9.0f}" if step_bytes else f"{'-':>9}"
+        roof_ms = f"{r['roofline_ms_step']:8.2f}" if r.get("roofline_ms_step") else f"{'-':>8}"
+        frac = f"{r['roofline_fraction']:8.0%}" if r.get("roofline_fraction") else f"{'-':>8}"
         print(
-            f"{name:26}{r['ttft_ms']:9.1f}{r['decode_ms_step']:9.2f}{p50}{r['decode_tokens_per_s']:8.1f}"
-            f"{r['rss_peak_bytes'] / 2**20:10.0f}{added}{r['rss_peak_bytes'] / weights:9.2f}  {r.get('agreement', '')}"
+            f"{name:38}{r['threads_label']:>4}{r['ttft_ms']:9.1f}{r['decode_ms_step']:9.2f}{p50}"
+            f"{r['decode_tokens_per_s']:8.1f}{wts}{roof_ms}{frac}"
+            f"{r['rss_peak_bytes'] / 2**20:9.0f}{added}{r['rss_peak_bytes'] / weights:8.2f}  {r.get('agreement', '')}"
         )
-    print("(MiB; RSS/wts = peak RSS / fp32 checkpoint bytes; ratios below = kvforge / peer, < 1: kvforge less)")
+    print(
+        "(thr: intra-op threads, 'def' = the library's own default; wts/step: MiB of weights a decode step reads; "
+        "roof ms: wts/step / bandwidth; of roof: roof ms / ms/step; RSS in MiB; RSS/wts = peak RSS / fp32 "
+        "checkpoint; ratios below = kvforge / peer, < 1: kvforge less)"
+    )
     for key, ratio in report["ratios"].items():
         print(
-            f"{key:44} TTFT x{ratio['ttft_ms']:.2f}  ms/step x{ratio['decode_ms_step']:.2f}  "
+            f"{key:50} TTFT x{ratio['ttft_ms']:.2f}  ms/step x{ratio['decode_ms_step']:.2f}  "
             f"peak RSS x{ratio['rss_peak_bytes']:.2f}"
         )
     for note in report["notes"]:
@@ -502,7 +617,24 @@ def main(argv: list[str] | None = None) -> None:
         help="kvforge's compile max_seq (default: prompt + new tokens, the length genai's buffer gets)",
     )
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads for every side (default: theirs)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads for every side (default: the machine's cores, os.cpu_count())",
+    )
+    p.add_argument(
+        "--peer-defaults",
+        action="store_true",
+        help="also run genai and transformers on their own default thread counts (one 'defaults' row each)",
+    )
+    p.add_argument(
+        "--roofline-gib",
+        type=float,
+        default=1.0,
+        help="GiB read by the bandwidth roofline (0: skip it); far above the last-level cache",
+    )
+    p.add_argument("--roofline-repeat", type=int, default=5, help="bandwidth passes; the best counts")
     p.add_argument(
         "--no-prepack",
         dest="prepack",
@@ -532,6 +664,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (one decode step)")
+    if args.threads is None:
+        args.threads = os.cpu_count() or 1
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.roofline_repeat < 1:
+        p.error(f"--roofline-repeat must be at least 1, got {args.roofline_repeat}")
 
     shape = SHAPES[args.shape]
     work = args.work_dir
@@ -554,7 +692,6 @@ def main(argv: list[str] | None = None) -> None:
     genai_dir = None
     if "genai" in args.sides:
         genai_dir, builds["genai_builder_s"] = ensure_genai(args, model_dir, work)
-        set_genai_threads(genai_dir, args.threads)
     artifacts = {}
     if "kvforge" in args.sides:
         for lowering in args.lowering:
@@ -573,27 +710,74 @@ def main(argv: list[str] | None = None) -> None:
         "one_session": not args.two_sessions,
         "eos_token_id": shape.eos_token_id,
     }
-    plan: list[tuple[str, str, str, dict[str, Any]]] = []
+    # (row name, interpreter, worker, job, weight bytes a decode step reads); job["threads"] None:
+    # the library's own default (the --peer-defaults rows).
+    plan: list[tuple[str, str, str, dict[str, Any], dict[str, int]]] = []
     if "transformers" in args.sides:
-        plan.append(("transformers eager (fp32)", sys.executable, "transformers", base_job))
+        step_bytes = fp32_weight_bytes_per_step(shape)
+        plan.append(("transformers eager (fp32)", sys.executable, "transformers", base_job, step_bytes))
+        if args.peer_defaults:
+            defaults = {**base_job, "threads": None}
+            plan.append(("transformers eager (fp32) defaults", sys.executable, "transformers", defaults, step_bytes))
     if genai_dir is not None:
         genai_job = {**base_job, "genai_dir": str(genai_dir)}
-        plan.append((f"onnxruntime-genai ({args.precision})", args.genai_python, "genai", genai_job))
+        step_bytes = graph_weight_bytes_per_step(genai_dir / "model.onnx")
+        plan.append((f"onnxruntime-genai ({args.precision})", args.genai_python, "genai", genai_job, step_bytes))
+        if args.peer_defaults:
+            defaults = {**genai_job, "threads": None}
+            name = f"onnxruntime-genai ({args.precision}) defaults"
+            plan.append((name, args.genai_python, "genai", defaults, step_bytes))
     for lowering, out in artifacts.items():
         kvforge_job = {**base_job, "out": str(out)}
-        plan.append((f"kvforge[{lowering}] ({quantize or 'fp32'})", sys.executable, "kvforge", kvforge_job))
+        step_bytes = graph_weight_bytes_per_step(kvforge_decode_graph(out))
+        plan.append((f"kvforge[{lowering}] ({quantize or 'fp32'})", sys.executable, "kvforge", kvforge_job, step_bytes))
+
+    roofline_job = {"bytes": int(args.roofline_gib * 2**30), "threads": args.threads, "repeat": args.roofline_repeat}
+    bandwidth_before = None
+    if args.roofline_gib > 0:
+        say(f"roofline: {args.roofline_gib:g} GiB read by {args.threads} threads")
+        bandwidth_before = run_worker(sys.executable, "roofline", roofline_job, work)
 
     rows: dict[str, dict[str, Any]] = {}
-    for name, python, worker, job in plan:
+    for name, python, worker, job, step_bytes in plan:
         say(f"running {name}")
+        if worker == "genai":
+            set_genai_threads(genai_dir, job["threads"])  # genai reads its threads from genai_config.json
         try:
             r = run_worker(python, worker, job, work)
         except StepFailed as e:
             say(str(e))
             rows[name] = {"error": str(e)}
             continue
+        r["threads"] = job["threads"]  # None: the library's default
+        r["threads_label"] = str(job["threads"]) if job["threads"] else "def"
         r["decode_tokens_per_s"] = args.batch * 1e3 / r["decode_ms_step"]
+        r["weight_bytes_per_step"] = step_bytes["bytes"]
+        r["weight_bytes_per_step_detail"] = step_bytes
         rows[name] = r
+    if genai_dir is not None:
+        set_genai_threads(genai_dir, args.threads)  # leave the cached model on the equal-threads setting
+
+    roofline = None
+    if bandwidth_before is not None:
+        say("roofline again, after the sides")
+        bandwidth_after = run_worker(sys.executable, "roofline", roofline_job, work)
+        best = max(bandwidth_before["bytes_per_s"], bandwidth_after["bytes_per_s"])
+        roofline = {
+            "bytes_per_s": best,
+            "before_bytes_per_s": bandwidth_before["bytes_per_s"],
+            "after_bytes_per_s": bandwidth_after["bytes_per_s"],
+            "buffer_bytes": bandwidth_before["bytes"],
+            "threads": bandwidth_before["threads"],
+            "repeat": args.roofline_repeat,
+            "pass_s": {"before": bandwidth_before["pass_s"], "after": bandwidth_after["pass_s"]},
+            "method": "float64 buffer of ones split in `threads` chunks, each np.sum'd by its own thread; "
+            "best pass; bytes_per_s = the better of the before and after measurements",
+        }
+        for r in rows.values():
+            if "error" not in r:
+                r["roofline_ms_step"] = 1e3 * r["weight_bytes_per_step"] / best
+                r["roofline_fraction"] = r["roofline_ms_step"] / r["decode_ms_step"]
     reference = next((r["tokens"] for n, r in rows.items() if n.startswith("transformers") and "tokens" in r), None)
     for r in rows.values():
         if reference is not None and "tokens" in r:
@@ -603,13 +787,14 @@ def main(argv: list[str] | None = None) -> None:
     peers = [n for n in rows if not n.startswith("kvforge") and "error" not in rows[n]]
     for ours in (n for n in rows if n.startswith("kvforge") and "error" not in rows[n]):
         for peer in peers:
-            ratios[f"{ours} / {peer.split(' ')[0]}"] = {
+            label = peer.split(" ")[0] + (" defaults" if peer.endswith(" defaults") else "")
+            ratios[f"{ours} / {label}"] = {
                 k: rows[ours][k] / rows[peer][k] for k in ("ttft_ms", "decode_ms_step", "rss_peak_bytes")
             }
 
     report = {
         "schema": "kvforge.peer_genai",
-        "schema_version": 1,
+        "schema_version": 2,
         "config": {
             "shape": args.shape,
             "batch": args.batch,
@@ -620,6 +805,9 @@ def main(argv: list[str] | None = None) -> None:
             "new_tokens": args.new_tokens,
             "repeat": args.repeat,
             "threads": args.threads,
+            "peer_defaults": args.peer_defaults,
+            "max_seq": args.max_seq or args.prompt_len + args.new_tokens,
+            "genai_max_length": args.prompt_len + args.new_tokens,
         },
         "model": {
             **asdict(shape),
@@ -642,6 +830,7 @@ def main(argv: list[str] | None = None) -> None:
             "loadavg_after": loadavg(),
             **{d: version(d) for d in ("torch", "transformers", "onnxruntime", "onnxruntime-genai", "kvforge")},
         },
+        "roofline": roofline,
         "rows": rows,
         "ratios": ratios,
         "notes": notes,

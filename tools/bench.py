@@ -71,7 +71,9 @@ class BenchOptions:
     new_tokens: int = 32
     repeat: int = 3
     warmup: int = 1
-    threads: int | None = None  # ORT intra-op threads and torch threads; None: each library's default
+    # ORT intra-op threads and torch threads alike; None: the machine's cores (os.cpu_count()) for both,
+    # so the two sides always run on equal threads (see equal_threads)
+    threads: int | None = None
     seed: int = 0
     device: str = "cpu"  # Engine.load(device=...): "cpu" | "cuda"
     backend: str = "ort"  # Engine.load(backend=...): "ort" | "tensorrt"
@@ -224,17 +226,33 @@ def run_bench(
     options: BenchOptions = BenchOptions(),
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Time kvforge (and transformers with ``reference_dir``) on every cell; the report dict."""
-    with torch_threads(options.threads):
-        return _run_bench(artifact, reference_dir, options, progress)
+    """Time kvforge (and transformers with ``reference_dir``) on every cell; the report dict.
+
+    Both sides run on ``equal_threads(options.threads)`` threads (ORT's intra-op pool and torch's);
+    ``settings.threads`` keeps what was asked (null: not given), ``environment`` the counts used."""
+    threads = equal_threads(options.threads)
+    with torch_threads(threads):
+        return _run_bench(artifact, reference_dir, options, progress, threads)
+
+
+def equal_threads(threads: int | None) -> int:
+    """The thread count both sides get: ``threads``, or the machine's cores (``os.cpu_count()``) when
+    None. Left to themselves ORT and torch each pick their own default, which need not agree."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    return threads if threads is not None else os.cpu_count() or 1
 
 
 def _run_bench(
-    artifact: str | Path, reference_dir: str | Path | None, options: BenchOptions, progress: Progress | None
+    artifact: str | Path,
+    reference_dir: str | Path | None,
+    options: BenchOptions,
+    progress: Progress | None,
+    threads: int,
 ) -> dict[str, Any]:
     load_before = _load_average()
     rss_before = rss_bytes()
-    with Engine.load(artifact, threads=options.threads, device=options.device, backend=options.backend) as engine:
+    with Engine.load(artifact, threads=threads, device=options.device, backend=options.backend) as engine:
         manifest = engine.manifest
         options = options.resolve(engine.max_batch, engine.max_seq)
         cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
@@ -295,7 +313,7 @@ def _run_bench(
             "prompt_lens": list(options.prompt_lens),
             "batch_sizes": list(options.batch_sizes),
         },
-        "environment": _environment(device, load_before),
+        "environment": {**_environment(device, load_before), "ort_threads": threads},
         "gpu": gpu,
         "cells": results,
     }
@@ -371,7 +389,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"kvforge bench: {describe_artifact(result['artifact'])}",
         f"  on {env['device']} ({env['cpu_count']} CPUs, load average {_fmt(env['load_average_1m_before'], '.1f')} "
         f"before the run, "
-        f"torch threads {env['torch_threads']}); "
+        f"ORT threads {env.get('ort_threads', '-')}, torch threads {env['torch_threads']}); "
         f"{s['new_tokens']} new tokens per row; median of {s['repeat']} runs after {s['warmup']} warm-up(s); "
         f"random prompts (seed {s['seed']})",
     ]

@@ -1,10 +1,12 @@
 """``kvforge bench`` on the tiny Llama: both sides timed in one run with their ratio, the documented
 JSON keys with consistent values (cache sizes exact, ratios = kvforge / transformers), a progress
-line while it runs, and one-line errors for cells the artifact cannot hold."""
+line while it runs, and one-line errors for cells the artifact cannot hold; without ``--threads``
+both sides (ORT and torch) get the machine's cores."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -35,6 +37,7 @@ def test_bench_reports_both_sides_and_their_ratio(llama_artifact, llama_dir, tmp
     assert result["reference"]["matches_source"] is True
     assert result["settings"]["prompt_lens"] == [PROMPT] and result["settings"]["batch_sizes"] == [1, 2]
     assert result["settings"]["threads"] == 1 and result["environment"]["torch_threads"] == 1
+    assert result["environment"]["ort_threads"] == 1
     assert [(c["prompt_len"], c["batch_size"]) for c in result["cells"]] == [(PROMPT, 1), (PROMPT, 2)]
     for cell in result["cells"]:
         batch = cell["batch_size"]
@@ -70,6 +73,9 @@ def test_bench_without_reference(llama_artifact):
     [cell] = result["cells"]
     assert result["reference"] is None and cell["transformers"] is None and cell["ratio"] is None
     assert cell["kvforge"]["decode_ms_per_token_p50"] > 0
+    # No --threads: both sides get the machine's cores, not each library's own default.
+    assert result["settings"]["threads"] is None
+    assert result["environment"]["ort_threads"] == result["environment"]["torch_threads"] == (os.cpu_count() or 1)
     assert "transformers" not in bench.format_report(result).split("\n", 3)[-1]
 
 
