@@ -76,6 +76,10 @@ Sampling = SamplingParams | Mapping | None
 __all__ = ["Engine", "GenerationResult", "Prompt", "StreamChunk"]
 
 
+def _drop_chunk(chunk: StreamChunk | None) -> None:
+    """The sink of :meth:`Engine.generate`'s requests: their chunks have no reader."""
+
+
 class Engine:
     def __init__(
         self, artifact_dir: Path, manifest: mf.Manifest, backend: OrtBackend, decode_graph: str = "prefill"
@@ -600,6 +604,7 @@ class Engine:
         with self._lock, self.own_rows(self) as rows:
             loop = batching.BatchLoop(self, rows)
             for g in gens:
+                g.sink = _drop_chunk  # nobody reads generate's chunks: do not collect them (the result has the text)
                 loop.add(g)
             while not loop.idle:
                 loop.step()
