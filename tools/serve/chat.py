@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvforge.runtime.chat import ChatTemplateError
 from kvforge.tools.serve import protocol as p
@@ -23,6 +23,8 @@ from kvforge.tools.serve.serving import (
     SeqRequest,
     ServingError,
     check_unsupported,
+    choices,
+    final_results,
     raise_on_error,
     sampling_params,
     sse,
@@ -89,12 +91,7 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         seed=req.seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
-    stop = [req.stop] if isinstance(req.stop, str) else req.stop
-    sequences = [
-        SeqRequest(ids, max_tokens, base if req.seed is None else replace(base, seed=req.seed + j), stop or None)
-        for j in range(req.n)
-    ]
-    return Prepared(sequences, len(ids))
+    return Prepared(choices(req, ids, max_tokens, base), len(ids))
 
 
 def chat_logprobs(server: ModelServer, logprobs) -> p.ChatCompletionLogProbs:
@@ -114,13 +111,8 @@ def chat_logprobs(server: ModelServer, logprobs) -> p.ChatCompletionLogProbs:
 async def full(
     server: ModelServer, req: p.ChatCompletionRequest, prep: Prepared, flight: Flight
 ) -> p.ChatCompletionResponse:
-    results = {}
-    async with contextlib.aclosing(flight.events()) as events:
-        async for event in events:
-            raise_on_error(event)
-            if event.kind == "done":
-                results[event.index] = event.payload
-    choices = [
+    results = await final_results(flight)
+    response_choices = [
         p.ChatCompletionResponseChoice(
             index=i,
             message=p.ChatResponseMessage(content=results[i].text),
@@ -132,7 +124,7 @@ async def full(
     ]
     completion = sum(len(r.token_ids) for r in results.values())
     return p.ChatCompletionResponse(
-        model=server.model_name, choices=choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import (
@@ -22,6 +22,8 @@ from kvforge.tools.serve.serving import (
     SeqRequest,
     ServingError,
     check_unsupported,
+    choices,
+    final_results,
     raise_on_error,
     sampling_params,
     sse,
@@ -69,7 +71,6 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
         seed=req.seed,
         logprobs=req.logprobs,
     )
-    stop = [req.stop] if isinstance(req.stop, str) else req.stop
     sequences = []
     for i, (ids, _) in enumerate(prompts):
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -77,9 +78,7 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
             raise ServingError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
         what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         max_tokens = server.check_lengths(ids, req.max_tokens, what=what)
-        for j in range(req.n):
-            sampling = base if req.seed is None else replace(base, seed=req.seed + j)
-            sequences.append(SeqRequest(ids, max_tokens, sampling, stop or None))
+        sequences.extend(choices(req, ids, max_tokens, base))
     return Prepared(sequences, [text for _, text in prompts], sum(len(ids) for ids, _ in prompts), req.n)
 
 
@@ -97,20 +96,15 @@ def completion_logprobs(server: ModelServer, logprobs, offset: int) -> p.Complet
 
 
 async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, flight: Flight) -> p.CompletionResponse:
-    results = {}
-    async with contextlib.aclosing(flight.events()) as events:
-        async for event in events:
-            raise_on_error(event)
-            if event.kind == "done":
-                results[event.index] = event.payload
-    choices = []
+    results = await final_results(flight)
+    response_choices = []
     for index, seq in enumerate(prep.sequences):
         result = results[index]
         prompt_text = prep.prompt_texts[index // prep.n]
         logprobs = None
         if seq.sampling.logprobs is not None:
             logprobs = completion_logprobs(server, result.logprobs, len(prompt_text))
-        choices.append(
+        response_choices.append(
             p.CompletionResponseChoice(
                 index=index,
                 text=(prompt_text if req.echo else "") + result.text,
@@ -120,7 +114,9 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
             )
         )
     completion = sum(len(r.token_ids) for r in results.values())
-    return p.CompletionResponse(model=server.model_name, choices=choices, usage=usage(prep.prompt_tokens, completion))
+    return p.CompletionResponse(
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+    )
 
 
 async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, flight: Flight) -> AsyncIterator[str]:

@@ -29,7 +29,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,27 @@ def sampling_params(
         message = str(e)
         param = next((name for name in fields if name in message), None)
         raise ServingError(message, param=param, code="invalid_value") from e
+
+
+def choices(req: Any, ids: list[int], max_tokens: int, base: SamplingParams) -> list[SeqRequest]:
+    """The ``req.n`` choices of one prompt, each its own scheduler request with ``base``'s sampling
+    and ``req.stop``; choice ``j`` of a seeded request uses ``seed + j`` (reproducible, yet distinct)."""
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    return [
+        SeqRequest(ids, max_tokens, base if req.seed is None else replace(base, seed=req.seed + j), stop or None)
+        for j in range(req.n)
+    ]
+
+
+async def final_results(flight: Flight) -> dict[int, Any]:
+    """Each sequence's GenerationResult from a flight's events, by sequence index (a failure -> 500)."""
+    results = {}
+    async with contextlib.aclosing(flight.events()) as events:
+        async for event in events:
+            raise_on_error(event)
+            if event.kind == "done":
+                results[event.index] = event.payload
+    return results
 
 
 def check_unsupported(values: dict[str, Any]) -> None:
