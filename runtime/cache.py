@@ -56,11 +56,18 @@ class KVCache:
         """Copy the first ``length`` positions of cache row ``src`` into row ``dst`` (every layer,
         key and value), in place: ``buffer[:, :, dst, :, :length] = buffer[:, :, src, :, :length]``.
         Positions ``>= length`` of ``dst`` keep stale values, which attention masks."""
-        if src == dst or length == 0:
-            return
-        for row in (src, dst):
-            if not 0 <= row < self.max_batch:
-                raise ValueError(f"cache row {row} is outside [0, {self.max_batch})")
-        if not 0 <= length <= self.max_seq:
-            raise ValueError(f"length {length} is outside [0, {self.max_seq}]")
-        self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
+        if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
+            self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
+
+
+def needs_row_copy(src: int, dst: int, length: int, max_batch: int, max_seq: int) -> bool:
+    """Check a ``copy_row(src, dst, length)`` against the cache's bounds (ValueError when outside);
+    False when there is nothing to copy (the same row, or no positions). Shared by every cache."""
+    if src == dst or length == 0:
+        return False
+    for row in (src, dst):
+        if not 0 <= row < max_batch:
+            raise ValueError(f"cache row {row} is outside [0, {max_batch})")
+    if not 0 <= length <= max_seq:
+        raise ValueError(f"length {length} is outside [0, {max_seq}]")
+    return True

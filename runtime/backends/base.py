@@ -27,6 +27,7 @@ import numpy as np
 from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
 from kvforge.runtime.backends import binding_plan as bp
+from kvforge.runtime.cache import needs_row_copy
 
 STEP_INPUTS = (contract.INPUT_IDS, contract.POSITION_IDS, contract.WRITE_INDICES, contract.INPUT_LENGTHS)
 
@@ -79,14 +80,8 @@ class DeviceCache:
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of cache row ``src`` into row ``dst``, every layer,
         key and value, on the device (as :meth:`kvforge.runtime.cache.KVCache.copy_row`)."""
-        if src == dst or length == 0:
-            return
-        for row in (src, dst):
-            if not 0 <= row < self.max_batch:
-                raise ValueError(f"cache row {row} is outside [0, {self.max_batch})")
-        if not 0 <= length <= self.max_seq:
-            raise ValueError(f"length {length} is outside [0, {self.max_seq}]")
-        self.backend.copy_rows(src, dst, length)
+        if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
+            self.backend.copy_rows(src, dst, length)
 
 
 @dataclass
