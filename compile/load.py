@@ -62,19 +62,61 @@ def architecture_of(config: dict) -> str | None:
     return archs[0] if archs else None
 
 
-def resolve_spec(config: dict) -> ArchSpec:
+def needs_remote_code(config: dict) -> bool:
+    """True when ``config.json`` names modeling code of its own (``auto_map``) for a model type
+    transformers does not ship: only that code can build the model."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    auto_map = config.get("auto_map") or {}
+    return bool(auto_map) and config.get("model_type") not in CONFIG_MAPPING_NAMES
+
+
+def _remote_refusal(config: dict, model_dir: str | Path | None) -> str:
+    auto_map = config.get("auto_map") or {}
+    code = auto_map.get("AutoModelForCausalLM") or next(iter(auto_map.values()), "")
+    where = f" in {str(model_dir)!r}" if model_dir is not None else ""
+    return (
+        f"model type {config.get('model_type')!r} needs remote code: config.json's auto_map names "
+        f"{code!r}{where}, Python that compile would run; pass --trust-remote-code "
+        "(trust_remote_code=True) if you trust it"
+    )
+
+
+def _model_class(config: dict, model_dir: str | Path | None, trust_remote_code: bool):
+    """The ``*ForCausalLM`` class of ``config``: transformers' own, or (``trust_remote_code``) the one
+    that config.json's ``auto_map`` names; ``None`` when neither exists."""
+    import transformers
+
+    if not needs_remote_code(config):
+        return getattr(transformers, architecture_of(config) or "", None)
+    if not trust_remote_code:
+        raise UnsupportedArchitectureError(_remote_refusal(config, model_dir))
+    reference = (config.get("auto_map") or {}).get("AutoModelForCausalLM")
+    if not reference or model_dir is None:
+        raise UnsupportedArchitectureError(
+            f"config.json's auto_map names no AutoModelForCausalLM class (it has "
+            f"{sorted(config.get('auto_map') or {})}); kvforge compiles causal LMs only"
+        )
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    return get_class_from_dynamic_module(reference, str(model_dir))
+
+
+def resolve_spec(config: dict, model_dir: str | Path | None = None, trust_remote_code: bool = False) -> ArchSpec:
     """The architecture entry, or the generic (unverified) spec for a causal LM whose transformers
     modules dispatch attention through ``AttentionInterface``; otherwise an error naming the
-    verified families."""
+    verified families. A family that needs remote code (see :func:`needs_remote_code`) is refused
+    unless ``trust_remote_code``; then its own class is checked like any other."""
     architecture = architecture_of(config)
     spec = lookup(architecture, generic=True)
-    if spec.verified:
+    if spec.verified and not needs_remote_code(config):
         return spec
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_class = getattr(transformers, architecture, None)
-    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type")) == architecture
+    model_class = _model_class(config, model_dir, trust_remote_code)
+    remote = needs_remote_code(config)
+    causal = remote or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type")) == architecture
     if model_class is None or not causal:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported: it is not a decoder-only causal LM that "
@@ -85,35 +127,86 @@ def resolve_spec(config: dict) -> ArchSpec:
             f"architecture {architecture!r} is not supported: its transformers modules do not dispatch "
             f"attention through AttentionInterface; kvforge verifies: {supported()}"
         )
+    if remote:  # its own code, whatever its name: never a verified entry
+        return ArchSpec(architecture or model_class.__name__, verified=False, notes="remote code, generic path")
     return spec
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
-    """Load the model for export. Checks the directory and the architecture before any weights."""
+class WeightsMismatchError(ModelDirError):
+    """The checkpoint's tensors are not the ones its config.json describes."""
+
+
+def check_loading_info(info: dict, model_dir: str | Path) -> None:
+    """Refuse a checkpoint whose tensors do not match its config, naming the first mismatching
+    tensor: transformers would load it anyway, with that tensor newly (randomly) initialized.
+
+    ``info`` is ``from_pretrained(..., output_loading_info=True)``'s report (its key renames and
+    tied weights already applied): ``mismatched_keys`` (name, checkpoint shape, model shape),
+    ``missing_keys`` and ``unexpected_keys``."""
+    fix = "the weights are not this config's model: check that config.json and the weight files belong together"
+    if info.get("mismatched_keys"):
+        name, stored, expected = sorted(info["mismatched_keys"], key=lambda m: m[0])[0]
+        raise WeightsMismatchError(
+            f"{str(model_dir)!r}: tensor {name!r} has shape {list(stored)} in the checkpoint but the config "
+            f"makes it {list(expected)}; {fix}"
+        )
+    if info.get("missing_keys"):
+        name = sorted(info["missing_keys"])[0]
+        count = len(info["missing_keys"])
+        raise WeightsMismatchError(
+            f"{str(model_dir)!r}: tensor {name!r} is missing from the checkpoint ({count} missing in all; "
+            f"transformers would initialize them at random); {fix}"
+        )
+    if info.get("unexpected_keys"):
+        name = sorted(info["unexpected_keys"])[0]
+        count = len(info["unexpected_keys"])
+        raise WeightsMismatchError(
+            f"{str(model_dir)!r}: the checkpoint has tensor {name!r} that the config's model does not "
+            f"({count} such tensors); {fix}"
+        )
+
+
+def _from_pretrained(model_dir: str | Path, dtype: str, attention: str, trust_remote_code: bool, **extra):
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode, refusing mismatched weights."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(model_dir),
+        dtype=DTYPES[dtype],
+        attn_implementation=attention,
+        trust_remote_code=trust_remote_code,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,  # report mismatches (check_loading_info) rather than raise mid-load
+        **extra,
+    )
+    check_loading_info(info, model_dir)
+    return model.eval()
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> LoadedModel:
+    """Load the model for export. Checks the directory and the architecture before any weights, and
+    the weights against the config (:func:`check_loading_info`). ``trust_remote_code`` lets a family
+    that needs its own modeling code (config.json's ``auto_map``) run that code."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     config, weights = read_config(model_dir)
-    spec = resolve_spec(config)
-
-    from transformers import AutoModelForCausalLM
+    spec = resolve_spec(config, model_dir, trust_remote_code)
 
     lowering.register()
     extra = {"experts_implementation": spec.experts_implementation} if spec.experts_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[dtype], attn_implementation=lowering.ATTN_IMPLEMENTATION, **extra
-        )
+        model = _from_pretrained(model_dir, dtype, lowering.ATTN_IMPLEMENTATION, trust_remote_code, **extra)
+    except ModelDirError:
+        raise
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
-    model.eval()
     return LoadedModel(model, spec, Dims.from_config(model.config), config, weights)
 
 
-def load_reference(model_dir: str | Path, dtype: str = "float32", attention: str = "eager") -> torch.nn.Module:
+def load_reference(
+    model_dir: str | Path, dtype: str = "float32", attention: str = "eager", trust_remote_code: bool = False
+) -> torch.nn.Module:
     """transformers' own model (``attention``: "eager" for parity checks, "sdpa" for speed on a GPU),
     a separate instance with its own config: switching ``_attn_implementation`` on a shared config
-    would switch both models."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation=attention)
-    return model.eval()
+    would switch both models. ``trust_remote_code``: as for :func:`load_model`."""
+    return _from_pretrained(model_dir, dtype, attention, trust_remote_code)

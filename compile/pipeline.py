@@ -63,6 +63,7 @@ class CompileOptions:
     optimize: bool = True  # also write ORT-optimized <graph>.ort.onnx
     target: str = "cpu"  # "cpu" | "cuda" | "tensorrt" (TARGETS)
     max_prompt: int | None = None  # longest prompt (TensorRT's prefill profile); None: max_seq
+    trust_remote_code: bool = False  # run the modeling code config.json's auto_map names
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -118,6 +119,7 @@ def compile_model(
     target: str = "cpu",
     max_prompt: int | None = None,
     gpu_memory: str | None = None,
+    trust_remote_code: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -132,10 +134,14 @@ def compile_model(
     ``target`` ("cpu" | "cuda" | "tensorrt") sets the defaults of ``dtype`` and ``lowering``
     (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
     and TensorRT (``gpu_memory`` caps the build), else says to run ``kvforge build OUT`` on the
-    target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile. Nothing
-    is written to ``out_dir`` unless compile succeeds.
+    target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile.
+    ``trust_remote_code`` lets a family that needs its own modeling code (config.json's
+    ``auto_map``, a model type transformers does not ship) run it; without it such a directory is
+    refused before anything is loaded. Nothing is written to ``out_dir`` unless compile succeeds.
     """
-    _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize)
+    _check_types(
+        model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize, trust_remote_code
+    )
     # numpy ints are accepted; the manifest (JSON) holds Python ints
     max_batch, block_size = int(max_batch), int(block_size)
     max_seq = None if max_seq is None else int(max_seq)
@@ -143,7 +149,7 @@ def compile_model(
     say = progress or (lambda _: None)
     model_dir, out = Path(model_dir), Path(out_dir)
     config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
-    spec = load_stage.resolve_spec(config)
+    spec = load_stage.resolve_spec(config, model_dir, trust_remote_code)
     if not spec.verified:
         say(
             f"{spec.architecture} is not in kvforge's verified table: taking the generic path; "
@@ -163,7 +169,17 @@ def compile_model(
     lowering = lowering or TARGETS[target][1]
     optimize = optimize and target == "cpu"  # the .ort.onnx graphs are optimized for ORT's CPU provider
     options = CompileOptions(
-        dtype, max_batch, max_seq, lowering, score_graph, quantize, block_size, optimize, target, max_prompt
+        dtype,
+        max_batch,
+        max_seq,
+        lowering,
+        score_graph,
+        quantize,
+        block_size,
+        optimize,
+        target,
+        max_prompt,
+        trust_remote_code,
     )
     options.check()
     _check_out_dir(out)
@@ -195,7 +211,9 @@ def _refuse_type(name: str, value: object, accepted: str) -> OptionTypeError:
     return OptionTypeError(f"{name}={text} is not accepted: {name} must be {accepted}")
 
 
-def _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize) -> None:
+def _check_types(
+    model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize, trust_remote_code
+) -> None:
     """compile_model's arguments by type, before any file is read: paths are str/PathLike, counts
     Python or numpy ints (``max_batch=2.5`` refused, not truncated), flags bools. Their ranges are
     :meth:`CompileOptions.check`'s."""
@@ -211,7 +229,7 @@ def _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size,
             continue
         if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
             raise _refuse_type(name, value, "an integer (int or numpy integer; bools and floats are refused)")
-    for name, value in (("score_graph", score_graph), ("optimize", optimize)):
+    for name, value in (("score_graph", score_graph), ("optimize", optimize), ("trust_remote_code", trust_remote_code)):
         if not isinstance(value, bool):
             raise _refuse_type(name, value, "True or False")
 
@@ -246,7 +264,7 @@ def _compile_into(
         say(f"[{i}/{total} {time.perf_counter() - started:6.1f}s] {text}")
 
     step(1, f"loading {model_dir} ({options.dtype})")
-    loaded = load_stage.load_model(model_dir, options.dtype)
+    loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code)
     dims, loaded_spec = loaded.dims, loaded.spec
     try:
         step(2, f"exporting prefill graph ({dims.num_layers} layers, lowering {options.lowering})")
@@ -286,7 +304,7 @@ def _compile_into(
     report = weights.report()
     tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
     step(total - 1, "checking parity against transformers")
-    reference = load_stage.load_reference(model_dir, options.dtype)
+    reference = load_stage.load_reference(model_dir, options.dtype, trust_remote_code=options.trust_remote_code)
     run_files = {g: optimized.get(g, f"{g}.onnx") for g in ("prefill", "decode")}  # what the runtime runs
     parity = parity_stage.measure(tmp, run_files, reference, dims, load_stage.DTYPES[options.dtype])
     del reference
@@ -371,6 +389,7 @@ def _manifest(
             "path": str(model_dir.resolve()),
             "config_sha256": mf.sha256_file(model_dir / "config.json"),
             "weights": {f.name: mf.sha256_file(f) for f in weight_files},
+            **({"trust_remote_code": True} if options.trust_remote_code else {}),
         },
         model=mf.ModelDims(
             architecture=load_stage.architecture_of(config),

@@ -232,6 +232,32 @@ def _(c):
     return raised(lambda: compile_model(c.tmp / "not-hf", c.tmp / "out", progress=None))
 
 
+@trigger("remote-code")
+def _(c):
+    model = c.tmp / "remote"
+    model.mkdir(exist_ok=True)
+    config = {
+        "architectures": ["XForCausalLM"],
+        "model_type": "x",
+        "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"},
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes(b"")
+    return raised(lambda: compile_model(model, c.tmp / "out", progress=None))
+
+
+@trigger("weights-mismatch")
+def _(c):
+    from safetensors.torch import load_file, save_file
+
+    model = c.tmp / "mismatch"
+    shutil.copytree(c.model_dir, model, dirs_exist_ok=True)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.k_proj.weight"][:16]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return raised(lambda: compile_model(model, c.tmp / "out", progress=None))
+
+
 @trigger("unsupported-architecture")
 def _(c):
     model = c.tmp / "bert"

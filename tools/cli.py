@@ -82,6 +82,12 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="skip score.onnx (all-position logits, used by kvforge compare for perplexity)",
     )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modeling code a model directory ships (config.json's auto_map) for a family "
+        "transformers does not include; without it such a directory is refused",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_run_compile)
 
@@ -104,6 +110,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         target=args.target,
         max_prompt=args.max_prompt,
         gpu_memory=args.gpu_memory,
+        trust_remote_code=args.trust_remote_code,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity

@@ -32,7 +32,9 @@ def load(model_dir: str | Path, manifest: mf.Manifest, attention: str = "eager")
             f"{manifest.model.vocab_size}; pass the model directory the artifact was compiled from"
         )
     try:
-        return load_stage.load_reference(model_dir, manifest.dtype, attention)
+        # compile ran this directory's own modeling code only because its user trusted it; so do we
+        trusted = bool((manifest.source or {}).get("trust_remote_code"))
+        return load_stage.load_reference(model_dir, manifest.dtype, attention, trust_remote_code=trusted)
     except (OSError, RuntimeError) as e:
         raise load_stage.ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
 
