@@ -45,7 +45,11 @@ OPTIMIZED_FOR = "CPUExecutionProvider"
 
 
 def optimize_graphs(out_dir: Path, names: list[str], weights: SharedWeights) -> dict[str, str]:
-    """Write ``<name>.ort.onnx`` for each graph; returns {graph name: optimized file name}."""
+    """Write ``<name>.ort.onnx`` for each graph; returns {graph name: optimized file name}.
+
+    Compile runs it on the general graph alone and derives the contract's ``.ort.onnx`` graphs
+    from the result (:mod:`kvforge.compile.derive`): one pass of each optimizer, not one per graph.
+    The ORT session that optimizes reads ``weights.data`` memory-mapped and does not prepack."""
     import onnxruntime as ort
     from onnxscript.rewriter import ort_fusions
 
@@ -66,6 +70,9 @@ def optimize_graphs(out_dir: Path, names: list[str], weights: SharedWeights) -> 
             options.optimized_model_filepath = str(work / f"{name}.onnx")
             options.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{name}.data")
             options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            # Only the optimized graph is wanted, not a session to run: packing the MatMul weights
+            # for this machine's kernels would copy most of the weights and take seconds.
+            options.add_session_config_entry("session.disable_prepacking", "1")
             ort.InferenceSession(str(fused), options, providers=[OPTIMIZED_FOR])
             fused.unlink()
             optimized = ir.load(work / f"{name}.onnx")

@@ -32,8 +32,11 @@ class WeightsReport:
 
 
 class SharedWeights:
-    """The artifact's one weights file. :meth:`add` moves the large initializers of graphs into it
-    (each distinct tensor once, across every call) and saves each graph as ``<name>.onnx``."""
+    """The artifact's one weights file. :meth:`externalize` moves the large initializers of a graph
+    into it (each distinct tensor once, across every call), one tensor at a time: a tensor's bytes
+    are written and its in-memory data released (the graph then points into the file) before the
+    next is read, so moving a graph's weights never holds a second copy of them. :meth:`save`
+    writes a graph as ``<name>.onnx``; :meth:`add` does both."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -44,25 +47,38 @@ class SharedWeights:
         self.references = 0
 
     def add(self, models: dict[str, ir.Model]) -> None:
-        with open(self.path, "r+b") as f:
-            for model in models.values():
-                for value in _initializers(model):
-                    tensor = value.const_value
-                    if tensor is None or tensor.nbytes < SHARE_THRESHOLD:
-                        continue
-                    offset, length = self._store(f, tensor)
-                    value.const_value = ir.ExternalTensor(
-                        location=WEIGHTS_FILE,
-                        offset=offset,
-                        length=length,
-                        dtype=tensor.dtype,
-                        shape=tensor.shape,
-                        name=value.name,
-                        base_dir=self.out_dir,
-                    )
-                    self.references += 1
+        for model in models.values():
+            self.externalize(model)
         for name, model in models.items():
-            ir.save(model, self.out_dir / f"{name}.onnx")
+            self.save(model, name)
+
+    def externalize(self, model: ir.Model) -> None:
+        """Point every initializer of ``model`` of ``SHARE_THRESHOLD`` bytes or more into the weights
+        file, writing the tensors it does not hold yet. In place; ``model``'s own tensors are
+        dropped as they are written (their memory is freed once nothing else holds them)."""
+        with open(self.path, "r+b") as f:
+            for value in _initializers(model):
+                tensor = value.const_value
+                if tensor is None or tensor.nbytes < SHARE_THRESHOLD:
+                    continue
+                offset, length = self._store(f, tensor)
+                value.const_value = ir.ExternalTensor(
+                    location=WEIGHTS_FILE,
+                    offset=offset,
+                    length=length,
+                    dtype=tensor.dtype,
+                    shape=tensor.shape,
+                    name=value.name,
+                    base_dir=self.out_dir,
+                )
+                del tensor
+                self.references += 1
+
+    def save(self, model: ir.Model, name: str) -> Path:
+        """Write ``model`` (its weights already externalized) as ``<name>.onnx``; returns the path."""
+        path = self.out_dir / f"{name}.onnx"
+        ir.save(model, path)
+        return path
 
     def _store(self, f, tensor) -> tuple[int, int]:
         if (
