@@ -321,11 +321,15 @@ def _compile_into(
     optimized = {}
     if optimize:
         stages.start("optimize", "optimizing for ONNX Runtime once (fusions, offline optimizer), then deriving")
-        [general_file] = optimize_stage.optimize_graphs(tmp, [GENERAL], weights).values()
+        optimize_times: dict[str, float] = {}
+        [general_file] = optimize_stage.optimize_graphs(tmp, [GENERAL], weights, optimize_times).values()
+        started_derive = time.perf_counter()
         general_ort = ir.load(tmp / general_file)
         for name in names:
             optimized[name] = weights.save(derive_stage.derive(general_ort, name), name + ORT_SUFFIX).name
         del general_ort
+        optimize_times["derived"] = time.perf_counter() - started_derive
+        stages.end(", ".join(f"{step} {seconds:.1f}s" for step, seconds in optimize_times.items()))
     for leftover in tmp.glob(f"{GENERAL}*"):
         leftover.unlink()
     tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
