@@ -17,8 +17,10 @@ would otherwise run inside.
 from __future__ import annotations
 
 import ast
+import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -107,41 +109,29 @@ def _export(
 _SKIPPED_RULES = frozenset({"SlicesSplit"})
 
 
+@contextlib.contextmanager
+def without_unmatched_rules() -> Iterator[None]:
+    """Inside the block, onnxscript's optimizer (``optimize_ir``, also run several times by
+    ``ort_fusions.optimize_for_ort``) applies its default rewrite rules minus ``_SKIPPED_RULES``.
+    onnxscript offers no parameter for it: the rule tuple it reads at each call is swapped for
+    the block and restored after it."""
+    from onnxscript import rewriter
+
+    rules = rewriter._DEFAULT_REWRITE_RULES
+    rewriter._DEFAULT_REWRITE_RULES = tuple(rule for rule in rules if rule.name not in _SKIPPED_RULES)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
 def optimize_exported(model) -> None:
     """What ``torch.onnx.export(optimize=True)`` runs (``onnxscript.optimizer.optimize_ir``; its
-    opset-23 fusions do not apply at opset 24), without the rules of ``_SKIPPED_RULES``. In place."""
-    import onnx_ir as ir
-    import onnx_ir.passes.common as common
-    from onnxscript import rewriter
-    from onnxscript.optimizer import _constant_folding
+    opset-23 fusions do not apply at opset 24), without ``_SKIPPED_RULES``. In place."""
+    import onnxscript.optimizer
 
-    rules = [rule for rule in rewriter._DEFAULT_REWRITE_RULES if rule.name not in _SKIPPED_RULES]
-    iteration = ir.passes.PassManager(
-        [
-            _constant_folding.FoldConstantsPass(
-                shape_inference=True,
-                input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-                output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
-            ),
-            rewriter.RewritePass(rules),
-            common.RemoveUnusedNodesPass(),
-            common.RemoveUnusedFunctionsPass(),
-            common.RemoveUnusedOpsetsPass(),
-        ],
-        steps=2,
-        early_stop=True,
-    )
-    ir.passes.Sequential(
-        common.InlinePass(),
-        iteration,
-        common.RemoveUnusedNodesPass(),
-        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
-        common.LiftSubgraphInitializersToMainGraphPass(),
-        common.DeduplicateInitializersPass(),
-        common.CommonSubexpressionEliminationPass(),
-        common.OutputFixPass(),
-        common.NameFixPass(),
-    )(model)
+    with without_unmatched_rules():
+        onnxscript.optimizer.optimize_ir(model)
 
 
 def _name_nodes(model) -> None:

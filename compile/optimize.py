@@ -39,6 +39,7 @@ from pathlib import Path
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from kvforge.compile.export import without_unmatched_rules
 from kvforge.compile.weights import SharedWeights
 
 ORT_SUFFIX = ".ort"
@@ -71,7 +72,8 @@ def optimize_graphs(
     try:
         for name in names:
             model = ir.load(out_dir / f"{name}.onnx")
-            model, _ = ort_fusions.optimize_for_ort(model)
+            with without_unmatched_rules():
+                model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
             # Saved beside weights.data, so the untouched weights stay references into it.
             fused = out_dir / f".{name}.fused.onnx"
