@@ -74,26 +74,31 @@ def _export(
     times: ExportTimes | None = None,
 ):
     times = times if times is not None else ExportTimes()
-    with warnings.catch_warnings(), torch.no_grad():
-        # The exporter warns about things that do not concern us (missing torchvision ops, ...).
-        warnings.simplefilter("ignore")
-        # One eager call first: some modules create buffers lazily on their first forward (Phi-3's
-        # longrope frequencies); created during tracing, they would be fake tensors, not constants.
-        started = time.perf_counter()
-        module(*args)
-        onnx_program = torch.onnx.export(
-            module,
-            args,
-            dynamo=True,
-            opset_version=OPSET,
-            dynamic_shapes=dynamic_shapes,
-            input_names=input_names,
-            output_names=output_names,
-            custom_translation_table=lowering.translation_table(lowering_name),
-            optimize=False,  # run below, timed on its own
-            verbose=False,
-        )
-        times.add("trace and ONNX translation", time.perf_counter() - started)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the eager call runs a few tokens; tracing runs no kernels
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            # The exporter warns about things that do not concern us (missing torchvision ops, ...).
+            warnings.simplefilter("ignore")
+            # One eager call first: some modules create buffers lazily on their first forward (Phi-3's
+            # longrope frequencies); created during tracing, they would be fake tensors, not constants.
+            started = time.perf_counter()
+            module(*args)
+            onnx_program = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=OPSET,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                custom_translation_table=lowering.translation_table(lowering_name),
+                optimize=False,  # run below, timed on its own
+                verbose=False,
+            )
+            times.add("trace and ONNX translation", time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
     started = time.perf_counter()
     model = onnx_program.model
     del onnx_program

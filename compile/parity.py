@@ -78,10 +78,17 @@ def reference(model: torch.nn.Module, dims: Dims) -> Reference:
     already run transformers' own attention (see :func:`as_transformers_eager`)."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, dims.vocab_size, (1, PROMPT_TOKENS), generator=generator)[0].tolist()
-    with torch.no_grad():
-        for _ in range(DECODE_STEPS):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-        logits = model(torch.tensor([tokens])).logits[0].float().numpy()  # (T, V)
+    threads = torch.get_num_threads()
+    # A dozen tokens: one thread does it. Two threads on a busy 2-core machine spin against each
+    # other and took 20 s instead of 1 s here (SmolLM-135M shape, load average 6).
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for _ in range(DECODE_STEPS):
+                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+            logits = model(torch.tensor([tokens])).logits[0].float().numpy()  # (T, V)
+    finally:
+        torch.set_num_threads(threads)
     return Reference(tokens, np.ascontiguousarray(logits[PROMPT_TOKENS - 1 :]))
 
 
@@ -95,6 +102,7 @@ def measure(out_dir: Path, graph_file: str, ref: Reference | None, dims: Dims, d
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry("session.disable_prepacking", "1")  # a few calls: packing would copy weights
+    options.intra_op_num_threads = 1  # a dozen tokens (see reference())
     session = ort.InferenceSession(str(out_dir / graph_file), options, providers=["CPUExecutionProvider"])
 
     np_dtype = np.float16 if dtype == torch.float16 else np.float32
