@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 WEIGHTS_FILE = "weights.data"
@@ -87,7 +88,7 @@ class SharedWeights:
             and (tensor.offset or 0, tensor.length) in self._locations
         ):
             return tensor.offset or 0, tensor.length  # already in the file (a graph re-saved after a pass)
-        data = tensor.tobytes()
+        data = _raw_bytes(tensor)
         key = (tensor.dtype, tuple(tensor.shape), hashlib.sha256(data).digest())
         if key not in self._by_content:
             end = f.seek(0, 2)
@@ -100,6 +101,18 @@ class SharedWeights:
 
     def report(self) -> WeightsReport:
         return WeightsReport(WEIGHTS_FILE, self.path.stat().st_size, len(self._by_content), self.references)
+
+
+def _raw_bytes(tensor) -> bytes | memoryview:
+    """The tensor's bytes as stored: a view of its own memory where it is contiguous (the
+    embedding table of a model is not copied to be written), a copy otherwise (a transposed
+    weight, a sub-byte type that ``tobytes`` packs)."""
+    if isinstance(tensor, ir.ExternalTensor) or tensor.dtype.bitwidth < 8:
+        return tensor.tobytes()
+    array = tensor.numpy()
+    if not array.flags.c_contiguous or array.nbytes != tensor.nbytes or array.dtype.byteorder == ">":
+        return tensor.tobytes()
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def write_shared(models: dict[str, ir.Model], out_dir: Path) -> SharedWeights:
