@@ -1,25 +1,53 @@
-"""Stage 2: a loaded transformers model -> the prefill and decode ONNX graphs (in memory).
+"""Stage 2: a loaded transformers model -> ONNX graphs (in memory).
 
-Input: :class:`kvforge.compile.load.LoadedModel`. Output: two ``onnx_ir.Model`` objects whose I/O
-follows :mod:`kvforge.graphs.contract`, with symbolic ``batch``, ``seq`` and ``capacity`` dims. The
-weights are still inside the models; :mod:`kvforge.compile.weights` moves them to one shared file.
+Input: :class:`kvforge.compile.load.LoadedModel`. Output: ``onnx_ir.Model`` objects with symbolic
+``batch``, ``seq`` and ``capacity`` dims. Compile traces the model ONCE, into the general graph
+(:func:`export_general`, extra input ``logit_indices [batch, positions]``), and derives the
+contract's prefill, decode and score graphs from it (:mod:`kvforge.compile.derive`).
+:func:`export_prefill` and :func:`export_decode` trace one contract graph directly: the reference
+the derived graphs are tested against. The weights are still inside the models (as views of the
+torch parameters); :mod:`kvforge.compile.weights` moves them to one shared file.
+
+One trace is two steps, each timed in :class:`ExportTimes`: ``torch.onnx.export`` (``torch.export``
+tracing the wrapper, the exporter's decompositions, the ONNX translation) and onnxscript's
+optimizer (constant folding, rewrite rules, common subexpressions), which ``torch.onnx.export``
+would otherwise run inside.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import time
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from kvforge.compile.load import LoadedModel
 from kvforge.graphs import contract, lowering
-from kvforge.graphs.wrappers import DecodeGraph, PrefillGraph, ScoreGraph
+from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
 
 OPSET = 24
+LOGIT_INDICES = "logit_indices"  # [batch, positions] int64: the general graph's extra input
+POSITIONS_DIM = "positions"  # its symbolic dim: how many positions of each row get logits
 
 # Example sizes for tracing. Distinct values, none 0 or 1, so that no dynamic dim gets specialized.
-_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY = 2, 7, 37
+_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY, _EXAMPLE_POSITIONS = 2, 7, 37, 3
+
+
+@dataclass
+class ExportTimes:
+    """Seconds spent in each step of the traces of one stage (summed over its traces)."""
+
+    steps: dict[str, float] = field(default_factory=dict)
+
+    def add(self, step: str, seconds: float) -> None:
+        self.steps[step] = self.steps.get(step, 0.0) + seconds
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.steps.items())
 
 
 def _example_past(loaded: LoadedModel) -> list[torch.Tensor]:
@@ -36,28 +64,79 @@ def _dims(max_batch: int, max_seq: int) -> tuple[object, object, object]:
     return batch, seq, capacity
 
 
-def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple, input_names, output_names, lowering_name):
-    with warnings.catch_warnings(), torch.no_grad():
-        # The exporter warns about things that do not concern us (missing torchvision ops, ...).
-        warnings.simplefilter("ignore")
-        # One eager call first: some modules create buffers lazily on their first forward (Phi-3's
-        # longrope frequencies); created during tracing, they would be fake tensors, not constants.
-        module(*args)
-        program = torch.onnx.export(
-            module,
-            args,
-            dynamo=True,
-            opset_version=OPSET,
-            dynamic_shapes=dynamic_shapes,
-            input_names=input_names,
-            output_names=output_names,
-            custom_translation_table=lowering.translation_table(lowering_name),
-            optimize=True,
-            verbose=False,
-        )
-    model = program.model
+def _export(
+    module: torch.nn.Module,
+    args: tuple,
+    dynamic_shapes: tuple,
+    input_names,
+    output_names,
+    lowering_name,
+    times: ExportTimes | None = None,
+):
+    times = times if times is not None else ExportTimes()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the eager call runs a few tokens; tracing runs no kernels
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            # The exporter warns about things that do not concern us (missing torchvision ops, ...).
+            warnings.simplefilter("ignore")
+            # One eager call first: some modules create buffers lazily on their first forward (Phi-3's
+            # longrope frequencies); created during tracing, they would be fake tensors, not constants.
+            started = time.perf_counter()
+            module(*args)
+            onnx_program = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=OPSET,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                custom_translation_table=lowering.translation_table(lowering_name),
+                optimize=False,  # run below, timed on its own
+                verbose=False,
+            )
+            times.add("trace and ONNX translation", time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    model = onnx_program.model
+    del onnx_program
+    optimize_exported(model)
     _name_nodes(model)
+    times.add("onnxscript optimizer", time.perf_counter() - started)
     return model
+
+
+# onnxscript's default rewrite rules that never match an exported causal LM but cost the most:
+# SlicesSplit (Slices of one tensor -> Split) matches pairs of Slice nodes and took 85% of the
+# optimizer's time on the SmolLM-135M shape (20 of 23 s) for no rewrite.
+_SKIPPED_RULES = frozenset({"SlicesSplit"})
+
+
+@contextlib.contextmanager
+def without_unmatched_rules() -> Iterator[None]:
+    """Inside the block, onnxscript's optimizer (``optimize_ir``, also run several times by
+    ``ort_fusions.optimize_for_ort``) applies its default rewrite rules minus ``_SKIPPED_RULES``.
+    onnxscript offers no parameter for it: the rule tuple it reads at each call is swapped for
+    the block and restored after it."""
+    from onnxscript import rewriter
+
+    rules = rewriter._DEFAULT_REWRITE_RULES
+    rewriter._DEFAULT_REWRITE_RULES = tuple(rule for rule in rules if rule.name not in _SKIPPED_RULES)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
+def optimize_exported(model) -> None:
+    """What ``torch.onnx.export(optimize=True)`` runs (``onnxscript.optimizer.optimize_ir``; its
+    opset-23 fusions do not apply at opset 24), without ``_SKIPPED_RULES``. In place."""
+    import onnxscript.optimizer
+
+    with without_unmatched_rules():
+        onnxscript.optimizer.optimize_ir(model)
 
 
 def _name_nodes(model) -> None:
@@ -67,7 +146,8 @@ def _name_nodes(model) -> None:
     used: set[str] = set()
     for node in model.graph:
         scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        module = ast.literal_eval(scopes)[-2] if scopes and len(ast.literal_eval(scopes)) > 1 else ""
+        scopes = ast.literal_eval(scopes) if scopes else []
+        module = scopes[-2] if len(scopes) > 1 else ""
         # "model.model.layers.0.mlp" -> ["model", "layers.0", "mlp"] (the wrapper's own "model." dropped)
         parts: list[str] = []
         if module.startswith("model."):
@@ -84,6 +164,35 @@ def _name_nodes(model) -> None:
         node.metadata_props.clear()
     for value in [*model.graph.inputs, *model.graph.outputs, *model.graph.initializers.values()]:
         value.metadata_props.clear()
+
+
+def export_general(
+    loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, times: ExportTimes | None = None
+):
+    """The general graph: ``input_ids [B, S]``, ``position_ids [B, S]``, ``write_indices [B]``,
+    ``logit_indices [B, K]`` (int64, positions in ``[0, S)``), pasts -> ``logits [B, K, V]``, presents.
+    :mod:`kvforge.compile.derive` makes every contract graph from it."""
+    n = loaded.dims.num_layers
+    batch, seq, capacity = _dims(max_batch, max_seq)
+    positions = torch.export.Dim(POSITIONS_DIM, min=1, max=max(max_seq, _EXAMPLE_CAPACITY))
+    b, s, k = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_POSITIONS
+    args = (
+        torch.ones(b, s, dtype=torch.int64),
+        torch.arange(s).expand(b, s).contiguous(),
+        torch.zeros(b, dtype=torch.int64),
+        torch.arange(s - k, s).expand(b, k).contiguous(),
+        *_example_past(loaded),
+    )
+    shapes = (
+        {0: batch, 1: seq},
+        {0: batch, 1: seq},
+        {0: batch},
+        {0: batch, 1: positions},
+        tuple({0: batch, 2: capacity} for _ in range(2 * n)),
+    )
+    names = [*contract.decode_input_names(n)[:3], LOGIT_INDICES, *contract.past_names(n)]
+    module = GeneralGraph(loaded.model, loaded.spec).eval()
+    return _export(module, args, shapes, names, contract.output_names(n), lowering_name, times)
 
 
 def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, all_logits: bool = False):

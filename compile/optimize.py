@@ -33,21 +33,38 @@ builds from). The runtime's ORT backend loads the ``.ort.onnx`` graphs without r
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from kvforge.compile.export import without_unmatched_rules
 from kvforge.compile.weights import SharedWeights
 
 ORT_SUFFIX = ".ort"
 OPTIMIZED_FOR = "CPUExecutionProvider"
 
 
-def optimize_graphs(out_dir: Path, names: list[str], weights: SharedWeights) -> dict[str, str]:
-    """Write ``<name>.ort.onnx`` for each graph; returns {graph name: optimized file name}."""
+def optimize_graphs(
+    out_dir: Path, names: list[str], weights: SharedWeights, times: dict[str, float] | None = None
+) -> dict[str, str]:
+    """Write ``<name>.ort.onnx`` for each graph; returns {graph name: optimized file name}. With
+    ``times``, adds the seconds of each step to it (summed over the graphs).
+
+    Compile runs it on the general graph alone and derives the contract's ``.ort.onnx`` graphs
+    from the result (:mod:`kvforge.compile.derive`): one pass of each optimizer, not one per graph.
+    The ORT session that optimizes reads ``weights.data`` memory-mapped and does not prepack."""
     import onnxruntime as ort
     from onnxscript.rewriter import ort_fusions
+
+    times = {} if times is None else times
+    clock = [time.perf_counter()]
+
+    def lap(step: str) -> None:
+        now = time.perf_counter()
+        times[step] = times.get(step, 0.0) + now - clock[0]
+        clock[0] = now
 
     work = out_dir / ".optimize"
     work.mkdir()
@@ -55,23 +72,30 @@ def optimize_graphs(out_dir: Path, names: list[str], weights: SharedWeights) -> 
     try:
         for name in names:
             model = ir.load(out_dir / f"{name}.onnx")
-            model, _ = ort_fusions.optimize_for_ort(model)
+            with without_unmatched_rules():
+                model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
             # Saved beside weights.data, so the untouched weights stay references into it.
             fused = out_dir / f".{name}.fused.onnx"
             ir.save(model, fused)
+            lap("onnxscript fusions")
             options = ort.SessionOptions()
             options.log_severity_level = 3
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
             options.optimized_model_filepath = str(work / f"{name}.onnx")
             options.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{name}.data")
             options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            # Only the optimized graph is wanted, not a session to run: packing the MatMul weights
+            # for this machine's kernels would copy most of the weights and take seconds.
+            options.add_session_config_entry("session.disable_prepacking", "1")
             ort.InferenceSession(str(fused), options, providers=[OPTIMIZED_FOR])
             fused.unlink()
+            lap("ORT offline optimizer")
             optimized = ir.load(work / f"{name}.onnx")
             read_gemm_weights_in_place(optimized.graph)
             weights.add({name + ORT_SUFFIX: optimized})  # re-homes its tensors into weights.data
             files[name] = f"{name}{ORT_SUFFIX}.onnx"
+            lap("weights re-homed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for leftover in out_dir.glob(".*.fused.onnx"):

@@ -1,12 +1,25 @@
-"""Stage 4: the saved graphs + the source model -> the parity record of the manifest.
+"""Stage: the saved graphs + the source model -> the parity record of the manifest.
 
-Runs the freshly written prefill and decode graphs on ONNX Runtime's CPU provider (plain feeds, a
-small cache capacity) and transformers eager on the same tokens, and reports the largest absolute
-logit difference of the prefill and of each decode step, and whether greedy tokens agree.
+Two halves, run at different times so that the transformers model and the ONNX Runtime session
+are never in memory together:
+
+1. :func:`reference`, right after loading (before export): transformers eager on the compile's
+   own model (its attention switched to ``"eager"`` for the call and back, so no second model is
+   loaded) greedily extends a random 8-token prompt by 4 tokens and records its logits at the
+   last prompt token and at each new one.
+2. :func:`measure`, on the written artifact: ONE ONNX Runtime CPU session (no weight prepacking;
+   ``weights.data`` is memory-mapped) on the graph the runtime runs, prefill of the prompt, then
+   the 4 decode steps through the same session (as the runtime's default ``one_session`` does),
+   fed the reference's tokens. It reports the largest absolute logit difference of the prefill
+   and of the decode steps, and whether every greedy token agrees (then both sides generated the
+   same sequence).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,75 +32,110 @@ from kvforge.graphs.architectures import Dims
 PROMPT_TOKENS = 8
 DECODE_STEPS = 4
 CAPACITY = PROMPT_TOKENS + DECODE_STEPS
+EAGER = "eager"
 
 
-def _ort_dtype_ok(dtype: torch.dtype) -> bool:
+def ort_dtype_ok(dtype: torch.dtype) -> bool:
     # ORT's CPU provider lacks bfloat16 kernels for most ops; parity is then measured on a GPU backend.
     return dtype in (torch.float32, torch.float16)
 
 
-def measure(
-    out_dir: Path, files: dict[str, str], reference: torch.nn.Module, dims: Dims, dtype: torch.dtype
-) -> dict[str, Any]:
-    """Compare the ``files["prefill"]`` and ``files["decode"]`` graphs in ``out_dir`` with
-    ``reference`` (a transformers model, eager attention)."""
-    if not _ort_dtype_ok(dtype):
+@dataclass(frozen=True)
+class Reference:
+    """transformers' greedy continuation of the parity prompt."""
+
+    tokens: list[int]  # PROMPT_TOKENS prompt ids, then DECODE_STEPS greedy ids
+    logits: np.ndarray  # (DECODE_STEPS + 1, V) float32: at the last prompt token, then at each new token
+
+
+class ReferenceSwitchError(RuntimeError):
+    """The model's attention implementation cannot be switched to eager in place."""
+
+
+@contextlib.contextmanager
+def as_transformers_eager(model: torch.nn.Module, default_experts: bool) -> Iterator[torch.nn.Module]:
+    """``model`` with transformers' eager attention (and, with ``default_experts``, the experts
+    implementation ``from_pretrained`` picks by default) for the duration of the block; the
+    previous implementations are restored after it. The config is the model's own: nothing else
+    may run this model meanwhile (DESIGN.md: a config switch switches every model built from it)."""
+    attention = model.config._attn_implementation
+    experts = model.get_experts_implementation() if default_experts else None
+    try:
+        model.set_attn_implementation(EAGER)
+        if model.config._attn_implementation != EAGER:
+            raise ReferenceSwitchError(f"{type(model).__name__} kept attention {model.config._attn_implementation!r}")
+        if default_experts:
+            model.set_experts_implementation(model.get_correct_experts_implementation(None))
+        yield model
+    finally:
+        model.set_attn_implementation(attention)
+        if experts is not None:
+            model.set_experts_implementation(experts)
+
+
+def reference(model: torch.nn.Module, dims: Dims) -> Reference:
+    """transformers' greedy continuation of the parity prompt (seeded) on ``model``, which must
+    already run transformers' own attention (see :func:`as_transformers_eager`)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, dims.vocab_size, (1, PROMPT_TOKENS), generator=generator)[0].tolist()
+    threads = torch.get_num_threads()
+    # A dozen tokens: one thread does it. Two threads on a busy 2-core machine spin against each
+    # other and took 20 s instead of 1 s here (SmolLM-135M shape, load average 6).
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for _ in range(DECODE_STEPS):
+                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+            logits = model(torch.tensor([tokens])).logits[0].float().numpy()  # (T, V)
+    finally:
+        torch.set_num_threads(threads)
+    return Reference(tokens, np.ascontiguousarray(logits[PROMPT_TOKENS - 1 :]))
+
+
+def measure(out_dir: Path, graph_file: str, ref: Reference | None, dims: Dims, dtype: torch.dtype) -> dict[str, Any]:
+    """Run ``graph_file`` (a prefill graph) in ``out_dir`` on ``ref``'s tokens and compare its
+    logits with ``ref``'s (None only where ``dtype`` cannot run on the CPU provider: skipped)."""
+    if not ort_dtype_ok(dtype) or ref is None:
         return {"skipped": f"ONNX Runtime's CPU provider cannot run {dtype} graphs"}
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    prefill = ort.InferenceSession(str(out_dir / files["prefill"]), options, providers=["CPUExecutionProvider"])
-    decode = ort.InferenceSession(str(out_dir / files["decode"]), options, providers=["CPUExecutionProvider"])
+    options.add_session_config_entry("session.disable_prepacking", "1")  # a few calls: packing would copy weights
+    options.intra_op_num_threads = 1  # a dozen tokens (see reference())
+    session = ort.InferenceSession(str(out_dir / graph_file), options, providers=["CPUExecutionProvider"])
 
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, dims.vocab_size, (1, PROMPT_TOKENS), generator=generator)
     np_dtype = np.float16 if dtype == torch.float16 else np.float32
     shape = (1, dims.num_kv_heads, CAPACITY, dims.head_dim)
     past = [np.zeros(shape, np_dtype) for _ in range(2 * dims.num_layers)]
     past_names = contract.past_names(dims.num_layers)
-
-    outputs = prefill.run(
-        None,
-        {
-            contract.INPUT_IDS: ids.numpy(),
-            contract.POSITION_IDS: np.arange(PROMPT_TOKENS, dtype=np.int64)[None],
-            contract.WRITE_INDICES: np.zeros(1, np.int64),
-            contract.INPUT_LENGTHS: np.array([PROMPT_TOKENS], np.int64),
-            **dict(zip(past_names, past)),
-        },
-    )
-    ours = [outputs[0][0].astype(np.float32)]
-    past = outputs[1:]
-    tokens = ids[0].tolist()
-    for step in range(DECODE_STEPS):
-        tokens.append(int(ours[-1].argmax()))
-        pos = PROMPT_TOKENS + step
-        outputs = decode.run(
+    ours = []
+    start, count = 0, PROMPT_TOKENS
+    for _ in range(DECODE_STEPS + 1):  # the prefill, then one token per decode step
+        outputs = session.run(
             None,
             {
-                contract.INPUT_IDS: np.array([[tokens[-1]]], np.int64),
-                contract.POSITION_IDS: np.array([[pos]], np.int64),
-                contract.WRITE_INDICES: np.array([pos], np.int64),
+                contract.INPUT_IDS: np.array([ref.tokens[start : start + count]], np.int64),
+                contract.POSITION_IDS: np.arange(start, start + count, dtype=np.int64)[None],
+                contract.WRITE_INDICES: np.array([start], np.int64),
+                contract.INPUT_LENGTHS: np.array([count], np.int64),
                 **dict(zip(past_names, past)),
             },
         )
         ours.append(outputs[0][0].astype(np.float32))
         past = outputs[1:]
-
-    with torch.no_grad():
-        logits = reference(torch.tensor([tokens])).logits[0].float().numpy()  # (T, V)
-    theirs = logits[PROMPT_TOKENS - 1 :]
-    diffs = [float(np.abs(a - b).max()) for a, b in zip(ours, theirs)]
+        start, count = start + count, 1
+    diffs = [float(np.abs(a - b).max()) for a, b in zip(ours, ref.logits)]
     return {
         "reference": "transformers eager",
         "provider": "CPUExecutionProvider",
-        "graphs": [files["prefill"], files["decode"]],
+        "graphs": [graph_file],
+        "session": "one session: the decode steps run through the prefill graph, as the runtime does by default",
         "prompt_tokens": PROMPT_TOKENS,
         "decode_steps": DECODE_STEPS,
         "prefill_max_abs_diff": diffs[0],
         "decode_max_abs_diff": max(diffs[1:]),
-        "greedy_match": bool(all(int(a.argmax()) == int(b.argmax()) for a, b in zip(ours, theirs))),
+        "greedy_match": bool(all(int(a.argmax()) == int(b.argmax()) for a, b in zip(ours, ref.logits))),
     }
 
 

@@ -1,9 +1,15 @@
 """``compile_model``: a Hugging Face model directory -> a kvforge artifact directory.
 
-Runs the stages in order (load -> export -> shared weights -> parity -> manifest) into a temporary
-sibling directory and renames it into place only when everything succeeded, so an interrupted or
+Runs the stages in order (load -> transformers reference -> export ONE general graph -> shared
+weights + the derived prefill/decode/score graphs -> ORT optimization of the general graph + the
+derived ``.ort.onnx`` graphs -> parity -> manifest) into a temporary sibling directory and renames
+it into place only when everything succeeded, so an interrupted or
 failed compile never leaves a directory that loads as an artifact. Progress goes to ``progress``
-(stderr by default).
+(stderr by default): a line when each stage starts and one with its time when it ends.
+
+Memory: the torch model lives until the export ends (the transformers reference runs on it
+first, so no second model is loaded); the weights then stream to ``weights.data`` one tensor at a
+time; the ORT optimizer and the parity session map ``weights.data`` and do not prepack.
 
 Output layout (see docs/manifest.md)::
 
@@ -14,6 +20,7 @@ Output layout (see docs/manifest.md)::
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import shutil
 import sys
@@ -24,20 +31,24 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 import kvforge.compile.export as export_stage
+from kvforge.compile import derive as derive_stage
 from kvforge.compile import load as load_stage
 from kvforge.compile import optimize as optimize_stage
 from kvforge.compile import parity as parity_stage
 from kvforge.compile import quantize as quantize_stage
 from kvforge.compile import tokenizer as tokenizer_stage
-from kvforge.compile.weights import write_shared
+from kvforge.compile.optimize import ORT_SUFFIX
+from kvforge.compile.weights import SharedWeights
 from kvforge.graphs import contract, lowering
 from kvforge.graphs import manifest as mf
 from kvforge.graphs.architectures import UnsupportedArchitectureError, supported
 
 Progress = Callable[[str], None]
 DEFAULT_MAX_SEQ = 512
+GENERAL = "general"  # the one traced graph's file stem while compiling (not part of the artifact)
 # --target -> (default dtype, default lowering). cpu: today's ORT CPU graphs; cuda: ORT's CUDA
 # provider (GroupQueryAttention); tensorrt: the portable onnx lowering TensorRT parses.
 TARGETS = {"cpu": ("float32", "gqa"), "cuda": ("float16", "gqa"), "tensorrt": ("float16", "onnx")}
@@ -247,6 +258,29 @@ def _build_if_possible(out: Path, manifest: mf.Manifest, gpu_memory: str | None,
     return mf.read(out, verify=False)
 
 
+class _Stages:
+    """Progress lines: ``[i/N  t s] what`` when a stage starts (t: seconds since compile began) and
+    ``[i/N  t s] <stage> took x s (details)`` when it ends, so every stage's time is in the log."""
+
+    def __init__(self, say: Progress, started: float, total: int) -> None:
+        self.say, self.started, self.total = say, started, total
+        self.index, self.name, self.stage_started = 0, "", started
+
+    def start(self, name: str, text: str) -> None:
+        self.end()
+        self.index, self.name, self.stage_started = self.index + 1, name, time.perf_counter()
+        self.say(f"[{self.index}/{self.total} {self.stage_started - self.started:6.1f}s] {text}")
+
+    def end(self, details: str = "") -> None:
+        if not self.name:
+            return
+        now = time.perf_counter()
+        suffix = f" ({details})" if details else ""
+        took = now - self.stage_started
+        self.say(f"[{self.index}/{self.total} {now - self.started:6.1f}s] {self.name} took {took:.1f}s{suffix}")
+        self.name = ""
+
+
 def _compile_into(
     model_dir: Path,
     tmp: Path,
@@ -258,24 +292,23 @@ def _compile_into(
 ) -> mf.Manifest:
     # ORT's CPU provider has no bfloat16 kernels, so it cannot optimize (or run) such graphs.
     optimize = options.optimize and options.dtype != "bfloat16"
-    total = 7 if optimize else 6
+    torch_dtype = load_stage.DTYPES[options.dtype]
+    stages = _Stages(say, started, 6 + optimize + bool(options.quantize))
+    names = [g for g in contract.GRAPHS if g != "score" or options.score_graph]
 
-    def step(i: int, text: str) -> None:
-        say(f"[{i}/{total} {time.perf_counter() - started:6.1f}s] {text}")
-
-    step(1, f"loading {model_dir} ({options.dtype})")
+    stages.start("load", f"loading {model_dir} ({options.dtype})")
     loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code)
     dims, loaded_spec = loaded.dims, loaded.spec
+    stages.start("reference", "running transformers (eager) on the parity prompt, on the loaded model")
+    reference = _reference(model_dir, loaded, options.dtype, options.trust_remote_code)
     try:
-        step(2, f"exporting prefill graph ({dims.num_layers} layers, lowering {options.lowering})")
-        prefill = export_stage.export_prefill(loaded, options.lowering, options.max_batch, options.max_seq)
-        step(3, "exporting decode graph" + (" and score graph (all-position logits)" if options.score_graph else ""))
-        graphs = {"prefill": prefill}
-        graphs["decode"] = export_stage.export_decode(loaded, options.lowering, options.max_batch, options.max_seq)
-        if options.score_graph:
-            graphs["score"] = export_stage.export_prefill(
-                loaded, options.lowering, options.max_batch, options.max_seq, all_logits=True
-            )
+        stages.start(
+            "export",
+            f"exporting the model once ({dims.num_layers} layers, lowering {options.lowering}): one general "
+            f"graph, from which the {', '.join(names)} graphs are derived",
+        )
+        times = export_stage.ExportTimes()
+        general = export_stage.export_general(loaded, options.lowering, options.max_batch, options.max_seq, times)
     except Exception as e:
         if loaded_spec.verified:
             raise
@@ -284,30 +317,43 @@ def _compile_into(
             f"{loaded_spec.architecture} took the generic path and could not be exported "
             f"({type(e).__name__}: {first_line}); kvforge verifies: {supported()}"
         ) from e
-    del prefill, loaded
+    # The torch model goes now: the graph holds views of the parameters it needs, released one by
+    # one as the weights file takes them.
+    del loaded
+    gc.collect()
     if options.quantize:
-        step(
-            4,
-            f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size}), "
-            "then writing graphs and one shared weights file",
-        )
-        graphs = quantize_stage.quantize(graphs, options.quantize, options.block_size)
+        stages.end(str(times))
+        stages.start("quantize", f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size})")
+        general = quantize_stage.quantize({GENERAL: general}, options.quantize, options.block_size)[GENERAL]
+        stages.start("write", "writing one shared weights file and deriving the graphs")
     else:
-        step(4, "writing graphs and one shared weights file")
-    names = list(graphs)
-    weights = write_shared(graphs, tmp)
-    del graphs
+        stages.end(str(times))
+        stages.start("write", "writing one shared weights file and deriving the graphs")
+    weights = SharedWeights(tmp)
+    weights.externalize(general)
+    gc.collect()
+    for name in names:
+        weights.save(derive_stage.derive(general, name), name)
+    weights.save(general, GENERAL)  # the optimizer's input; not part of the artifact
+    del general
     optimized = {}
     if optimize:
-        step(5, "optimizing the graphs for ONNX Runtime (fusions, offline graph optimization)")
-        optimized = optimize_stage.optimize_graphs(tmp, names, weights)
-    report = weights.report()
+        stages.start("optimize", "optimizing for ONNX Runtime once (fusions, offline optimizer), then deriving")
+        optimize_times: dict[str, float] = {}
+        [general_file] = optimize_stage.optimize_graphs(tmp, [GENERAL], weights, optimize_times).values()
+        started_derive = time.perf_counter()
+        general_ort = ir.load(tmp / general_file)
+        for name in names:
+            optimized[name] = weights.save(derive_stage.derive(general_ort, name), name + ORT_SUFFIX).name
+        del general_ort
+        optimize_times["derived"] = time.perf_counter() - started_derive
+        stages.end(", ".join(f"{step} {seconds:.1f}s" for step, seconds in optimize_times.items()))
+    for leftover in tmp.glob(f"{GENERAL}*"):
+        leftover.unlink()
     tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
-    step(total - 1, "checking parity against transformers")
-    reference = load_stage.load_reference(model_dir, options.dtype, trust_remote_code=options.trust_remote_code)
-    run_files = {g: optimized.get(g, f"{g}.onnx") for g in ("prefill", "decode")}  # what the runtime runs
-    parity = parity_stage.measure(tmp, run_files, reference, dims, load_stage.DTYPES[options.dtype])
-    del reference
+    stages.start("parity", "checking parity against transformers")
+    run_file = optimized.get("prefill", "prefill.onnx")  # what the runtime runs
+    parity = parity_stage.measure(tmp, run_file, reference, dims, torch_dtype)
     if not loaded_spec.verified and not options.quantize:
         problem = parity_stage.failure(parity, options.dtype)
         if problem:
@@ -316,10 +362,33 @@ def _compile_into(
                 f"kvforge verifies: {supported()}"
             )
     parity["verified_family"] = loaded_spec.verified
-    step(total, "writing manifest")
+    stages.start("manifest", "writing manifest")
+    report = weights.report()
     manifest = _manifest(model_dir, tmp, options, config, weight_files, dims, report.file, tok, parity, optimized)
     mf.write(manifest, tmp)
+    stages.end()
     return manifest
+
+
+def _reference(
+    model_dir: Path, loaded: load_stage.LoadedModel, dtype: str, trust_remote_code: bool
+) -> parity_stage.Reference | None:
+    """transformers' side of the parity check, on the loaded model itself when its attention can be
+    switched to eager in place, else on a second instance loaded for it and dropped at once. None
+    where ORT's CPU provider cannot run the graphs (bfloat16): parity is then skipped."""
+    if not parity_stage.ort_dtype_ok(load_stage.DTYPES[dtype]):
+        return None
+    try:
+        with parity_stage.as_transformers_eager(loaded.model, bool(loaded.spec.experts_implementation)) as model:
+            return parity_stage.reference(model, loaded.dims)
+    except parity_stage.ReferenceSwitchError:
+        pass
+    separate = load_stage.load_reference(model_dir, dtype, trust_remote_code=trust_remote_code)
+    try:
+        return parity_stage.reference(separate, loaded.dims)
+    finally:
+        del separate
+        gc.collect()
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

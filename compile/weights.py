@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 WEIGHTS_FILE = "weights.data"
@@ -32,8 +33,11 @@ class WeightsReport:
 
 
 class SharedWeights:
-    """The artifact's one weights file. :meth:`add` moves the large initializers of graphs into it
-    (each distinct tensor once, across every call) and saves each graph as ``<name>.onnx``."""
+    """The artifact's one weights file. :meth:`externalize` moves the large initializers of a graph
+    into it (each distinct tensor once, across every call), one tensor at a time: a tensor's bytes
+    are written and its in-memory data released (the graph then points into the file) before the
+    next is read, so moving a graph's weights never holds a second copy of them. :meth:`save`
+    writes a graph as ``<name>.onnx``; :meth:`add` does both."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -44,25 +48,38 @@ class SharedWeights:
         self.references = 0
 
     def add(self, models: dict[str, ir.Model]) -> None:
-        with open(self.path, "r+b") as f:
-            for model in models.values():
-                for value in _initializers(model):
-                    tensor = value.const_value
-                    if tensor is None or tensor.nbytes < SHARE_THRESHOLD:
-                        continue
-                    offset, length = self._store(f, tensor)
-                    value.const_value = ir.ExternalTensor(
-                        location=WEIGHTS_FILE,
-                        offset=offset,
-                        length=length,
-                        dtype=tensor.dtype,
-                        shape=tensor.shape,
-                        name=value.name,
-                        base_dir=self.out_dir,
-                    )
-                    self.references += 1
+        for model in models.values():
+            self.externalize(model)
         for name, model in models.items():
-            ir.save(model, self.out_dir / f"{name}.onnx")
+            self.save(model, name)
+
+    def externalize(self, model: ir.Model) -> None:
+        """Point every initializer of ``model`` of ``SHARE_THRESHOLD`` bytes or more into the weights
+        file, writing the tensors it does not hold yet. In place; ``model``'s own tensors are
+        dropped as they are written (their memory is freed once nothing else holds them)."""
+        with open(self.path, "r+b") as f:
+            for value in _initializers(model):
+                tensor = value.const_value
+                if tensor is None or tensor.nbytes < SHARE_THRESHOLD:
+                    continue
+                offset, length = self._store(f, tensor)
+                value.const_value = ir.ExternalTensor(
+                    location=WEIGHTS_FILE,
+                    offset=offset,
+                    length=length,
+                    dtype=tensor.dtype,
+                    shape=tensor.shape,
+                    name=value.name,
+                    base_dir=self.out_dir,
+                )
+                del tensor
+                self.references += 1
+
+    def save(self, model: ir.Model, name: str) -> Path:
+        """Write ``model`` (its weights already externalized) as ``<name>.onnx``; returns the path."""
+        path = self.out_dir / f"{name}.onnx"
+        ir.save(model, path)
+        return path
 
     def _store(self, f, tensor) -> tuple[int, int]:
         if (
@@ -71,7 +88,7 @@ class SharedWeights:
             and (tensor.offset or 0, tensor.length) in self._locations
         ):
             return tensor.offset or 0, tensor.length  # already in the file (a graph re-saved after a pass)
-        data = tensor.tobytes()
+        data = _raw_bytes(tensor)
         key = (tensor.dtype, tuple(tensor.shape), hashlib.sha256(data).digest())
         if key not in self._by_content:
             end = f.seek(0, 2)
@@ -84,6 +101,18 @@ class SharedWeights:
 
     def report(self) -> WeightsReport:
         return WeightsReport(WEIGHTS_FILE, self.path.stat().st_size, len(self._by_content), self.references)
+
+
+def _raw_bytes(tensor) -> bytes | memoryview:
+    """The tensor's bytes as stored: a view of its own memory where it is contiguous (the
+    embedding table of a model is not copied to be written), a copy otherwise (a transposed
+    weight, a sub-byte type that ``tobytes`` packs)."""
+    if isinstance(tensor, ir.ExternalTensor) or tensor.dtype.bitwidth < 8:
+        return tensor.tobytes()
+    array = tensor.numpy()
+    if not array.flags.c_contiguous or array.nbytes != tensor.nbytes or array.dtype.byteorder == ">":
+        return tensor.tobytes()
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def write_shared(models: dict[str, ir.Model], out_dir: Path) -> SharedWeights:

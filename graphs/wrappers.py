@@ -12,9 +12,16 @@ decode(input_ids [B, 1], position_ids [B, 1], write_indices [B], *past)
 score(input_ids [B, S], position_ids [B, S], write_indices [B], *past)
     -> (logits [B, S, V] at every position, *present)
 
+general(input_ids [B, S], position_ids [B, S], write_indices [B], logit_indices [B, K], *past)
+    -> (logits [B, K, V] at the K positions ``logit_indices`` picks in each row, *present)
+
 ``past``/``present`` alternate key and value per layer, each ``[B, H_kv, S_max, D]``. ``score`` is a
 separate graph so that the prefill graph never computes the ``[B, S, V]`` logits of every position
 (only tools such as perplexity need them).
+
+Compile traces only :class:`GeneralGraph` (one trace of the model) and derives the three contract
+graphs from it by replacing ``logit_indices`` (:mod:`kvforge.compile.derive`). The three direct
+wrappers stay as the reference the derived graphs are tested against.
 """
 
 from __future__ import annotations
@@ -113,3 +120,20 @@ class ScoreGraph(_CausalLMGraph):
     ) -> tuple[torch.Tensor, ...]:
         hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
         return (self._logits(hidden), *presents)  # (B, S, V)
+
+
+class GeneralGraph(_CausalLMGraph):
+    """The one traced graph: every contract graph is this one with ``logit_indices`` replaced."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        write_indices: torch.Tensor,
+        logit_indices: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
+        picks = logit_indices.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (B, K, hidden)
+        hidden = torch.gather(hidden, 1, picks)  # (B, K, hidden)
+        return (self._logits(hidden), *presents)  # (B, K, V)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from kvforge.runtime import Engine
 from kvforge.tools.cli import main
@@ -13,7 +14,13 @@ def test_compile_then_generate(llama_dir, tmp_path, capsys):
     assert main(["compile", str(llama_dir), "-o", str(out), "--max-batch", "2", "--max-seq", "64"]) == 0
     captured = capsys.readouterr()
     assert "compiled LlamaForCausalLM" in captured.out and "greedy match True" in captured.out
-    assert "[kvforge] [1/7" in captured.err and "exporting decode graph" in captured.err  # progress
+    assert "[kvforge] [1/7" in captured.err and "exporting the model once" in captured.err  # progress
+    # Every stage reports its time when it ends: "[i/7   t s] <stage> took x s".
+    took = re.findall(r"\[kvforge\] \[(\d)/7 +[\d.]+s\] (\w+) took ([\d.]+)s", captured.err)
+    stages = ["load", "reference", "export", "write", "optimize", "parity", "manifest"]
+    assert [(int(i), name) for i, name, _ in took] == list(enumerate(stages, 1)), captured.err
+    assert re.search(r"export took [\d.]+s \(trace and ONNX translation [\d.]+s, onnxscript optimizer", captured.err)
+    assert re.search(r"optimize took [\d.]+s \(onnxscript fusions [\d.]+s, ORT offline optimizer", captured.err)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["limits"]["max_batch"] == 2 and manifest["limits"]["max_seq"] == 64
 
