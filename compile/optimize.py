@@ -38,6 +38,7 @@ from pathlib import Path
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from kvforge.compile.fusions import fuse_attention_glue
 from kvforge.compile.weights import SharedWeights
 
 ORT_SUFFIX = ".ort"
@@ -57,6 +58,7 @@ def optimize_graphs(out_dir: Path, names: list[str], weights: SharedWeights) -> 
             model = ir.load(out_dir / f"{name}.onnx")
             model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
+            fuse_attention_glue(model)  # compile/fusions.py: no reshape/transpose glue, lengths once
             # Saved beside weights.data, so the untouched weights stay references into it.
             fused = out_dir / f".{name}.fused.onnx"
             ir.save(model, fused)
