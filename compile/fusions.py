@@ -149,7 +149,10 @@ def _same_dims(a, b) -> bool:
             if x != y:
                 return False
         elif not (
-            isinstance(x, ir.SymbolicDim) and isinstance(y, ir.SymbolicDim) and x.value is not None and x.value == y.value
+            isinstance(x, ir.SymbolicDim)
+            and isinstance(y, ir.SymbolicDim)
+            and x.value is not None
+            and x.value == y.value
         ):
             return False
     return True

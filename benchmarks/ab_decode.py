@@ -1,0 +1,82 @@
+"""Decode step time of two or more kvforge artifacts of the same model, interleaved in one process.
+
+A lever's effect (a compile change) is a few percent of a step on a machine whose load moves the
+step by 20%; timing "before" and "after" in separate runs measures the load. Here every artifact is
+loaded once (one engine each, all held at once), then each round prefills the same prompt on each
+engine in turn and times ``--steps`` greedy decode steps; the median step over all rounds is
+reported per artifact with its node count and the ratio to the first artifact. Tokens must match
+across artifacts (the levers change no value): the script says when they do not.
+
+    python benchmarks/ab_decode.py BEFORE_DIR AFTER_DIR --threads 2 --rounds 5 --steps 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from kvforge.runtime import Engine
+
+
+def nodes(artifact: Path) -> tuple[int, dict[str, int]]:
+    graph = artifact / "prefill.ort.onnx"
+    if not graph.exists():
+        graph = artifact / "prefill.onnx"
+    ops = collections.Counter(n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node)
+    return sum(ops.values()), dict(ops.most_common())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifacts", nargs="+", type=Path)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    args = p.parse_args()
+    print(f"load before: {os.getloadavg()}")
+    engines = [Engine.load(a, threads=args.threads) for a in args.artifacts]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, min(engines[0].vocab_size, 1000), args.prompt_len).tolist() for _ in range(args.batch)]
+    steps: list[list[float]] = [[] for _ in engines]
+    ttft: list[list[float]] = [[] for _ in engines]
+    tokens: list[list[list[int]]] = [[] for _ in engines]
+    for _ in range(args.rounds + 1):  # round 0: warm-up, untimed
+        for i, engine in enumerate(engines):
+            ids = np.zeros(args.batch, dtype=np.int64)
+            start = time.perf_counter()
+            np.argmax(engine.prefill(prompts), axis=-1, out=ids)
+            ttft[i].append(time.perf_counter() - start)
+            out = [ids.tolist()]
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                np.argmax(engine.decode(ids), axis=-1, out=ids)
+                times.append(time.perf_counter() - start)
+                out.append(ids.tolist())
+            steps[i].extend(times if len(ttft[i]) > 1 else [])
+            tokens[i] = out
+    print(f"load after: {os.getloadavg()}")
+    base = statistics.median(steps[0])
+    for i, artifact in enumerate(args.artifacts):
+        n, _ = nodes(artifact)
+        med = statistics.median(steps[i])
+        same = "same tokens" if tokens[i] == tokens[0] else "TOKENS DIFFER"
+        print(
+            f"{artifact.name}: nodes {n}, step p50 {med * 1e3:.2f} ms (mean {statistics.mean(steps[i]) * 1e3:.2f}),"
+            f" ttft p50 {statistics.median(ttft[i][1:]) * 1e3:.1f} ms, ratio {med / base:.3f}, {same}"
+        )
+    for engine in engines:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
