@@ -28,6 +28,7 @@ import onnx
 import kvforge.compile.export as export_stage
 from kvforge.compile import load as load_stage
 from kvforge.compile import optimize as optimize_stage
+from kvforge.compile import packing as packing_stage
 from kvforge.compile import parity as parity_stage
 from kvforge.compile import quantize as quantize_stage
 from kvforge.compile import tokenizer as tokenizer_stage
@@ -267,6 +268,7 @@ def _compile_into(
             f"({type(e).__name__}: {first_line}); kvforge verifies: {supported()}"
         ) from e
     del prefill, loaded
+    packing_stage.pack_projections(graphs)  # q/k/v and gate/up: one MatMul each, stored packed
     if options.quantize:
         step(
             4,
