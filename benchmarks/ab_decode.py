@@ -8,6 +8,10 @@ reported per artifact with its node count and the ratio to the first artifact. T
 across artifacts (the levers change no value): the script says when they do not.
 
     python benchmarks/ab_decode.py BEFORE_DIR AFTER_DIR --threads 2 --rounds 5 --steps 32
+    python benchmarks/ab_decode.py DIR DIR:spin=0 DIR:prepack=0    # one artifact, Engine.load options
+
+An artifact may carry ``Engine.load`` options after a colon (``DIR:spin=0,prepack=0``; 0/1 for the
+boolean options), so one artifact can also be compared with itself under other session settings.
 """
 
 from __future__ import annotations
@@ -33,9 +37,16 @@ def nodes(artifact: Path) -> tuple[int, dict[str, int]]:
     return sum(ops.values()), dict(ops.most_common())
 
 
+def _spec(text: str) -> tuple[Path, dict[str, bool]]:
+    """``DIR`` or ``DIR:spin=0,prepack=0`` -> (path, Engine.load options)."""
+    path, _, options = text.partition(":")
+    pairs = (item.split("=", 1) for item in options.split(",") if item)
+    return Path(path), {key: bool(int(value)) for key, value in pairs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("artifacts", nargs="+", type=Path)
+    p.add_argument("artifacts", nargs="+", help="DIR or DIR:option=value,... (Engine.load options)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=32)
@@ -43,7 +54,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     args = p.parse_args()
     print(f"load before: {os.getloadavg()}")
-    engines = [Engine.load(a, threads=args.threads) for a in args.artifacts]
+    specs = [_spec(a) for a in args.artifacts]
+    engines = [Engine.load(path, threads=args.threads, **options) for path, options in specs]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, min(engines[0].vocab_size, 1000), args.prompt_len).tolist() for _ in range(args.batch)]
     steps: list[list[float]] = [[] for _ in engines]
@@ -66,12 +78,12 @@ def main() -> None:
             tokens[i] = out
     print(f"load after: {os.getloadavg()}")
     base = statistics.median(steps[0])
-    for i, artifact in enumerate(args.artifacts):
+    for i, (artifact, label) in enumerate(zip((path for path, _ in specs), args.artifacts)):
         n, _ = nodes(artifact)
         med = statistics.median(steps[i])
         same = "same tokens" if tokens[i] == tokens[0] else "TOKENS DIFFER"
         print(
-            f"{artifact.name}: nodes {n}, step p50 {med * 1e3:.2f} ms (mean {statistics.mean(steps[i]) * 1e3:.2f}),"
+            f"{Path(label).name}: nodes {n}, step p50 {med * 1e3:.2f} ms (mean {statistics.mean(steps[i]) * 1e3:.2f}),"
             f" ttft p50 {statistics.median(ttft[i][1:]) * 1e3:.1f} ms, ratio {med / base:.3f}, {same}"
         )
     for engine in engines:
