@@ -309,6 +309,8 @@ def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
         load_kwargs["threads"] = job["threads"]
     if job.get("prepack") is not None:
         load_kwargs["prepack"] = job["prepack"]
+    if job.get("spin") is not None:
+        load_kwargs["spin"] = job["spin"]
     if "one_session" in accepted:
         load_kwargs["one_session"] = job.get("one_session", True)
     before = rss_bytes()
@@ -644,6 +646,14 @@ def main(argv: list[str] | None = None) -> None:
         help="kvforge: Engine.load(prepack=False), one shared memory-mapped copy of the weights",
     )
     p.add_argument(
+        "--no-spin",
+        dest="spin",
+        action="store_const",
+        const=False,
+        default=None,
+        help="kvforge: Engine.load(spin=False), idle ORT threads block instead of spinning (a shared machine)",
+    )
+    p.add_argument(
         "--two-sessions",
         action="store_true",
         help="kvforge: Engine.load(one_session=False), decode steps on the decode graph's own session",
@@ -707,6 +717,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeat": args.repeat,
         "threads": args.threads,
         "prepack": args.prepack,
+        "spin": args.spin,
         "one_session": not args.two_sessions,
         "eos_token_id": shape.eos_token_id,
     }
@@ -730,7 +741,8 @@ def main(argv: list[str] | None = None) -> None:
     for lowering, out in artifacts.items():
         kvforge_job = {**base_job, "out": str(out)}
         step_bytes = graph_weight_bytes_per_step(kvforge_decode_graph(out))
-        plan.append((f"kvforge[{lowering}] ({quantize or 'fp32'})", sys.executable, "kvforge", kvforge_job, step_bytes))
+        label = f"kvforge[{lowering}] ({quantize or 'fp32'}{', no spin' if args.spin is False else ''})"
+        plan.append((label, sys.executable, "kvforge", kvforge_job, step_bytes))
 
     roofline_job = {"bytes": int(args.roofline_gib * 2**30), "threads": args.threads, "repeat": args.roofline_repeat}
     bandwidth_before = None

@@ -40,6 +40,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from kvforge.compile.export import without_unmatched_rules
+from kvforge.compile.fusions import fuse_attention_glue
 from kvforge.compile.weights import SharedWeights
 
 ORT_SUFFIX = ".ort"
@@ -75,6 +76,7 @@ def optimize_graphs(
             with without_unmatched_rules():
                 model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
+            fuse_attention_glue(model)  # compile/fusions.py: no reshape/transpose glue, lengths once
             # Saved beside weights.data, so the untouched weights stay references into it.
             fused = out_dir / f".{name}.fused.onnx"
             ir.save(model, fused)

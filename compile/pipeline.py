@@ -37,6 +37,7 @@ import kvforge.compile.export as export_stage
 from kvforge.compile import derive as derive_stage
 from kvforge.compile import load as load_stage
 from kvforge.compile import optimize as optimize_stage
+from kvforge.compile import packing as packing_stage
 from kvforge.compile import parity as parity_stage
 from kvforge.compile import quantize as quantize_stage
 from kvforge.compile import tokenizer as tokenizer_stage
@@ -321,6 +322,7 @@ def _compile_into(
     # one as the weights file takes them.
     del loaded
     gc.collect()
+    packing_stage.pack_projections({GENERAL: general})  # q/k/v and gate/up: one MatMul each, stored packed
     if options.quantize:
         stages.end(str(times))
         stages.start("quantize", f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size})")
