@@ -39,6 +39,7 @@ def fuse_attention_glue(model: ir.Model) -> dict[str, int]:
     counts = {"length_shapes": share_length_shapes(model.graph)}
     CommonSubexpressionEliminationPass()(model)
     counts["rotary_3d"] = Rotary3D.rule().apply_to_model(model)
+    _name_rotaries(model.graph)
     counts["noop_reshapes"] = remove_noop_reshapes(model.graph)
     RemoveUnusedNodesPass()(model)
     return counts
@@ -102,6 +103,20 @@ class Rotary3D(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, y, cos, sin, view, **_):
         return op.RotaryEmbedding(y, cos, sin, interleaved=0, num_heads=view.shape[2])
+
+
+def _name_rotaries(graph: ir.Graph) -> None:
+    """Name each 3-D rotary after the attention it feeds (``/model/layers.0/self_attn/rotary_q``),
+    so the rewritten graph stays traceable to transformers' modules."""
+    for node in graph:
+        if node.op_type != "GroupQueryAttention" or not node.name or "/" not in node.name:
+            continue
+        scope = node.name.rsplit("/", 1)[0]
+        for index, tag in ((0, "q"), (1, "k")):
+            value = node.inputs[index] if len(node.inputs) > index else None
+            rotary = value.producer() if value is not None else None
+            if rotary is not None and rotary.op_type == "RotaryEmbedding" and "num_heads" in rotary.attributes:
+                rotary.name = f"{scope}/rotary_{tag}"
 
 
 def remove_noop_reshapes(graph: ir.Graph) -> int:

@@ -90,7 +90,8 @@ def test_llama_attention_reads_projections_directly_and_lengths_once(cases):
         if node.op_type == "GroupQueryAttention":  # q, k, v straight from the projections/rotaries
             assert [i.producer().op_type for i in node.inputs[:3]] == ["RotaryEmbedding", "RotaryEmbedding", "MatMul"]
             assert {u.op_type for u, _ in node.outputs[0].uses()} == {"MatMul"}  # o_proj, no Reshape between
-        if node.op_type == "RotaryEmbedding":
+        if node.op_type == "RotaryEmbedding":  # named after its layer: /model/layers.N/self_attn/rotary_q|k
+            assert node.name.startswith("/model/layers.") and node.name.endswith(("/rotary_q", "/rotary_k"))
             assert len(node.inputs[0].shape) == 3 and node.attributes.get_int("num_heads") in (
                 dims.num_heads,
                 dims.num_kv_heads,
