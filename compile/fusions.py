@@ -152,6 +152,7 @@ def _infer_attention_output_shapes(graph: ir.Graph) -> None:
         query, key, output = node.inputs[0], node.inputs[1], node.outputs[0]
         if output.shape is None and key is not None and query is not None and query.shape is not None:
             output.shape = query.shape
+            output.type = output.type or query.type  # a shape without a type is not serialized
 
 
 def _same_dims(a, b) -> bool:
