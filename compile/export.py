@@ -102,7 +102,15 @@ def _export(
     started = time.perf_counter()
     model = onnx_program.model
     del onnx_program
+    initial = list(model.graph.initializers.values())
     optimize_exported(model)
+    kept = {id(value) for value in model.graph.initializers.values()}
+    for value in initial:
+        if id(value) not in kept:
+            # Folded away (a transposed copy replaced it). onnxscript's module-level rewrite rules
+            # keep the last graph they matched, and with it this value: without this, its torch
+            # parameter (and the checkpoint's memory map) would outlive the torch model.
+            value.const_value = None
     _name_nodes(model)
     times.add("onnxscript optimizer", time.perf_counter() - started)
     return model
