@@ -103,7 +103,7 @@ def _export(
     model = onnx_program.model
     del onnx_program
     optimize_exported(model)
-    _drop_stale_weights(model, module)
+    _drop_stale_weights(module)
     _name_nodes(model)
     times.add("onnxscript optimizer", time.perf_counter() - started)
     return model
@@ -140,8 +140,8 @@ def optimize_exported(model) -> None:
         onnxscript.optimizer.optimize_ir(model)
 
 
-def _drop_stale_weights(model, module: torch.nn.Module) -> None:
-    """Empty every ONNX value outside ``model``'s initializers that still holds one of ``module``'s
+def _drop_stale_weights(module: torch.nn.Module) -> None:
+    """Empty every ONNX value that is no graph's initializer and still holds one of ``module``'s
     parameters or buffers. The optimizer leaves such values behind: the initializers it folded
     away (a transposed copy replaced each) and a duplicate of a tied weight; onnx_ir's graph keeps
     stale values in its input bookkeeping, and onnxscript's module-level rewrite rules keep the
@@ -153,9 +153,10 @@ def _drop_stale_weights(model, module: torch.nn.Module) -> None:
     import onnx_ir as ir
 
     ours = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]} - {0}
-    kept = {id(value) for value in model.graph.initializers.values()}
     for obj in gc.get_objects():
-        if not isinstance(obj, ir.Value) or id(obj) in kept:
+        # An initializer of a live graph (this one, or another traced from the same model and
+        # not written yet) keeps its tensor; a value no graph holds as an initializer is stale.
+        if not isinstance(obj, ir.Value) or obj.is_initializer():
             continue
         raw = getattr(obj.const_value, "raw", None)  # the exporter's TorchTensor wraps a torch tensor
         if isinstance(raw, torch.Tensor) and raw.untyped_storage().data_ptr() in ours:
