@@ -153,10 +153,13 @@ def _drop_stale_weights(module: torch.nn.Module) -> None:
     import onnx_ir as ir
 
     ours = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]} - {0}
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on deprecated torch objects warns
+        stale = [obj for obj in gc.get_objects() if isinstance(obj, ir.Value)]
+    for obj in stale:
         # An initializer of a live graph (this one, or another traced from the same model and
         # not written yet) keeps its tensor; a value no graph holds as an initializer is stale.
-        if not isinstance(obj, ir.Value) or obj.is_initializer():
+        if obj.is_initializer():
             continue
         raw = getattr(obj.const_value, "raw", None)  # the exporter's TorchTensor wraps a torch tensor
         if isinstance(raw, torch.Tensor) and raw.untyped_storage().data_ptr() in ours:
