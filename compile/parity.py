@@ -7,8 +7,9 @@ are never in memory together:
    own model (its attention switched to ``"eager"`` for the call and back, so no second model is
    loaded) greedily extends a random 8-token prompt by 4 tokens and records its logits at the
    last prompt token and at each new one.
-2. :func:`measure`, on the written artifact: ONE ONNX Runtime CPU session (no weight prepacking;
-   ``weights.data`` is memory-mapped) on the graph the runtime runs, prefill of the prompt, then
+2. :func:`measure`, on the written artifact: ONE ONNX Runtime CPU session (no weight prepacking,
+   no graph optimization, no arena: ``weights.data`` is memory-mapped and never copied) on the
+   graph the runtime runs, prefill of the prompt, then
    the 4 decode steps through the same session (as the runtime's default ``one_session`` does),
    fed the reference's tokens. It reports the largest absolute logit difference of the prefill
    and of the decode steps, and whether every greedy token agrees (then both sides generated the
@@ -101,8 +102,15 @@ def measure(out_dir: Path, graph_file: str, ref: Reference | None, dims: Dims, d
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.add_session_config_entry("session.disable_prepacking", "1")  # a few calls: packing would copy weights
-    options.intra_op_num_threads = 1  # a dozen tokens (see reference())
+    # A dozen tokens through a session that must not copy the weights: no prepacking (a packed
+    # copy per MatMul), no graph optimization (a float16 graph on the CPU provider would get its
+    # weights cast to float32 and constant-folded: 1.6x the weights in memory; the .ort.onnx
+    # graphs are optimized already, and the runtime loads them so), no arena (the casts' buffers
+    # go back as each node ends), one thread (see reference()).
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.enable_cpu_mem_arena = False
+    options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(out_dir / graph_file), options, providers=["CPUExecutionProvider"])
 
     np_dtype = np.float16 if dtype == torch.float16 else np.float32
