@@ -17,6 +17,8 @@ tensor reaches ``weights.data``. A weight that another node also reads (a tied t
 unpacked, since packing it would store its bytes twice. The packing is deterministic, so the
 prefill, decode and score graphs pack to identical tensors and the shared weights file stores each
 once. The portable graphs carry the same MatMul + Split (standard ONNX: TensorRT builds it).
+A packed tensor is lazy: its parts are concatenated only when the weights file takes it, one at a
+time, so packing adds one tensor to compile's peak memory, not a copy of every projection.
 """
 
 from __future__ import annotations
@@ -68,13 +70,18 @@ def _pack(graph: ir.Graph, x: ir.Value, nodes: list[ir.Node]) -> None:
     Split; the parts' initializers are removed."""
     weights = [node.inputs[1] for node in nodes]
     widths = [w.shape[1] for w in weights]
-    data = np.concatenate([w.const_value.numpy() for w in weights], axis=1)  # (K, sum N)
+    parts = [w.const_value for w in weights]
+    packed_name = f"{weights[0].name}.packed"
+    shape = ir.Shape([weights[0].shape[0], sum(widths)])  # (K, sum N)
+
+    def concatenate() -> ir.Tensor:  # run when the weights file takes it: never all packed at once
+        return ir.Tensor(np.concatenate([part.numpy() for part in parts], axis=1), name=packed_name)
+
     first = nodes[0]
     name = f"{first.name}/packed" if first.name else f"{weights[0].name}/packed"
-    packed_weight = ir.Value(
-        name=f"{weights[0].name}.packed", const_value=ir.Tensor(data, name=f"{weights[0].name}.packed")
-    )
-    packed_weight.shape, packed_weight.type = ir.Shape(data.shape), ir.TensorType(weights[0].dtype)
+    lazy = ir.LazyTensor(concatenate, dtype=weights[0].dtype, shape=shape, name=packed_name)
+    packed_weight = ir.Value(name=packed_name, const_value=lazy)
+    packed_weight.shape, packed_weight.type = shape, ir.TensorType(weights[0].dtype)
     graph.register_initializer(packed_weight)
     sizes = ir.Value(
         name=f"{name}/sizes", const_value=ir.tensor(np.array(widths, dtype=np.int64), name=f"{name}/sizes")
