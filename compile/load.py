@@ -9,11 +9,12 @@ that says what is missing and what to do.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from kvforge.compile import generic
 from kvforge.graphs import lowering
 from kvforge.graphs.architectures import ArchSpec, Dims, UnsupportedArchitectureError, lookup, supported
 
@@ -63,9 +64,10 @@ def architecture_of(config: dict) -> str | None:
 
 
 def resolve_spec(config: dict) -> ArchSpec:
-    """The architecture entry, or the generic (unverified) spec for a causal LM whose transformers
-    modules dispatch attention through ``AttentionInterface``; otherwise an error naming the
-    verified families."""
+    """The architecture entry, or the generic (unverified) spec for a decoder-only causal LM whose
+    transformers modules dispatch attention through ``AttentionInterface`` (read from the family's
+    modeling source, :mod:`kvforge.compile.generic`); otherwise an error that names what is missing
+    and lists the verified families."""
     architecture = architecture_of(config)
     spec = lookup(architecture, generic=True)
     if spec.verified:
@@ -80,12 +82,40 @@ def resolve_spec(config: dict) -> ArchSpec:
             f"architecture {architecture!r} is not supported: it is not a decoder-only causal LM that "
             f"transformers {transformers.__version__} knows; kvforge verifies: {supported()}"
         )
-    if not getattr(model_class, "_supports_attention_backend", False):
+    why = generic.refusal(config, model_class)
+    if why:
         raise UnsupportedArchitectureError(
-            f"architecture {architecture!r} is not supported: its transformers modules do not dispatch "
-            f"attention through AttentionInterface; kvforge verifies: {supported()}"
+            f"architecture {architecture!r} is not supported: {why}; kvforge verifies: {supported()}"
         )
-    return spec
+    return generic.spec(architecture, model_class)
+
+
+def probe_generic(model: torch.nn.Module, spec: ArchSpec, dims: Dims) -> Dims:
+    """The cache dimensions of a generic-path model, from what its layers hand the attention
+    function (:func:`kvforge.compile.generic.probe_layers`) rather than from config attribute
+    names; refuses, before export, a model whose layers cannot share one cache layout."""
+    try:
+        layers = generic.probe_layers(model, dims.num_layers)
+    except generic.ProbeError as e:
+        raise UnsupportedArchitectureError(
+            f"architecture {spec.architecture!r} is not supported: {e}; kvforge verifies: {supported()}"
+        ) from e
+    except (RuntimeError, TypeError, ValueError, AttributeError) as e:
+        raise UnsupportedArchitectureError(
+            f"architecture {spec.architecture!r} is not supported: its forward fails when its attention runs "
+            f"through AttentionInterface with kvforge's shape probe ({generic.first_line(e)}); "
+            f"kvforge verifies: {supported()}"
+        ) from e
+    kinds = sorted({(s.kv_heads, s.key_dim, s.value_dim) for s in layers})
+    if len(kinds) > 1:
+        shapes = ", ".join(f"{h} KV heads of {k}/{v}" for h, k, v in kinds)
+        raise UnsupportedArchitectureError(
+            f"architecture {spec.architecture!r} is not supported: its layers differ in KV heads or head "
+            f"sizes ({shapes}; key/value), and kvforge's cache has one layout for all layers; "
+            f"kvforge verifies: {supported()}"
+        )
+    kv_heads, key_dim, value_dim = kinds[0]
+    return replace(dims, num_heads=layers[0].query_heads, num_kv_heads=kv_heads, head_dim=max(key_dim, value_dim))
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
@@ -106,7 +136,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
     model.eval()
-    return LoadedModel(model, spec, Dims.from_config(model.config), config, weights)
+    dims = (
+        Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, Dims.from_config(model.config))
+    )
+    return LoadedModel(model, spec, dims, config, weights)
 
 
 def load_reference(model_dir: str | Path, dtype: str = "float32", attention: str = "eager") -> torch.nn.Module:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.graphs import lowering
 from kvforge.graphs.architectures import ArchSpec
 from kvforge.graphs.lowering import LayerCaches
 
@@ -47,15 +48,15 @@ class _CausalLMGraph(torch.nn.Module):
             seq_len=input_ids.shape[1],
         )
         decoder = self.model.base_model
-        out = decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            # A 4D mask is passed through untouched by transformers' mask builders; the attention
-            # function ignores it and uses the cache-aware masks above.
-            attention_mask=caches.mask(None),
-            use_cache=False,
-            kvforge_caches=caches,
-        )
+        with lowering.active(caches):  # the attention function reads the caches from this context
+            out = decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                # A 4D mask is passed through untouched by transformers' mask builders; the attention
+                # function ignores it and uses the cache-aware masks above.
+                attention_mask=caches.mask(None),
+                use_cache=False,
+            )
         presents = [t for layer in range(len(caches.past)) for t in caches.present[layer]]
         return out.last_hidden_state, presents
 
