@@ -39,14 +39,15 @@ NOT_DECODER = "not a decoder-only LM"
 HF_FAILS = "transformers itself fails"
 RESULTS = (TOKEN_EXACT, REFUSED, FAILED, NOT_DECODER, HF_FAILS)
 
-# The CI sample: one family per distinct path (tests/compile/test_coverage.py asserts each result).
+# The CI sample: one family per distinct path, with its expected result and a phrase of its detail
+# (tests/compile/test_coverage.py asserts both).
 SAMPLE = {
-    "starcoder2": TOKEN_EXACT,  # generic path, standard attention
-    "stablelm": TOKEN_EXACT,  # partial rotary, optional parallel residual, generic path
-    "olmoe": TOKEN_EXACT,  # MoE on the generic path (batched_mm experts)
-    "cohere": TOKEN_EXACT,  # logit scale applied by the generic path
-    "mamba": REFUSED,  # recurrent/state-space layers, refused before export
-    "bert": NOT_DECODER,  # an encoder listed for causal LM
+    "stablelm": (TOKEN_EXACT, ""),  # generic path; no _supports_attention_backend flag, no kwargs to attention
+    "phi": (TOKEN_EXACT, ""),  # partial rotary, parallel attention + MLP residual
+    "olmoe": (TOKEN_EXACT, ""),  # MoE on the generic path (experts exported with batched_mm)
+    "cohere": (TOKEN_EXACT, ""),  # logits * config.logit_scale, read from the family's forward
+    "mamba": (REFUSED, "recurrent/state-space layers"),  # refused before export
+    "bert": (NOT_DECODER, "encoder"),  # an encoder the mapping lists for causal LM
 }
 
 PROMPT = [3, 17, 42, 5, 99, 7, 23, 11]
@@ -259,6 +260,7 @@ class Result:
     detail: str = ""  # the refusal message, the failing stage and error, ...
     seconds: float = 0.0
     verified: bool = False  # in kvforge's verified table
+    carried: bool = False  # copied from an earlier run's cache (--carry), not re-run
 
     @property
     def line(self) -> str:
@@ -412,13 +414,20 @@ def _stage_from_log(log: Path) -> str:
     return stage
 
 
-def run_family(model_type: str, architecture: str, work: Path, timeout: float, fresh: bool = False) -> Result:
-    """One family in a subprocess (cached in ``work/results/<model_type>.json``)."""
+def run_family(
+    model_type: str, architecture: str, work: Path, timeout: float, fresh: bool = False, carry: Path | None = None
+) -> Result:
+    """One family in a subprocess (cached in ``work/results/<model_type>.json``). With ``carry``,
+    a family without a result in ``work`` takes the one cached in ``carry`` instead (marked)."""
     results = work / "results"
     results.mkdir(parents=True, exist_ok=True)
     result_file = results / f"{model_type}.json"
     if result_file.exists() and not fresh:
         return Result(**json.loads(result_file.read_text()))
+    if carry is not None and (carry / "results" / f"{model_type}.json").exists():
+        result = Result(**json.loads((carry / "results" / f"{model_type}.json").read_text()))
+        result.carried = True
+        return result
     log = work / "logs" / f"{model_type}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -447,7 +456,13 @@ def run_family(model_type: str, architecture: str, work: Path, timeout: float, f
 
 
 def survey(
-    only: list[str] | None, work: Path, timeout: float, jobs: int = 1, fresh: bool = False, say=print
+    only: list[str] | None,
+    work: Path,
+    timeout: float,
+    jobs: int = 1,
+    fresh: bool = False,
+    say=print,
+    carry: Path | None = None,
 ) -> list[Result]:
     """Run (or read from the cache) every selected family; returns the results in family order."""
     from concurrent.futures import ThreadPoolExecutor
@@ -458,8 +473,9 @@ def survey(
         raise SystemExit(f"unknown model types {unknown}: not in transformers' causal-LM mapping")
 
     def one(item: tuple[str, str]) -> Result:
-        result = run_family(*item, work, timeout, fresh)
-        say(f"{result.model_type:28s} {result.seconds:6.1f}s  {result.line[:150]}")
+        result = run_family(*item, work, timeout, fresh, carry)
+        mark = " (carried)" if result.carried else ""
+        say(f"{result.model_type:28s} {result.seconds:6.1f}s  {result.line[:150]}{mark}")
         return result
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -487,10 +503,28 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(results: list[Result], command: str, versions: dict[str, str], wall: float | None) -> str:
+def markdown(
+    results: list[Result],
+    command: str,
+    versions: dict[str, str],
+    wall: float | None,
+    load: str = "",
+    before: dict | None = None,
+) -> str:
+    """docs/coverage.md. ``before``: an earlier run's ``--json`` (its counts and per-family results
+    get a column of their own)."""
     from kvforge.graphs.architectures import ARCHITECTURES
 
     total = counts(results)
+    earlier = {r["model_type"]: r for r in (before or {}).get("results", [])}
+    carried = sum(r.carried for r in results)
+    count_rows = (
+        [f"| {name} | {before['counts'].get(name, 0)} | {n} |" for name, n in total.items()]
+        if before
+        else [f"| {name} | {n} |" for name, n in total.items()]
+    )
+    count_head = ["| result | before | now |", "|---|---|---|"] if before else ["| result | families |", "|---|---|"]
+    total_row = f"| **total** | {len(earlier)} | {len(results)} |" if before else f"| **total** | {len(results)} |"
     lines = [
         "# Coverage: the causal-LM families transformers ships",
         "",
@@ -511,26 +545,42 @@ def markdown(results: list[Result], command: str, versions: dict[str, str], wall
         "",
         "## Counts",
         "",
-        "| result | families |",
-        "|---|---|",
-        *(f"| {name} | {n} |" for name, n in total.items()),
-        f"| **total** | {len(results)} |",
+        *count_head,
+        *count_rows,
+        total_row,
         "",
         ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
-        f"Command: `{command}`" + (f" ({wall / 60:.0f} min on 2 shared cores)." if wall else "."),
+        f"Command: `{command}`" + (f" ({wall / 60:.0f} min on 2 shared cores{load})." if wall else "."),
+    ]
+    if before:
+        lines += [
+            "",
+            f"*before*: the same survey on kvforge before the generic-path fixes of issue #14 "
+            f"({before.get('note', 'see its command')}).",
+        ]
+    if carried:
+        lines += [
+            "",
+            f"{carried} results marked *(carried)* were not re-run with this code: they are copied from "
+            "the earlier run's cache (`--carry`).",
+        ]
+    lines += [
         "",
         "## Supported families",
         "",
-        "| model_type | architecture | result | notes |",
-        "|---|---|---|---|",
+        "| model_type | architecture | result | notes |" + (" before |" if before else ""),
+        "|---|---|---|---|" + ("---|" if before else ""),
     ]
     for r in results:
         verified = " (verified table)" if r.architecture in ARCHITECTURES else ""
         detail = "" if r.result == TOKEN_EXACT else r.detail
-        note = (r.detail if r.result == TOKEN_EXACT else "") + verified
+        note = (r.detail if r.result == TOKEN_EXACT else "") + verified + (" *(carried)*" if r.carried else "")
         result = f"{r.result}: {_cell(detail)}" if detail else r.result
-        lines.append(f"| {r.model_type} | {r.architecture} | {result} | {_cell(note)} |")
+        row = f"| {r.model_type} | {r.architecture} | {result} | {_cell(note)} |"
+        if before:
+            row += f" {earlier[r.model_type]['result'] if r.model_type in earlier else ''} |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -544,24 +594,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="ignore cached results")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--doc", type=Path, help="markdown output (default docs/coverage.md for a full run)")
+    parser.add_argument("--carry", type=Path, help="an earlier --work: families not run here take its results")
+    parser.add_argument("--before", type=Path, help="an earlier run's --json, shown beside this run in the doc")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker, args.work, args.work / "results" / f"{args.worker}.json")
         return 0
     only = list(SAMPLE) if args.sample else (args.only.split(",") if args.only else None)
-    started = time.perf_counter()
-    results = survey(only, args.work, args.timeout, args.jobs, args.fresh)
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    results = survey(only, args.work, args.timeout, args.jobs, args.fresh, carry=args.carry)
     wall = time.perf_counter() - started
+    load = f", load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     total = counts(results)
     print(" / ".join(f"{k} {v}" for k, v in total.items()), f"(total {len(results)})")
     command = "python benchmarks/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = args.doc or (DEFAULT_DOC if only is None else None)
     if doc:
-        doc.write_text(markdown(results, command.strip(), _versions(), wall))
+        before = json.loads(args.before.read_text()) if args.before else None
+        doc.write_text(markdown(results, command.strip(), _versions(), wall, load, before))
         print(f"wrote {doc}")
     if args.json:
-        payload = {"versions": _versions(), "counts": total, "results": [asdict(r) for r in results]}
+        payload = {
+            "versions": _versions(),
+            "command": command.strip(),
+            "counts": total,
+            "results": [asdict(r) for r in results],
+        }
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
 

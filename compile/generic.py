@@ -40,6 +40,8 @@ _LOGIT_SCALE = re.compile(
     r"\s*([*/])\s*self\.(?:config\.)?(\w+)\s*(?:#.*)?$",
     re.MULTILINE,
 )
+# DeepSeek sparse attention: a "lightning indexer" picks each query's top-k keys from a cache of its own.
+_SPARSE_INDEXER = ("index_topk", "index_n_heads", "index_topk_blocks")
 _SOFTCAP_ATTR = "final_logit_softcapping"
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
@@ -85,6 +87,12 @@ def refusal(config: dict, model_class: type) -> str | None:
         )
     if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES or _encoder_as_decoder(model_class):
         return "it is an encoder (masked-LM) family that transformers can also run as a decoder, not a decoder-only LM"
+    indexer = [k for k in _SPARSE_INDEXER if config.get(k)]
+    if indexer:
+        return (
+            f"it uses sparse attention whose indexer keeps a key cache of its own ({', '.join(indexer)}), "
+            "which kvforge's KV contract has no place for"
+        )
     source = _module_source(model_class)
     layer_types = config.get("layer_types") or config.get("layers_block_type") or []
     other = sorted({t for t in layer_types if isinstance(t, str) and _NON_ATTENTION_LAYER.search(t)})

@@ -9,7 +9,7 @@ that says what is missing and what to do.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -90,32 +90,42 @@ def resolve_spec(config: dict) -> ArchSpec:
     return generic.spec(architecture, model_class)
 
 
-def probe_generic(model: torch.nn.Module, spec: ArchSpec, dims: Dims) -> Dims:
+def probe_generic(model: torch.nn.Module, spec: ArchSpec) -> Dims:
     """The cache dimensions of a generic-path model, from what its layers hand the attention
     function (:func:`kvforge.compile.generic.probe_layers`) rather than from config attribute
-    names; refuses, before export, a model whose layers cannot share one cache layout."""
-    try:
-        layers = generic.probe_layers(model, dims.num_layers)
-    except generic.ProbeError as e:
-        raise UnsupportedArchitectureError(
-            f"architecture {spec.architecture!r} is not supported: {e}; kvforge verifies: {supported()}"
-        ) from e
-    except (RuntimeError, TypeError, ValueError, AttributeError) as e:
-        raise UnsupportedArchitectureError(
-            f"architecture {spec.architecture!r} is not supported: its forward fails when its attention runs "
-            f"through AttentionInterface with kvforge's shape probe ({generic.first_line(e)}); "
-            f"kvforge verifies: {supported()}"
-        ) from e
-    kinds = sorted({(s.kv_heads, s.key_dim, s.value_dim) for s in layers})
-    if len(kinds) > 1:
-        shapes = ", ".join(f"{h} KV heads of {k}/{v}" for h, k, v in kinds)
-        raise UnsupportedArchitectureError(
-            f"architecture {spec.architecture!r} is not supported: its layers differ in KV heads or head "
-            f"sizes ({shapes}; key/value), and kvforge's cache has one layout for all layers; "
-            f"kvforge verifies: {supported()}"
+    names (which some families define per layer). Layers with smaller key or value heads than the
+    largest are zero-padded to it by the attention function; layers that differ in KV heads, or
+    that do not call the attention function once each, are refused here, before export."""
+    config = model.config
+
+    def refuse(why: str) -> UnsupportedArchitectureError:
+        return UnsupportedArchitectureError(
+            f"architecture {spec.architecture!r} is not supported: {why}; kvforge verifies: {supported()}"
         )
-    kv_heads, key_dim, value_dim = kinds[0]
-    return replace(dims, num_heads=layers[0].query_heads, num_kv_heads=kv_heads, head_dim=max(key_dim, value_dim))
+
+    try:
+        layers = generic.probe_layers(model, config.num_hidden_layers)
+    except generic.ProbeError as e:
+        raise refuse(str(e)) from e
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise refuse(
+            "its forward fails when its attention runs through AttentionInterface with kvforge's shape probe "
+            f"({generic.first_line(e)})"
+        ) from e
+    kv_heads = sorted({s.kv_heads for s in layers})
+    if len(kv_heads) > 1:
+        raise refuse(
+            f"its layers differ in KV heads ({', '.join(map(str, kv_heads))}), and kvforge's cache has one "
+            "layout for all layers"
+        )
+    return Dims(
+        num_layers=len(layers),
+        num_heads=max(s.query_heads for s in layers),
+        num_kv_heads=kv_heads[0],
+        head_dim=max(max(s.key_dim, s.value_dim) for s in layers),
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+    )
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
@@ -136,9 +146,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
     model.eval()
-    dims = (
-        Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, Dims.from_config(model.config))
-    )
+    dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec)
     return LoadedModel(model, spec, dims, config, weights)
 
 
