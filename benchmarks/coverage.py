@@ -323,6 +323,7 @@ def survey_one(model_type: str, work: Path) -> Result:
     try:
         torch.manual_seed(0)
         model = getattr(transformers, architecture)(config).eval()
+        _randomize_zero_matrices(model)
         model.save_pretrained(model_dir)
         reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
         with torch.no_grad():
@@ -388,6 +389,18 @@ def survey_one(model_type: str, work: Path) -> Result:
         return done(FAILED, f"engine: greedy tokens {list(ours)} != transformers {expected}", verified)
     shutil.rmtree(work, ignore_errors=True)  # keep failures' directories for a look, not successes'
     return done(TOKEN_EXACT, f"max |logit diff| {manifest.parity['decode_max_abs_diff']:.2g}", verified)
+
+
+def _randomize_zero_matrices(model) -> None:
+    """Fill weight matrices that a family's init leaves at zero (MoE router gates, for one) with
+    small random values: with all-zero router logits every expert ties, and transformers and ONNX
+    Runtime break top-k ties differently, a difference no trained model has."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and param.is_floating_point() and not param.any():
+                param.normal_(0.0, 0.1)
 
 
 def _worker(model_type: str, work: Path, result_file: Path) -> None:
