@@ -25,6 +25,7 @@ import torch
 
 from kvforge.graphs import lowering
 from kvforge.graphs.architectures import ArchSpec
+from kvforge.graphs.wrappers import decoder_of
 
 # Modules that keep a recurrent state instead of (or beside) a KV cache.
 _RECURRENT = re.compile(
@@ -157,7 +158,7 @@ def probe_layers(model: torch.nn.Module, num_layers: int) -> list[LayerShapes]:
     :class:`ProbeError` when a layer never calls it or calls it twice (shared or missing caches)."""
     records: dict[int, list[tuple[int, int, int, int]]] = {}
     with torch.no_grad(), lowering.active(records):
-        model.base_model(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(3)[None], use_cache=False)
+        decoder_of(model)(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(3)[None], use_cache=False)
     missing = [i for i in range(num_layers) if i not in records]
     twice = [i for i, r in records.items() if len(r) > 1]
     if not records:

@@ -26,6 +26,15 @@ from kvforge.graphs.architectures import ArchSpec
 from kvforge.graphs.lowering import LayerCaches
 
 
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a ``*ForCausalLM`` (its ``base_model``), also for a family whose
+    ``base_model_prefix`` names no submodule, so that ``base_model`` is the LM itself (Llama 4)."""
+    base = model.base_model
+    if base is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        return model.model
+    return base
+
+
 class _CausalLMGraph(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, spec: ArchSpec) -> None:
         super().__init__()
@@ -47,7 +56,7 @@ class _CausalLMGraph(torch.nn.Module):
             write_indices=write_indices,
             seq_len=input_ids.shape[1],
         )
-        decoder = self.model.base_model
+        decoder = decoder_of(self.model)
         with lowering.active(caches):  # the attention function reads the caches from this context
             out = decoder(
                 input_ids=input_ids,

@@ -28,7 +28,7 @@ def coverage():
 
 
 def test_the_sample_gives_each_family_its_expected_result(coverage, tmp_path):
-    results = coverage.survey(list(coverage.SAMPLE), tmp_path, timeout=600, say=lambda _: None)
+    results = coverage.survey(list(coverage.SAMPLE), tmp_path, timeout=600, jobs=2, say=lambda _: None)
     got = {r.model_type: (r.result, r.detail) for r in results}
     for model_type, (expected, phrase) in coverage.SAMPLE.items():
         result, detail = got[model_type]
