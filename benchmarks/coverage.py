@@ -362,6 +362,7 @@ def survey_one(model_type: str, work: Path) -> Result:
             model_dir, out, max_batch=1, max_seq=COMPILE_MAX_SEQ, score_graph=False, progress=progress
         )
     except UnsupportedArchitectureError as e:
+        traceback.print_exc()  # the log keeps the cause (an export error's whole chain)
         message = str(e).split("; kvforge verifies")[0]
         if stage[0] in ("resolve", "load"):
             return done(REFUSED, message)
@@ -565,6 +566,7 @@ def markdown(
         ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
         f"Command: `{command}`" + (f" ({wall / 60:.0f} min on 2 shared cores{load})." if wall else "."),
+        f"The families' own runs (subprocess wall time, summed): {sum(r.seconds for r in results) / 60:.0f} min.",
     ]
     if before:
         lines += [
