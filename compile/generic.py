@@ -44,6 +44,7 @@ _LOGIT_SCALE = re.compile(
 # DeepSeek sparse attention: a "lightning indexer" picks each query's top-k keys from a cache of its own.
 _SPARSE_INDEXER = ("index_topk", "index_n_heads", "index_topk_blocks")
 _SOFTCAP_ATTR = "final_logit_softcapping"
+_STATE_KEYS = ("mamba_", "ssm_", "linear_conv", "linear_num_")
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
 
@@ -97,6 +98,7 @@ def refusal(config: dict, model_class: type) -> str | None:
     source = _module_source(model_class)
     layer_types = config.get("layer_types") or config.get("layers_block_type") or []
     other = sorted({t for t in layer_types if isinstance(t, str) and _NON_ATTENTION_LAYER.search(t)})
+    other += sorted(k for k in config if k.startswith(_STATE_KEYS))[:2]  # state-space sizes (Falcon-H1's mamba_*)
     recurrent = sorted({name for name in _RECURRENT.findall(source) if not name.endswith(_NOT_A_LAYER)})
     if other or recurrent:
         what = ", ".join(other or recurrent[:3])
