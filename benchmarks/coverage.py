@@ -599,6 +599,26 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+README = ROOT / "README.md"
+_COUNTS_START, _COUNTS_END = "<!-- coverage-counts: written by benchmarks/coverage.py -->", "<!-- /coverage-counts -->"
+
+
+def update_readme(readme: Path, results: list[Result], versions: dict[str, str]) -> None:
+    """Rewrite the counts between the README's coverage markers (the README links the table)."""
+    text = readme.read_text()
+    if _COUNTS_START not in text or _COUNTS_END not in text:
+        return
+    total = counts(results)
+    line = (
+        f"With transformers {versions['transformers']}: of {len(results)} model types, "
+        + ", ".join(f"**{n}** {name}" for name, n in total.items())
+        + "."
+    )
+    head, rest = text.split(_COUNTS_START, 1)
+    tail = rest.split(_COUNTS_END, 1)[1]
+    readme.write_text(f"{head}{_COUNTS_START}\n{line}\n{_COUNTS_END}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (default: all)")
@@ -628,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     if doc:
         before = json.loads(args.before.read_text()) if args.before else None
         doc.write_text(markdown(results, command.strip(), _versions(), wall, load, before))
+        if doc == DEFAULT_DOC:
+            update_readme(README, results, _versions())
         print(f"wrote {doc}")
     if args.json:
         payload = {

@@ -45,3 +45,16 @@ def test_tiny_configs_keep_one_layer_of_each_type(coverage):
     assert (config.hidden_size, config.num_attention_heads, config.head_dim, config.vocab_size) == (64, 4, 16, 256)
     moe = coverage.tiny_config("deepseek_v2")  # its default num_experts_per_tok is None
     assert moe.num_experts_per_tok == 2 and moe.n_routed_experts == 4 and moe.first_k_dense_replace <= 1
+
+
+def test_the_readme_counts_are_rewritten_between_their_markers(coverage, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{coverage._COUNTS_START}\nold counts\n{coverage._COUNTS_END}\nrest\n")
+    results = [
+        coverage.Result("llama", "LlamaForCausalLM", coverage.TOKEN_EXACT),
+        coverage.Result("mamba", "MambaForCausalLM", coverage.REFUSED, "recurrent"),
+    ]
+    coverage.update_readme(readme, results, {"transformers": "5.24.0"})
+    text = readme.read_text()
+    assert "old counts" not in text and text.startswith("intro\n") and text.endswith("rest\n")
+    assert "With transformers 5.24.0: of 2 model types, **1** token-exact, **1** refused, **0** failed" in text
