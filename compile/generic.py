@@ -158,9 +158,15 @@ def probe_layers(model: torch.nn.Module, num_layers: int) -> list[LayerShapes]:
     """Run one 3-token forward of ``model`` (attention implementation "kvforge") and record, per
     ``layer_idx``, the shapes each layer passes to the attention function. Raises
     :class:`ProbeError` when a layer never calls it or calls it twice (shared or missing caches)."""
-    records: dict[int, list[tuple[int, int, int, int]]] = {}
+    records: dict = {}  # layer_idx -> [(kv_heads, key_dim, value_dim, query_heads)], "unhandled" -> names
     with torch.no_grad(), lowering.active(records):
         decoder_of(model)(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(3)[None], use_cache=False)
+    unhandled = sorted(records.pop("unhandled", ()))
+    if unhandled:
+        raise ProbeError(
+            f"its layers pass {', '.join(unhandled)} to the attention function (attention sinks or another "
+            "term kvforge's attention does not implement)"
+        )
     missing = [i for i in range(num_layers) if i not in records]
     twice = [i for i, r in records.items() if len(r) > 1]
     if not records:

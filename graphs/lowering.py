@@ -237,6 +237,10 @@ class LayerCaches:
 
 
 ATTN_IMPLEMENTATION = "kvforge"
+# Tensors transformers may pass to every attention function that kvforge's masks and positions
+# already account for; any other tensor argument (GPT-OSS's attention sinks ``s_aux``, ...) changes
+# the attention itself, and the shape probe refuses the family.
+_IGNORED_TENSORS = frozenset({"position_ids", "cache_position"})
 
 # The caches (or the probe's records) of the forward in progress. A context, not a forward kwarg:
 # not every family threads unknown kwargs from its decoder down to its attention modules.
@@ -286,6 +290,8 @@ def kvforge_attention(
     state = kvforge_caches if kvforge_caches is not None else kvforge_probe
     state = state if state is not None else _ACTIVE.get()
     if isinstance(state, dict):
+        extra = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORED_TENSORS)
+        state.setdefault("unhandled", set()).update(extra)
         return _probe(module, query, key, value, scaling, sliding_window, softcap, state)
     if state is None:
         raise RuntimeError("the kvforge attention runs only inside a kvforge export wrapper")

@@ -2,7 +2,7 @@
 refused, naming the verified families, when it fails or cannot take the path at all. What the path
 reads from transformers' modeling source (experts implementation, logit scaling) and the refusals
 it gives before export (multimodal, encoder-decoder, encoder, recurrent layers, no
-AttentionInterface dispatch, layers that call attention twice) are checked on the real
+AttentionInterface dispatch, layers that call attention twice or pass it attention sinks) are checked on the real
 transformers classes, without compiling."""
 
 from __future__ import annotations
@@ -92,13 +92,24 @@ def test_moe_families_export_experts_with_batched_mm():
     assert generic.spec("Starcoder2ForCausalLM", transformers.Starcoder2ForCausalLM).experts_implementation is None
 
 
-def test_a_layer_calling_attention_twice_is_refused_before_export(tmp_path):
-    # DiffLlama's differential attention calls the attention function twice per layer (two value
-    # halves): two caches per layer, which the KV contract has no place for.
-    model = families.build(tmp_path / "m", "DiffLlamaForCausalLM", "DiffLlamaConfig", {})
+@pytest.mark.parametrize(
+    ("architecture", "config_class", "overrides", "message"),
+    [
+        # DiffLlama's differential attention calls the attention function twice per layer (two value
+        # halves): two caches per layer, which the KV contract has no place for.
+        ("DiffLlamaForCausalLM", "DiffLlamaConfig", {}, r"layers \[0, 1\] call the attention function more than once"),
+        # GPT-OSS hands its attention sinks (s_aux) to the attention function.
+        (
+            "GptOssForCausalLM",
+            "GptOssConfig",
+            {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8},
+            r"its layers pass s_aux to the attention function",
+        ),
+    ],
+)
+def test_the_shape_probe_refuses_before_export(tmp_path, architecture, config_class, overrides, message):
+    model = families.build(tmp_path / "m", architecture, config_class, overrides)
     messages = []
-    with pytest.raises(
-        UnsupportedArchitectureError, match=r"layers \[0, 1\] call the attention function more than once"
-    ):
+    with pytest.raises(UnsupportedArchitectureError, match=message):
         compile_model(model, tmp_path / "out", max_batch=1, max_seq=32, progress=messages.append)
     assert not any("exporting" in m for m in messages)  # refused at load, before export
