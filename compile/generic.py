@@ -44,7 +44,6 @@ _LOGIT_SCALE = re.compile(
 # DeepSeek sparse attention: a "lightning indexer" picks each query's top-k keys from a cache of its own.
 _SPARSE_INDEXER = ("index_topk", "index_n_heads", "index_topk_blocks")
 _SOFTCAP_ATTR = "final_logit_softcapping"
-_TOWERS = ("vision_config", "audio_config")  # a multimodal model's encoders, in its config
 _STATE_KEYS = ("mamba_", "ssm_", "linear_conv", "linear_num_")
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
@@ -75,7 +74,7 @@ def refusal(config: dict, model_class: type) -> str | None:
 
     architecture = model_class.__name__
     model_type = config.get("model_type")
-    if architecture.endswith("ForConditionalGeneration") or any(config.get(k) for k in _TOWERS):
+    if architecture.endswith("ForConditionalGeneration"):
         return (
             "it is a multimodal model (a text decoder fed by vision or audio towers); kvforge compiles "
             "text-only decoders: compile the family's *ForCausalLM text model instead"
