@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -514,6 +515,7 @@ def _versions() -> dict[str, str]:
 
 
 def _cell(text: str) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # the exporter colours its messages
     return text.replace("|", "\\|").replace("\n", " ")
 
 
@@ -565,7 +567,13 @@ def markdown(
         "",
         ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
-        f"Command: `{command}`" + (f" ({wall / 60:.0f} min on 2 shared cores{load})." if wall else "."),
+        f"Command: `{command}`"
+        + (
+            f" (this invocation: {wall / 60:.0f} min on 2 shared cores{load}; results cached in `--work` by "
+            "earlier invocations are read, not re-run)."
+            if wall
+            else "."
+        ),
         f"The families' own runs (subprocess wall time, summed): {sum(r.seconds for r in results) / 60:.0f} min.",
     ]
     if before:
