@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvforge.compile import generic
 from kvforge.graphs import lowering
 from kvforge.graphs.architectures import ArchSpec, Dims, UnsupportedArchitectureError, lookup, supported
 
@@ -103,10 +104,11 @@ def _model_class(config: dict, model_dir: str | Path | None, trust_remote_code: 
 
 
 def resolve_spec(config: dict, model_dir: str | Path | None = None, trust_remote_code: bool = False) -> ArchSpec:
-    """The architecture entry, or the generic (unverified) spec for a causal LM whose transformers
-    modules dispatch attention through ``AttentionInterface``; otherwise an error naming the
-    verified families. A family that needs remote code (see :func:`needs_remote_code`) is refused
-    unless ``trust_remote_code``; then its own class is checked like any other."""
+    """The architecture entry, or the generic (unverified) spec for a decoder-only causal LM whose
+    transformers modules dispatch attention through ``AttentionInterface`` (read from the family's
+    modeling source, :mod:`kvforge.compile.generic`); otherwise an error that names what is missing
+    and lists the verified families. A family that needs remote code (see :func:`needs_remote_code`)
+    is refused unless ``trust_remote_code``; then its own class is checked like any other."""
     architecture = architecture_of(config)
     spec = lookup(architecture, generic=True)
     if spec.verified and not needs_remote_code(config):
@@ -122,14 +124,51 @@ def resolve_spec(config: dict, model_dir: str | Path | None = None, trust_remote
             f"architecture {architecture!r} is not supported: it is not a decoder-only causal LM that "
             f"transformers {transformers.__version__} knows; kvforge verifies: {supported()}"
         )
-    if not getattr(model_class, "_supports_attention_backend", False):
+    why = generic.refusal(config, model_class)
+    if why:
         raise UnsupportedArchitectureError(
-            f"architecture {architecture!r} is not supported: its transformers modules do not dispatch "
-            f"attention through AttentionInterface; kvforge verifies: {supported()}"
+            f"architecture {architecture!r} is not supported: {why}; kvforge verifies: {supported()}"
         )
-    if remote:  # its own code, whatever its name: never a verified entry
-        return ArchSpec(architecture or model_class.__name__, verified=False, notes="remote code, generic path")
-    return spec
+    # remote code, whatever its name, is never a verified entry: generic.spec is unverified
+    return generic.spec(architecture or model_class.__name__, model_class)
+
+
+def probe_generic(model: torch.nn.Module, spec: ArchSpec) -> Dims:
+    """The cache dimensions of a generic-path model, from what its layers hand the attention
+    function (:func:`kvforge.compile.generic.probe_layers`) rather than from config attribute
+    names (which some families define per layer). Layers with smaller key or value heads than the
+    largest are zero-padded to it by the attention function; layers that differ in KV heads, or
+    that do not call the attention function once each, are refused here, before export."""
+    config = model.config
+
+    def refuse(why: str) -> UnsupportedArchitectureError:
+        return UnsupportedArchitectureError(
+            f"architecture {spec.architecture!r} is not supported: {why}; kvforge verifies: {supported()}"
+        )
+
+    try:
+        layers = generic.probe_layers(model, config.num_hidden_layers)
+    except generic.ProbeError as e:
+        raise refuse(str(e)) from e
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise refuse(
+            "its forward fails when its attention runs through AttentionInterface with kvforge's shape probe "
+            f"({generic.first_line(e)})"
+        ) from e
+    kv_heads = sorted({s.kv_heads for s in layers})
+    if len(kv_heads) > 1:
+        raise refuse(
+            f"its layers differ in KV heads ({', '.join(map(str, kv_heads))}), and kvforge's cache has one "
+            "layout for all layers"
+        )
+    return Dims(
+        num_layers=len(layers),
+        num_heads=max(s.query_heads for s in layers),
+        num_kv_heads=kv_heads[0],
+        head_dim=max(max(s.key_dim, s.value_dim) for s in layers),
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+    )
 
 
 class WeightsMismatchError(ModelDirError):
@@ -200,7 +239,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", trust_remote_code:
         raise
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
-    return LoadedModel(model, spec, Dims.from_config(model.config), config, weights)
+    dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec)
+    return LoadedModel(model, spec, dims, config, weights)
 
 
 def load_reference(

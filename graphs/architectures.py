@@ -21,6 +21,7 @@ class ArchSpec:
     final_softcap_attr: config attribute of a final logit soft-cap ``tanh(x / c) * c`` that the
         family's ``*ForCausalLM.forward`` applies after the lm_head (Gemma 2).
     logit_divisor_attr: config attribute the logits are divided by after the lm_head (Granite).
+    logit_multiplier_attr: config attribute the logits are multiplied by after the lm_head (Cohere).
     experts_implementation: transformers experts implementation to export MoE blocks with. The
         default ("eager") loops over experts with data-dependent shapes, which does not export;
         "batched_mm" gathers each token's expert weights and runs batched matmuls: static shapes.
@@ -32,6 +33,7 @@ class ArchSpec:
     architecture: str
     final_softcap_attr: str | None = None
     logit_divisor_attr: str | None = None
+    logit_multiplier_attr: str | None = None
     experts_implementation: str | None = None
     verified: bool = True
     notes: str = ""
@@ -40,7 +42,9 @@ class ArchSpec:
         return float(getattr(config, self.final_softcap_attr, None) or 0.0) if self.final_softcap_attr else 0.0
 
     def logit_scale(self, config: Any) -> float:
-        return 1.0 / float(getattr(config, self.logit_divisor_attr)) if self.logit_divisor_attr else 1.0
+        multiplier = getattr(config, self.logit_multiplier_attr, None) if self.logit_multiplier_attr else None
+        divisor = getattr(config, self.logit_divisor_attr, None) if self.logit_divisor_attr else None
+        return float(multiplier or 1.0) / float(divisor or 1.0)
 
 
 _MOE = "batched_mm"

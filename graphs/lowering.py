@@ -24,7 +24,9 @@ buffer), not of the graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +64,8 @@ def cached_attention(
 
 @cached_attention.register_fake
 def _(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
-    return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
+    # Contiguous like the real op's outputs (empty_like would copy the strides of a transposed query)
+    return query.new_empty(query.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
 
 
 def _onnx_translation() -> Callable:
@@ -234,6 +237,26 @@ class LayerCaches:
 
 
 ATTN_IMPLEMENTATION = "kvforge"
+# Tensors transformers may pass to every attention function that kvforge's masks and positions
+# already account for; any other tensor argument (GPT-OSS's attention sinks ``s_aux``, ...) changes
+# the attention itself, and the shape probe refuses the family.
+_IGNORED_TENSORS = frozenset({"position_ids", "cache_position"})
+
+# The caches (or the probe's records) of the forward in progress. A context, not a forward kwarg:
+# not every family threads unknown kwargs from its decoder down to its attention modules.
+_ACTIVE: ContextVar[LayerCaches | dict | None] = ContextVar("kvforge_active", default=None)
+
+
+@contextmanager
+def active(state: LayerCaches | dict) -> Iterator[None]:
+    """Make ``state`` what the kvforge attention function uses inside this block: the
+    :class:`LayerCaches` of an export wrapper's call, or a dict that records each layer's shapes
+    (:func:`kvforge.compile.generic.probe_layers`)."""
+    token = _ACTIVE.set(state)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def kvforge_attention(
@@ -247,25 +270,40 @@ def kvforge_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     kvforge_caches: LayerCaches | None = None,
+    kvforge_probe: dict | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function (registered as ``"kvforge"``).
 
-    Receives post-RoPE ``query [B, H_q, S, D]`` and ``key``/``value [B, H_kv, S, D]`` of layer
-    ``module.layer_idx``, and the layer's ``sliding_window`` and ``softcap`` as transformers passes
-    them to every attention implementation; returns ``([B, S, H_q, D], None)`` as transformers
-    expects. The mask transformers built is ignored: the cache-aware mask comes from
-    ``kvforge_caches``.
+    Receives post-RoPE ``query [B, H_q, S, D_k]``, ``key [B, H_kv, S, D_k]`` and
+    ``value [B, H_kv, S, D_v]`` of layer ``module.layer_idx``, and the layer's ``sliding_window``
+    and ``softcap`` as transformers passes them to every attention implementation; returns
+    ``([B, S, H_q, D_v], None)`` as transformers expects. The mask transformers built is ignored:
+    the cache-aware mask comes from ``kvforge_caches``. Where the cache's head size ``D`` is larger
+    than ``D_k`` or ``D_v`` (multi-head latent attention: ``D_v < D_k``), the heads are zero-padded
+    to ``D`` (zeros change no score) and the output is cut back to ``D_v``.
+
+    The caches come from :func:`active` (or the ``kvforge_caches`` kwarg). A dict there instead
+    (or as ``kvforge_probe``): record each layer's shapes under its
+    ``layer_idx`` and compute plain causal attention, for :func:`kvforge.compile.generic.probe_layers`.
     """
-    if kvforge_caches is None:
+    state = kvforge_caches if kvforge_caches is not None else kvforge_probe
+    state = state if state is not None else _ACTIVE.get()
+    if isinstance(state, dict):
+        extra = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORED_TENSORS)
+        state.setdefault("unhandled", set()).update(extra)
+        return _probe(module, query, key, value, scaling, sliding_window, softcap, state)
+    if state is None:
         raise RuntimeError("the kvforge attention runs only inside a kvforge export wrapper")
+    kvforge_caches = state
     layer = module.layer_idx
     past_key, past_value = kvforge_caches.past[layer]
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    value_dim, width = value.shape[-1], past_key.shape[-1]
     output, present_key, present_value = cached_attention(
-        query,
-        key.to(past_key.dtype),
-        value.to(past_value.dtype),
+        _pad_heads(query, width),
+        _pad_heads(key.to(past_key.dtype), width),
+        _pad_heads(value.to(past_value.dtype), width),
         past_key,
         past_value,
         kvforge_caches.write_indices,
@@ -275,7 +313,30 @@ def kvforge_attention(
         int(sliding_window or 0),
     )
     kvforge_caches.present[layer] = (present_key, present_value)
-    return output.transpose(1, 2), None  # (B, S, H_q, D)
+    if value_dim != width:
+        output = output[..., :value_dim]  # (B, H_q, S, D_v)
+    # contiguous, as transformers' own attention functions return it: some families .view() it
+    return output.transpose(1, 2).contiguous(), None  # (B, S, H_q, D_v)
+
+
+def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [B, H, S, d]`` zero-padded to ``[B, H, S, width]`` (unchanged when ``d == width``)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _probe(module, query, key, value, scaling, sliding_window, softcap, records: dict) -> tuple[torch.Tensor, None]:
+    """Record ``(kv_heads, key_dim, value_dim, query_heads)`` under the layer's index and compute
+    plain causal attention (no cache) so that the forward goes on."""
+    layer = getattr(module, "layer_idx", None)
+    records.setdefault(layer, []).append((key.shape[1], key.shape[-1], value.shape[-1], query.shape[1]))
+    seq = query.shape[2]
+    width = max(key.shape[-1], value.shape[-1])
+    mask = reference.attention_mask(torch.zeros(query.shape[0], dtype=torch.int64), seq, seq, sliding_window or None)
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    output = reference.attention(
+        _pad_heads(query, width), _pad_heads(key, width), _pad_heads(value, width), mask, scale, float(softcap or 0.0)
+    )
+    return output[..., : value.shape[-1]].transpose(1, 2).contiguous(), None
 
 
 def register() -> None:

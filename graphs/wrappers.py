@@ -28,8 +28,18 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.graphs import lowering
 from kvforge.graphs.architectures import ArchSpec
 from kvforge.graphs.lowering import LayerCaches
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a ``*ForCausalLM`` (its ``base_model``), also for a family whose
+    ``base_model_prefix`` names no submodule, so that ``base_model`` is the LM itself (Llama 4)."""
+    base = model.base_model
+    if base is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        return model.model
+    return base
 
 
 class _CausalLMGraph(torch.nn.Module):
@@ -53,16 +63,16 @@ class _CausalLMGraph(torch.nn.Module):
             write_indices=write_indices,
             seq_len=input_ids.shape[1],
         )
-        decoder = self.model.base_model
-        out = decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            # A 4D mask is passed through untouched by transformers' mask builders; the attention
-            # function ignores it and uses the cache-aware masks above.
-            attention_mask=caches.mask(None),
-            use_cache=False,
-            kvforge_caches=caches,
-        )
+        decoder = decoder_of(self.model)
+        with lowering.active(caches):  # the attention function reads the caches from this context
+            out = decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                # A 4D mask is passed through untouched by transformers' mask builders; the attention
+                # function ignores it and uses the cache-aware masks above.
+                attention_mask=caches.mask(None),
+                use_cache=False,
+            )
         presents = [t for layer in range(len(caches.past)) for t in caches.present[layer]]
         return out.last_hidden_state, presents
 

@@ -1,13 +1,19 @@
 """The generic path: a family outside the table compiles when its parity check passes, and is
-refused, naming the verified families, when it fails or cannot take the path at all."""
+refused, naming the verified families, when it fails or cannot take the path at all. What the path
+reads from transformers' modeling source (experts implementation, logit scaling) and the refusals
+it gives before export (multimodal, encoder-decoder, encoder, recurrent layers, no
+AttentionInterface dispatch, layers that call attention twice or pass it attention sinks) are checked on the real
+transformers classes, without compiling."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import transformers
 
-from kvforge.compile import compile_model
+from kvforge.compile import compile_model, generic
+from kvforge.compile.load import resolve_spec
 from kvforge.graphs.architectures import UnsupportedArchitectureError
 from kvforge.runtime import Engine
 from tests import families
@@ -25,8 +31,10 @@ def test_unlisted_family_passes_its_parity_check(tmp_path):
         assert len(engine.generate([[1, 2, 3]], max_new_tokens=4)[0].token_ids) == 4
 
 
-def test_unlisted_family_failing_parity_is_refused(tmp_path):
-    # Cohere multiplies its logits by config.logit_scale, which the generic path does not know.
+def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
+    # Cohere multiplies its logits by config.logit_scale; blind the source reader to it, and the
+    # parity gate must refuse the family rather than ship wrong logits.
+    monkeypatch.setattr(generic, "_LOGIT_SCALE", generic.re.compile(r"(?!x)x"))
     model = families.build(tmp_path / "m", "CohereForCausalLM", "CohereConfig", {"logit_scale": 0.25})
     with pytest.raises(UnsupportedArchitectureError, match=r"failed its parity check .*kvforge verifies: .*Llama"):
         compile_model(model, tmp_path / "out", max_batch=1, max_seq=32, progress=None)
@@ -38,11 +46,70 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path):
     [
         ("FalconForCausalLM", "falcon", "do not dispatch attention through AttentionInterface"),
         ("BertForMaskedLM", "bert", "not a decoder-only causal LM that transformers .* knows"),
+        ("MambaForCausalLM", "mamba", r"recurrent/state-space layers \(MambaBlock, MambaMixer"),
+        ("Gemma3ForConditionalGeneration", "gemma3", "multimodal model"),
+        ("BartForCausalLM", "bart", "decoder half of an encoder-decoder model"),
+        ("BertLMHeadModel", "bert", r"encoder \(masked-LM\) family"),
+        ("BertGenerationDecoder", "bert-generation", r"encoder \(masked-LM\) family"),
     ],
 )
 def test_families_that_cannot_take_the_generic_path(tmp_path, architecture, model_type, message):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": [architecture], "model_type": model_type}))
     (tmp_path / "m" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedArchitectureError, match=f"{message}; kvforge verifies: .*MistralForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match=f"{message}.*; kvforge verifies: .*MistralForCausalLM"):
         compile_model(tmp_path / "m", tmp_path / "out", progress=None)
+
+
+def test_class_flag_is_not_the_test_the_modeling_source_is():
+    # StableLM does not set _supports_attention_backend, but its attention goes through
+    # ALL_ATTENTION_FUNCTIONS: the generic path takes it.
+    assert not getattr(transformers.StableLmForCausalLM, "_supports_attention_backend", False)
+    spec = resolve_spec({"architectures": ["StableLmForCausalLM"], "model_type": "stablelm"})
+    assert not spec.verified and spec.experts_implementation is None and spec.logit_scale(object()) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config", "scale", "softcap"),
+    [
+        ("CohereForCausalLM", {"logit_scale": 0.25}, 0.25, 0.0),  # logits * self.logit_scale
+        ("GraniteMoeForCausalLM", {"logits_scaling": 4.0}, 0.25, 0.0),  # logits / config.logits_scaling
+        ("HyperCLOVAXForCausalLM", {"logits_scaling": 4.0}, 4.0, 0.0),  # lm_head(...) * config.logits_scaling
+        ("MiniCPM3ForCausalLM", {"logits_scaling": 4.0}, 0.25, 0.0),  # hidden_states / config.logits_scaling
+        ("VaultGemmaForCausalLM", {"final_logit_softcapping": 30.0}, 1.0, 30.0),
+        ("Starcoder2ForCausalLM", {}, 1.0, 0.0),
+    ],
+)
+def test_logit_scaling_is_read_from_the_forward_source(architecture, config, scale, softcap):
+    spec = generic.spec(architecture, getattr(transformers, architecture))
+    attrs = type("Config", (), config)
+    assert spec.logit_scale(attrs) == pytest.approx(scale)
+    assert spec.final_logit_softcap(attrs) == softcap
+
+
+def test_moe_families_export_experts_with_batched_mm():
+    assert generic.spec("OlmoeForCausalLM", transformers.OlmoeForCausalLM).experts_implementation == "batched_mm"
+    assert generic.spec("Starcoder2ForCausalLM", transformers.Starcoder2ForCausalLM).experts_implementation is None
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config_class", "overrides", "message"),
+    [
+        # DiffLlama's differential attention calls the attention function twice per layer (two value
+        # halves): two caches per layer, which the KV contract has no place for.
+        ("DiffLlamaForCausalLM", "DiffLlamaConfig", {}, r"layers \[0, 1\] call the attention function more than once"),
+        # GPT-OSS hands its attention sinks (s_aux) to the attention function.
+        (
+            "GptOssForCausalLM",
+            "GptOssConfig",
+            {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8},
+            r"its layers pass s_aux to the attention function",
+        ),
+    ],
+)
+def test_the_shape_probe_refuses_before_export(tmp_path, architecture, config_class, overrides, message):
+    model = families.build(tmp_path / "m", architecture, config_class, overrides)
+    messages = []
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        compile_model(model, tmp_path / "out", max_batch=1, max_seq=32, progress=messages.append)
+    assert not any("exporting" in m for m in messages)  # refused at load, before export
