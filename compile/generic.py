@@ -55,7 +55,15 @@ def first_line(error: BaseException) -> str:
 
 
 def _module_source(model_class: type) -> str:
-    return inspect.getsource(sys.modules[model_class.__module__])
+    """The source of the modules that define ``model_class`` and its bases (a remote-code class
+    that subclasses a transformers family inherits that family's attention)."""
+    modules = dict.fromkeys(
+        klass.__module__
+        for klass in model_class.__mro__
+        if klass.__module__.startswith("transformers.models.")  # a family's modeling file, not the core's
+        or klass.__module__.split(".")[0] not in ("transformers", "torch", "builtins")  # remote code
+    )
+    return "\n".join(inspect.getsource(sys.modules[name]) for name in modules if name in sys.modules)
 
 
 def _encoder_as_decoder(model_class: type) -> bool:
