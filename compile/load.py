@@ -189,20 +189,13 @@ def check_loading_info(info: dict, model_dir: str | Path) -> None:
             f"{str(model_dir)!r}: tensor {name!r} has shape {list(stored)} in the checkpoint but the config "
             f"makes it {list(expected)}; {fix}"
         )
-    if info.get("missing_keys"):
-        name = sorted(info["missing_keys"])[0]
-        count = len(info["missing_keys"])
-        raise WeightsMismatchError(
-            f"{str(model_dir)!r}: tensor {name!r} is missing from the checkpoint ({count} missing in all; "
-            f"transformers would initialize them at random); {fix}"
-        )
-    if info.get("unexpected_keys"):
-        name = sorted(info["unexpected_keys"])[0]
-        count = len(info["unexpected_keys"])
-        raise WeightsMismatchError(
-            f"{str(model_dir)!r}: the checkpoint has tensor {name!r} that the config's model does not "
-            f"({count} such tensors); {fix}"
-        )
+    missing = "tensor {name!r} is missing from the checkpoint ({count} missing in all; transformers would "
+    missing += "initialize them at random)"
+    unexpected = "the checkpoint has tensor {name!r} that the config's model does not ({count} such tensors)"
+    for key, problem in (("missing_keys", missing), ("unexpected_keys", unexpected)):
+        if info.get(key):
+            name = sorted(info[key])[0]
+            raise WeightsMismatchError(f"{str(model_dir)!r}: {problem.format(name=name, count=len(info[key]))}; {fix}")
 
 
 def _from_pretrained(model_dir: str | Path, dtype: str, attention: str, trust_remote_code: bool, **extra):
