@@ -90,20 +90,23 @@ def make_llama(path: Path, seed: int = 0, **overrides) -> Path:
 
 
 def corrupt_head_size(graph_file: Path) -> None:
-    """Rewrite a graph so it still loads but cannot run: every 4-element int64 shape constant holding
-    the head size 16 asks for 17 instead (a Reshape the hidden size does not divide into). For the
+    """Rewrite a graph so it still loads but cannot run: every ``Reshape`` whose constant target
+    shape infers one dim (``-1``) asks for one more in its largest fixed dim (the lm_head's
+    ``[-1, hidden]`` becomes ``[-1, hidden + 1]``), which the graph's symbolic batch and sequence
+    dims hide from shape inference at load, and ORT finds only when the Reshape runs. For the
     refusal of a graph that loads with verify=False and fails when it runs (tests of GraphRunError)."""
     import onnx
     from onnx import numpy_helper
 
     model = onnx.load(graph_file, load_external_data=False)
+    targets = {n.input[1] for n in model.graph.node if n.op_type == "Reshape"}
     changed = 0
     for t in model.graph.initializer:
-        if t.data_type == onnx.TensorProto.INT64 and list(t.dims) == [4]:
+        if t.name in targets and t.data_type == onnx.TensorProto.INT64:
             values = numpy_helper.to_array(t).copy()
-            if 16 in values.tolist():
-                values[values == 16] = 17
+            if -1 in values.tolist() and values.max() > 1:
+                values[values.argmax()] += 1
                 t.CopyFrom(numpy_helper.from_array(values, t.name))
                 changed += 1
-    assert changed, f"{graph_file} has no 4-D shape constant with the head size 16"
+    assert changed, f"{graph_file} has no Reshape to a constant shape with an inferred dim to corrupt"
     onnx.save(model, graph_file)
