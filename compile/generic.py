@@ -44,6 +44,19 @@ _LOGIT_SCALE = re.compile(
 # DeepSeek sparse attention: a "lightning indexer" picks each query's top-k keys from a cache of its own.
 _SPARSE_INDEXER = ("index_topk", "index_n_heads", "index_topk_blocks")
 _SOFTCAP_ATTR = "final_logit_softcapping"
+# A head between the decoder and the output embeddings: "logits = self.decoder(self.lm_head(hidden_states))"
+# (ModernBERT-decoder's dense + activation + norm prediction head before its vocabulary projection).
+_HEAD_BEFORE_OUTPUT = re.compile(
+    r"^\s*logits\s*=\s*self\.\w+\(\s*self\.(\w+)\(\s*hidden_states\s*\)\s*\)", re.MULTILINE
+)
+# Rotary embeddings computed in complex numbers (DeepSeek-V2, Llama 4): the ONNX exporter has no
+# translation for most complex-valued ops.
+_COMPLEX = re.compile(r"torch\.(view_as_complex|polar)\(")
+# Attention classes picked from a plain dict by attn_implementation ("eager", "sdpa", ...): a name
+# registered with AttentionInterface is not among its keys.
+_CLASS_TABLE = re.compile(r"\b(\w+_ATTENTION_CLASSES)\[\s*(?:self\.)?(?:config\.)?_?attn_implementation\s*\]")
+# MoE experts that loop over the experts the tokens picked (data-dependent control flow).
+_EXPERT_LOOP = re.compile(r"^\s*for \w+ in expert_hit\b", re.MULTILINE)
 _STATE_KEYS = ("mamba_", "ssm_", "linear_conv", "linear_num_")
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
@@ -116,25 +129,73 @@ def refusal(config: dict, model_class: type) -> str | None:
             "its transformers modules do not dispatch attention through AttentionInterface "
             f"({_ATTENTION_DISPATCH}); they compute attention themselves"
         )
-    return None
+    missing = _what_is_missing(config, model_class, source)
+    return "it has " + ", and ".join(missing) if missing else None
+
+
+def _what_is_missing(config: dict, model_class: type, source: str) -> list[str]:
+    """What a family whose source does dispatch through AttentionInterface still has that kvforge
+    does not carry, read from its config and modeling source (empty when nothing)."""
+    missing = []
+    for table in dict.fromkeys(_CLASS_TABLE.findall(source)):
+        keys = _table_keys(model_class, table)
+        tower = " (only its vision sub-model, vision_config, dispatches through AttentionInterface)"
+        missing.append(
+            f"attention classes picked from {table}{keys} by attn_implementation, not through AttentionInterface"
+            + (tower if config.get("vision_config") else "")
+        )
+    layer_types = config.get("layer_types") or []
+    if "chunked_attention" in layer_types or (config.get("attention_chunk_size") and not layer_types):
+        missing.append(
+            f"chunked attention (attention_chunk_size={config.get('attention_chunk_size')}: a query attends only "
+            "the keys of its own chunk), which kvforge's causal and sliding-window masks do not express"
+        )
+    complex_ops = sorted(set(_COMPLEX.findall(source)))
+    if complex_ops:
+        missing.append(
+            f"rotary embeddings computed in complex numbers (torch.{', torch.'.join(complex_ops)}), which the "
+            "ONNX exporter cannot translate"
+        )
+    can_switch = getattr(model_class, "_can_set_experts_implementation", None)
+    if _EXPERT_LOOP.search(source) and not (can_switch is not None and can_switch()):
+        missing.append(
+            "MoE experts that loop over the experts the tokens picked (data-dependent control flow torch.export "
+            "cannot trace) and that transformers cannot switch to a batched experts_implementation"
+        )
+    return missing
+
+
+def _table_keys(model_class: type, table: str) -> str:
+    """`` (eager, sdpa)``: the implementations an attention class table has, where it can be read."""
+    for klass in model_class.__mro__:
+        found = getattr(sys.modules.get(klass.__module__), table, None)
+        if isinstance(found, dict):
+            return f" ({', '.join(map(str, found))})"
+    return ""
 
 
 def spec(architecture: str, model_class: type) -> ArchSpec:
     """The generic (unverified) entry of a family, with what its modeling source says: MoE experts
-    exported with ``batched_mm`` where transformers can switch them, and the final logit scaling
-    its ``*ForCausalLM.forward`` applies."""
+    exported with ``batched_mm`` where transformers can switch them, and what its
+    ``*ForCausalLM.forward`` does between the decoder and the logits: a head module before the
+    output embeddings, the final logit scaling and soft-cap."""
     can_switch = getattr(model_class, "_can_set_experts_implementation", None)
     experts = "batched_mm" if can_switch is not None and can_switch() else None
     forward = inspect.getsource(model_class.forward)
     multiplier = divisor = None
     notes = ["generic path, unverified"]
     for op, attr in _LOGIT_SCALE.findall(forward):
+        if attr == _SOFTCAP_ATTR:  # "logits = logits * config.final_logit_softcapping" ends the soft-cap
+            continue
         if op == "*":
             multiplier = attr
         else:
             divisor = attr
         notes.append(f"logits {'multiplied' if op == '*' else 'divided'} by config.{attr}")
     softcap = _SOFTCAP_ATTR if _SOFTCAP_ATTR in forward else None
+    head = next(iter(_HEAD_BEFORE_OUTPUT.findall(forward)), None)
+    if head:
+        notes.append(f"the hidden states pass through self.{head} before the output embeddings")
     if experts:
         notes.append("MoE experts exported with batched_mm")
     return ArchSpec(
@@ -142,6 +203,7 @@ def spec(architecture: str, model_class: type) -> ArchSpec:
         final_softcap_attr=softcap,
         logit_divisor_attr=divisor,
         logit_multiplier_attr=multiplier,
+        head_attr=head,
         experts_implementation=experts,
         verified=False,
         notes="; ".join(notes),
@@ -150,12 +212,14 @@ def spec(architecture: str, model_class: type) -> ArchSpec:
 
 @dataclass(frozen=True)
 class LayerShapes:
-    """What one layer handed the attention function: KV heads and the key/value head sizes."""
+    """What one layer handed the attention function: KV heads, the key/value head sizes, query
+    heads and its sliding window (None: full causal)."""
 
     kv_heads: int
     key_dim: int
     value_dim: int
     query_heads: int
+    window: int | None = None
 
 
 class ProbeError(ValueError):
@@ -166,7 +230,7 @@ def probe_layers(model: torch.nn.Module, num_layers: int) -> list[LayerShapes]:
     """Run one 3-token forward of ``model`` (attention implementation "kvforge") and record, per
     ``layer_idx``, the shapes each layer passes to the attention function. Raises
     :class:`ProbeError` when a layer never calls it or calls it twice (shared or missing caches)."""
-    records: dict = {}  # layer_idx -> [(kv_heads, key_dim, value_dim, query_heads)], "unhandled" -> names
+    records: dict = {}  # layer_idx -> [(kv_heads, key_dim, value_dim, query_heads, window)], "unhandled" -> names
     with torch.no_grad(), lowering.active(records):
         decoder_of(model)(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(3)[None], use_cache=False)
     unhandled = sorted(records.pop("unhandled", ()))
@@ -187,3 +251,45 @@ def probe_layers(model: torch.nn.Module, num_layers: int) -> list[LayerShapes]:
     if twice:
         raise ProbeError(f"layers {twice} call the attention function more than once (several caches per layer)")
     return [LayerShapes(*records[i][0]) for i in range(num_layers)]
+
+
+def generation_cache_windows(config) -> list[int | None] | None:
+    """Per layer, the window of the cache transformers' ``generate`` builds for ``config``
+    (``DynamicCache(config=...)``: a layer keeps only its last ``window`` keys; None keeps all), or
+    None where transformers cannot say."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    try:
+        _, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    except (AttributeError, TypeError, ValueError, IndexError):  # a config without per-layer structure
+        return None
+    return [kw.get("sliding_window") or None for kw in kwargs]
+
+
+def window_mismatch(
+    layers: list[LayerShapes], cache_windows: list[int | None] | None, max_seq: int | None
+) -> str | None:
+    """Why transformers' own forward and its ``generate`` disagree on this family within ``max_seq``
+    tokens, or None. A layer whose generation cache keeps only the last ``w`` keys while its
+    attention is given no window (or a wider one) attends all earlier tokens in a forward but only
+    ``w`` of them once ``generate`` has cached more than ``w`` tokens (Moshi: ``config.sliding_window``
+    without ``layer_types`` makes the cache sliding; its attention and mask are full causal).
+    kvforge can match only one of the two, so such a family compiles only with ``max_seq`` at most
+    ``w``, where they agree."""
+    if not cache_windows or len(cache_windows) != len(layers):
+        return None
+    bad = [
+        (i, cache)
+        for i, (layer, cache) in enumerate(zip(layers, cache_windows))
+        if cache is not None and (layer.window is None or layer.window > cache)
+    ]
+    window = min((cache for _, cache in bad), default=None)
+    if window is None or (max_seq is not None and max_seq <= window):
+        return None
+    given = sorted({str(layers[i].window) if layers[i].window else "none" for i, _ in bad})
+    return (
+        f"layers {[i for i, _ in bad]} get sliding window {', '.join(given)} in their attention but transformers' "
+        f"generation cache keeps only their last {window} keys (config.sliding_window without layer_types), so "
+        f"transformers' own forward and generate disagree past {window} tokens and kvforge cannot match both: "
+        f"compile with max_seq <= {window} (--max-seq {window}), where they agree"
+    )

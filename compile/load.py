@@ -133,12 +133,14 @@ def resolve_spec(config: dict, model_dir: str | Path | None = None, trust_remote
     return generic.spec(architecture or model_class.__name__, model_class)
 
 
-def probe_generic(model: torch.nn.Module, spec: ArchSpec) -> Dims:
+def probe_generic(model: torch.nn.Module, spec: ArchSpec, max_seq: int | None = None) -> Dims:
     """The cache dimensions of a generic-path model, from what its layers hand the attention
     function (:func:`kvforge.compile.generic.probe_layers`) rather than from config attribute
     names (which some families define per layer). Layers with smaller key or value heads than the
-    largest are zero-padded to it by the attention function; layers that differ in KV heads, or
-    that do not call the attention function once each, are refused here, before export."""
+    largest are zero-padded to it by the attention function; layers that differ in KV heads, that
+    do not call the attention function once each, or whose generation cache keeps fewer keys than
+    their attention reads within ``max_seq`` tokens (:func:`kvforge.compile.generic.window_mismatch`;
+    ``None``: any length) are refused here, before export."""
     config = model.config
 
     def refuse(why: str) -> UnsupportedArchitectureError:
@@ -155,6 +157,9 @@ def probe_generic(model: torch.nn.Module, spec: ArchSpec) -> Dims:
             "its forward fails when its attention runs through AttentionInterface with kvforge's shape probe "
             f"({generic.first_line(e)})"
         ) from e
+    mismatch = generic.window_mismatch(layers, generic.generation_cache_windows(config), max_seq)
+    if mismatch:
+        raise refuse(mismatch)
     kv_heads = sorted({s.kv_heads for s in layers})
     if len(kv_heads) > 1:
         raise refuse(
@@ -215,10 +220,14 @@ def _from_pretrained(model_dir: str | Path, dtype: str, attention: str, trust_re
     return model.eval()
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> LoadedModel:
+def load_model(
+    model_dir: str | Path, dtype: str = "float32", trust_remote_code: bool = False, max_seq: int | None = None
+) -> LoadedModel:
     """Load the model for export. Checks the directory and the architecture before any weights, and
     the weights against the config (:func:`check_loading_info`). ``trust_remote_code`` lets a family
-    that needs its own modeling code (config.json's ``auto_map``) run that code."""
+    that needs its own modeling code (config.json's ``auto_map``) run that code. ``max_seq``: the
+    capacity the artifact will have (a generic family whose transformers forward and generate
+    disagree past some length is refused only when ``max_seq`` goes past it; None: any length)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     config, weights = read_config(model_dir)
@@ -232,7 +241,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", trust_remote_code:
         raise
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
-    dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec)
+    dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, max_seq)
     return LoadedModel(model, spec, dims, config, weights)
 
 

@@ -298,7 +298,7 @@ def _compile_into(
     names = [g for g in contract.GRAPHS if g != "score" or options.score_graph]
 
     stages.start("load", f"loading {model_dir} ({options.dtype})")
-    loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code)
+    loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
     dims, loaded_spec = loaded.dims, loaded.spec
     stages.start("reference", "running transformers (eager) on the parity prompt, on the loaded model")
     reference = _reference(model_dir, loaded, options.dtype, options.trust_remote_code)

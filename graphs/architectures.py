@@ -22,6 +22,9 @@ class ArchSpec:
         family's ``*ForCausalLM.forward`` applies after the lm_head (Gemma 2).
     logit_divisor_attr: config attribute the logits are divided by after the lm_head (Granite).
     logit_multiplier_attr: config attribute the logits are multiplied by after the lm_head (Cohere).
+    head_attr: attribute of the ``*ForCausalLM`` naming a module that its forward applies to the
+        decoder's hidden states before the output embeddings (ModernBERT-decoder's prediction head:
+        dense, activation, norm); None when the output embeddings take the hidden states directly.
     experts_implementation: transformers experts implementation to export MoE blocks with. The
         default ("eager") loops over experts with data-dependent shapes, which does not export;
         "batched_mm" gathers each token's expert weights and runs batched matmuls: static shapes.
@@ -34,6 +37,7 @@ class ArchSpec:
     final_softcap_attr: str | None = None
     logit_divisor_attr: str | None = None
     logit_multiplier_attr: str | None = None
+    head_attr: str | None = None
     experts_implementation: str | None = None
     verified: bool = True
     notes: str = ""

@@ -325,10 +325,11 @@ def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _probe(module, query, key, value, scaling, sliding_window, softcap, records: dict) -> tuple[torch.Tensor, None]:
-    """Record ``(kv_heads, key_dim, value_dim, query_heads)`` under the layer's index and compute
-    plain causal attention (no cache) so that the forward goes on."""
+    """Record ``(kv_heads, key_dim, value_dim, query_heads, sliding_window or None)`` under the
+    layer's index and compute plain causal attention (no cache) so that the forward goes on."""
     layer = getattr(module, "layer_idx", None)
-    records.setdefault(layer, []).append((key.shape[1], key.shape[-1], value.shape[-1], query.shape[1]))
+    window = int(sliding_window) if sliding_window else None
+    records.setdefault(layer, []).append((key.shape[1], key.shape[-1], value.shape[-1], query.shape[1], window))
     seq = query.shape[2]
     width = max(key.shape[-1], value.shape[-1])
     mask = reference.attention_mask(torch.zeros(query.shape[0], dtype=torch.int64), seq, seq, sliding_window or None)

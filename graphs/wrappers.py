@@ -77,14 +77,18 @@ class _CausalLMGraph(torch.nn.Module):
         return out.last_hidden_state, presents
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [B, S, hidden]`` -> ``logits [B, S, V]``, with the family's final scaling.
+        """``hidden [B, S, hidden]`` -> ``logits [B, S, V]``, through the family's head module
+        (``spec.head_attr``, if any), with its final scaling.
 
         The lm_head runs on a 2-D ``[B * S, hidden]`` view so that it lowers to ``Gemm`` with
         ``transB=1`` on the stored ``[V, hidden]`` weight in every graph. A 3-D MatMul would need
         the weight transposed: a second copy on disk (constant-folded) or, for a weight tied to
         the embedding, in memory (folded again by ONNX Runtime at every load)."""
         batch, seq, width = hidden.shape
-        logits = self.model.get_output_embeddings()(hidden.reshape(batch * seq, width))  # (B*S, V)
+        hidden = hidden.reshape(batch * seq, width)  # (B*S, hidden)
+        if self.spec.head_attr:  # a prediction head before the vocabulary projection
+            hidden = getattr(self.model, self.spec.head_attr)(hidden)  # (B*S, hidden)
+        logits = self.model.get_output_embeddings()(hidden)  # (B*S, V)
         logits = logits.view(batch, seq, -1)  # (B, S, V)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
