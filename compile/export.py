@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge.compile import op_translations
 from kvforge.compile.load import LoadedModel
 from kvforge.graphs import contract, lowering
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
@@ -92,7 +93,10 @@ def _export(
                 dynamic_shapes=dynamic_shapes,
                 input_names=input_names,
                 output_names=output_names,
-                custom_translation_table=lowering.translation_table(lowering_name),
+                custom_translation_table={
+                    **op_translations.translation_table(),
+                    **lowering.translation_table(lowering_name),
+                },
                 optimize=False,  # run below, timed on its own
                 verbose=False,
             )
