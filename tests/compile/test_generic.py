@@ -1,9 +1,12 @@
 """The generic path: a family outside the table compiles when its parity check passes, and is
 refused, naming the verified families, when it fails or cannot take the path at all. What the path
-reads from transformers' modeling source (experts implementation, logit scaling) and the refusals
-it gives before export (multimodal, encoder-decoder, encoder, recurrent layers, no
-AttentionInterface dispatch, layers that call attention twice or pass it attention sinks) are checked on the real
-transformers classes, without compiling."""
+reads from transformers' modeling source (experts implementation, logit scaling, the soft-cap's
+multiply not taken for a scale, a head module before the output embeddings) and the refusals it
+gives before export (multimodal, encoder-decoder, encoder, recurrent layers, no AttentionInterface
+dispatch, attention classes from a table keyed by attn_implementation, chunked attention, complex
+rotary embeddings, expert loops transformers cannot batch, layers that call attention twice or pass
+it attention sinks, a generation cache that keeps fewer keys than the attention reads within
+max_seq) are checked on the real transformers classes, without exporting."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 import transformers
 
 from kvforge.compile import compile_model, generic
-from kvforge.compile.load import resolve_spec
+from kvforge.compile.load import load_model, resolve_spec
 from kvforge.graphs.architectures import UnsupportedArchitectureError
 from kvforge.runtime import Engine
 from tests import families
@@ -51,6 +54,11 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
         ("BartForCausalLM", "bart", "decoder half of an encoder-decoder model"),
         ("BertLMHeadModel", "bert", r"encoder \(masked-LM\) family"),
         ("BertGenerationDecoder", "bert-generation", r"encoder \(masked-LM\) family"),
+        # GIT's text attention comes from a dict keyed by attn_implementation; only its vision tower
+        # dispatches through AttentionInterface (transformers itself would fail with KeyError 'kvforge').
+        ("GitForCausalLM", "git", r"attention classes picked from GIT_SELF_ATTENTION_CLASSES \(eager\)"),
+        ("DeepseekV2ForCausalLM", "deepseek_v2", r"rotary embeddings computed in complex numbers \(torch.polar"),
+        ("LongcatFlashForCausalLM", "longcat_flash", r"MoE experts that loop over the experts the tokens picked"),
     ],
 )
 def test_families_that_cannot_take_the_generic_path(tmp_path, architecture, model_type, message):
@@ -78,6 +86,8 @@ def test_class_flag_is_not_the_test_the_modeling_source_is():
         ("MiniCPM3ForCausalLM", {"logits_scaling": 4.0}, 0.25, 0.0),  # hidden_states / config.logits_scaling
         ("VaultGemmaForCausalLM", {"final_logit_softcapping": 30.0}, 1.0, 30.0),
         ("Starcoder2ForCausalLM", {}, 1.0, 0.0),
+        # "logits = logits * self.config.final_logit_softcapping" ends the soft-cap: not a scale
+        ("BeamForCausalLM", {"final_logit_softcapping": 30.0}, 1.0, 30.0),
     ],
 )
 def test_logit_scaling_is_read_from_the_forward_source(architecture, config, scale, softcap):
@@ -113,3 +123,51 @@ def test_the_shape_probe_refuses_before_export(tmp_path, architecture, config_cl
     with pytest.raises(UnsupportedArchitectureError, match=message):
         compile_model(model, tmp_path / "out", max_batch=1, max_seq=32, progress=messages.append)
     assert not any("exporting" in m for m in messages)  # refused at load, before export
+
+
+def test_a_head_before_the_output_embeddings_is_read_from_the_forward_source():
+    # ModernBERT-decoder: logits = self.decoder(self.lm_head(hidden_states)), lm_head a dense + norm head
+    spec = generic.spec("ModernBertDecoderForCausalLM", transformers.ModernBertDecoderForCausalLM)
+    assert spec.head_attr == "lm_head"
+    assert generic.spec("LlamaForCausalLM", transformers.LlamaForCausalLM).head_attr is None
+
+
+def test_chunked_attention_is_refused_from_the_config():
+    config = {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "attention_chunk_size": 8192,
+        "layer_types": ["chunked_attention", "full_attention"],
+    }
+    with pytest.raises(UnsupportedArchitectureError, match=r"chunked attention \(attention_chunk_size=8192"):
+        resolve_spec(config)
+
+
+def _layers(*windows):
+    return [generic.LayerShapes(2, 16, 16, 4, w) for w in windows]
+
+
+@pytest.mark.parametrize(
+    ("attention", "cache", "max_seq", "refused"),
+    [
+        ((None, None), (8, 8), 32, True),  # Moshi: full-causal attention, sliding generation cache
+        ((None, None), (8, 8), 8, False),  # ... within the window forward and generate agree
+        ((8, None), (8, None), 32, False),  # Mistral/Gemma-style: the attention gets the cache's window
+        ((16, None), (8, None), 32, True),  # the attention reads further back than the cache keeps
+        ((4, None), (8, None), 32, False),  # a cache that keeps more than the attention reads
+        ((None, None), None, 32, False),  # transformers cannot say: no refusal
+    ],
+)
+def test_a_generation_cache_narrower_than_the_attention_is_found(attention, cache, max_seq, refused):
+    why = generic.window_mismatch(_layers(*attention), list(cache) if cache else None, max_seq)
+    assert (why is not None) == refused
+    if refused:
+        assert "kvforge cannot match both" in why and f"--max-seq {min(c for c in cache if c)}" in why
+
+
+def test_moshi_is_refused_at_load_unless_max_seq_stays_inside_its_window(tmp_path):
+    # config.sliding_window without layer_types: transformers' generate keeps 8 keys, its forward all.
+    model = families.build(tmp_path / "m", "MoshiForCausalLM", "MoshiConfig", {"sliding_window": 8, "head_dim": 16})
+    with pytest.raises(UnsupportedArchitectureError, match=r"layers \[0, 1\] get sliding window none .* last 8 keys"):
+        load_model(model, max_seq=32)
+    assert load_model(model, max_seq=8).dims.num_layers == 2
