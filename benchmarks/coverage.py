@@ -16,6 +16,7 @@ the command. Results are cached per family under ``--work`` so an interrupted ru
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -132,10 +133,26 @@ _MIN_ONE = ("first_k_dense_replace", "num_dense_layers")  # dense layers before 
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def _is_index_list(key: str, value, layers: int) -> bool:
+    """A list of layer indices (Llama 4's ``moe_layers``), not one value per layer: a ``*layer*``
+    key holding increasing ints below ``layers``."""
+    return (
+        "layer" in key
+        and isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value)
+        and all(a < b for a, b in itertools.pairwise(value))
+    )
+
+
 def _layer_selection(d: dict, layers: int) -> list[int] | None:
     """Indices of the default layers to keep: the first layer of each distinct combination of the
     per-layer lists (``layer_types``, ``mlp_layer_types``, ...), padded to at least ``LAYERS``."""
-    lists = [v for k, v in d.items() if isinstance(v, list) and len(v) == layers and k not in _TOKEN_KEYS]
+    lists = [
+        v
+        for k, v in d.items()
+        if isinstance(v, list) and len(v) == layers and k not in _TOKEN_KEYS and not _is_index_list(k, v, layers)
+    ]
     if not lists:
         return None
     keep: list[int] = []
@@ -167,7 +184,11 @@ def shrink(d: dict, nested: bool = False) -> dict:
             if isinstance(d.get(key), int):
                 d[key] = len(keep)
         for key, value in list(d.items()):
-            if isinstance(value, list) and len(value) == layers and key not in _TOKEN_KEYS:
+            if key in _TOKEN_KEYS:
+                continue
+            if _is_index_list(key, value, layers):  # the kept layers among those listed, renumbered
+                d[key] = [new for new, old in enumerate(keep) if old in set(value)]
+            elif isinstance(value, list) and len(value) == layers:
                 d[key] = [value[i] for i in keep]
             elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):  # per-layer dicts
                 d[key] = {new: value[k] for k in value for new, old in enumerate(keep) if int(k) == old}

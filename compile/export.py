@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvforge.compile import op_translations
+from kvforge.compile import complex_to_real, op_translations
 from kvforge.compile.load import LoadedModel
 from kvforge.graphs import contract, lowering
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
@@ -85,12 +85,19 @@ def _export(
             # longrope frequencies); created during tracing, they would be fake tensors, not constants.
             started = time.perf_counter()
             module(*args)
+            traced, shapes = module, dynamic_shapes
+            spec = getattr(module, "spec", None)
+            if spec is not None and spec.complex_arithmetic:  # carry complex values as real pairs first
+                traced = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+                traced = traced.run_decompositions()
+                complex_to_real.rewrite(traced)
+                shapes = None  # the program carries its dynamic shapes
             onnx_program = torch.onnx.export(
-                module,
+                traced,
                 args,
                 dynamo=True,
                 opset_version=OPSET,
-                dynamic_shapes=dynamic_shapes,
+                dynamic_shapes=shapes,
                 input_names=input_names,
                 output_names=output_names,
                 custom_translation_table={

@@ -50,7 +50,7 @@ _HEAD_BEFORE_OUTPUT = re.compile(
     r"^\s*logits\s*=\s*self\.\w+\(\s*self\.(\w+)\(\s*hidden_states\s*\)\s*\)", re.MULTILINE
 )
 # Rotary embeddings computed in complex numbers (DeepSeek-V2, Llama 4): the ONNX exporter has no
-# translation for most complex-valued ops.
+# translation for most complex-valued ops, so export rewrites them (kvforge.compile.complex_to_real).
 _COMPLEX = re.compile(r"torch\.(view_as_complex|polar)\(")
 # Attention classes picked from a plain dict by attn_implementation ("eager", "sdpa", ...): a name
 # registered with AttentionInterface is not among its keys.
@@ -144,18 +144,6 @@ def _what_is_missing(config: dict, model_class: type, source: str) -> list[str]:
             f"attention classes picked from {table}{keys} by attn_implementation, not through AttentionInterface"
             + (tower if config.get("vision_config") else "")
         )
-    layer_types = config.get("layer_types") or []
-    if "chunked_attention" in layer_types or (config.get("attention_chunk_size") and not layer_types):
-        missing.append(
-            f"chunked attention (attention_chunk_size={config.get('attention_chunk_size')}: a query attends only "
-            "the keys of its own chunk), which kvforge's causal and sliding-window masks do not express"
-        )
-    complex_ops = sorted(set(_COMPLEX.findall(source)))
-    if complex_ops:
-        missing.append(
-            f"rotary embeddings computed in complex numbers (torch.{', torch.'.join(complex_ops)}), which the "
-            "ONNX exporter cannot translate"
-        )
     can_switch = getattr(model_class, "_can_set_experts_implementation", None)
     if _EXPERT_LOOP.search(source) and not (can_switch is not None and can_switch()):
         missing.append(
@@ -178,7 +166,8 @@ def spec(architecture: str, model_class: type) -> ArchSpec:
     """The generic (unverified) entry of a family, with what its modeling source says: MoE experts
     exported with ``batched_mm`` where transformers can switch them, and what its
     ``*ForCausalLM.forward`` does between the decoder and the logits: a head module before the
-    output embeddings, the final logit scaling and soft-cap."""
+    output embeddings, the final logit scaling and soft-cap; and whether its modules compute in
+    complex numbers."""
     can_switch = getattr(model_class, "_can_set_experts_implementation", None)
     experts = "batched_mm" if can_switch is not None and can_switch() else None
     forward = inspect.getsource(model_class.forward)
@@ -198,6 +187,9 @@ def spec(architecture: str, model_class: type) -> ArchSpec:
         notes.append(f"the hidden states pass through self.{head} before the output embeddings")
     if experts:
         notes.append("MoE experts exported with batched_mm")
+    complex_arithmetic = bool(_COMPLEX.search(_module_source(model_class)))
+    if complex_arithmetic:
+        notes.append("complex rotary arithmetic carried as real pairs")
     return ArchSpec(
         architecture,
         final_softcap_attr=softcap,
@@ -205,6 +197,7 @@ def spec(architecture: str, model_class: type) -> ArchSpec:
         logit_multiplier_attr=multiplier,
         head_attr=head,
         experts_implementation=experts,
+        complex_arithmetic=complex_arithmetic,
         verified=False,
         notes="; ".join(notes),
     )
@@ -260,10 +253,27 @@ def generation_cache_windows(config) -> list[int | None] | None:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     try:
-        _, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     except (AttributeError, TypeError, ValueError, IndexError):  # a config without per-layer structure
         return None
-    return [kw.get("sliding_window") or None for kw in kwargs]
+    # chunked layers are judged by chunked_attention_refusal
+    return [kw.get("sliding_window") if t != "chunked_attention" else None for t, kw in zip(types, kwargs)]
+
+
+def chunked_attention_refusal(config, max_seq: int | None) -> str | None:
+    """Why a family with chunked attention layers (Llama 4: a query attends only the keys of its own
+    ``attention_chunk_size``-token chunk) cannot be compiled with ``max_seq`` tokens, or None. Within
+    one chunk it is causal attention, which kvforge carries: ``max_seq`` at most the chunk size."""
+    types = getattr(config, "layer_types", None) or []
+    chunk = getattr(config, "attention_chunk_size", None)
+    layers = [i for i, t in enumerate(types) if t == "chunked_attention"]
+    if not chunk or not layers or (max_seq is not None and max_seq <= chunk):
+        return None
+    return (
+        f"layers {layers} use chunked attention (attention_chunk_size={chunk}: a query attends only the keys of "
+        f"its own chunk), which kvforge's causal and sliding-window masks do not express: compile with "
+        f"max_seq <= {chunk} (--max-seq {chunk}), where it is causal attention"
+    )
 
 
 def window_mismatch(

@@ -138,9 +138,11 @@ def probe_generic(model: torch.nn.Module, spec: ArchSpec, max_seq: int | None = 
     function (:func:`kvforge.compile.generic.probe_layers`) rather than from config attribute
     names (which some families define per layer). Layers with smaller key or value heads than the
     largest are zero-padded to it by the attention function; layers that differ in KV heads, that
-    do not call the attention function once each, or whose generation cache keeps fewer keys than
-    their attention reads within ``max_seq`` tokens (:func:`kvforge.compile.generic.window_mismatch`;
-    ``None``: any length) are refused here, before export."""
+    do not call the attention function once each, that use chunked attention past ``max_seq``
+    (:func:`kvforge.compile.generic.chunked_attention_refusal`), or whose generation cache keeps
+    fewer keys than their attention reads within ``max_seq`` tokens
+    (:func:`kvforge.compile.generic.window_mismatch`; ``None``: any length) are refused here,
+    before export."""
     config = model.config
 
     def refuse(why: str) -> UnsupportedArchitectureError:
@@ -157,7 +159,9 @@ def probe_generic(model: torch.nn.Module, spec: ArchSpec, max_seq: int | None = 
             "its forward fails when its attention runs through AttentionInterface with kvforge's shape probe "
             f"({generic.first_line(e)})"
         ) from e
-    mismatch = generic.window_mismatch(layers, generic.generation_cache_windows(config), max_seq)
+    mismatch = generic.chunked_attention_refusal(config, max_seq) or generic.window_mismatch(
+        layers, generic.generation_cache_windows(config), max_seq
+    )
     if mismatch:
         raise refuse(mismatch)
     kv_heads = sorted({s.kv_heads for s in layers})

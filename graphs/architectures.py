@@ -28,6 +28,10 @@ class ArchSpec:
     experts_implementation: transformers experts implementation to export MoE blocks with. The
         default ("eager") loops over experts with data-dependent shapes, which does not export;
         "batched_mm" gathers each token's expert weights and runs batched matmuls: static shapes.
+    complex_arithmetic: the family computes in complex numbers (DeepSeek-V2's and Llama 4's rotary
+        embeddings, ``view_as_complex``/``polar``): export traces it with ``torch.export`` first and
+        carries the complex values as real pairs (:mod:`kvforge.compile.complex_to_real`), because
+        the ONNX exporter translates few complex-valued ops.
     verified: False for the generic path (a family not in the table), which compile accepts only
         when its parity check passes.
     notes: what the family needed beyond the shared path (documentation).
@@ -39,6 +43,7 @@ class ArchSpec:
     logit_multiplier_attr: str | None = None
     head_attr: str | None = None
     experts_implementation: str | None = None
+    complex_arithmetic: bool = False
     verified: bool = True
     notes: str = ""
 

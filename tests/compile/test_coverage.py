@@ -43,6 +43,9 @@ def test_tiny_configs_keep_one_layer_of_each_type(coverage):
     config = coverage.tiny_config("gemma3_text")  # 5 sliding layers, then 1 full, by default
     assert config.num_hidden_layers == 2 and config.layer_types == ["sliding_attention", "full_attention"]
     assert (config.hidden_size, config.num_attention_heads, config.head_dim, config.vocab_size) == (64, 4, 16, 256)
+    llama4 = coverage.tiny_config("llama4_text")  # moe_layers lists layer indices [0..47], not one value per layer
+    assert llama4.num_hidden_layers == 2 and llama4.layer_types == ["chunked_attention", "full_attention"]
+    assert llama4.moe_layers == [0, 1]
     moe = coverage.tiny_config("deepseek_v2")  # its default num_experts_per_tok is None
     assert moe.num_experts_per_tok == 2 and moe.n_routed_experts == 4 and moe.first_k_dense_replace <= 1
 

@@ -1,12 +1,13 @@
 """The generic path: a family outside the table compiles when its parity check passes, and is
 refused, naming the verified families, when it fails or cannot take the path at all. What the path
 reads from transformers' modeling source (experts implementation, logit scaling, the soft-cap's
-multiply not taken for a scale, a head module before the output embeddings) and the refusals it
-gives before export (multimodal, encoder-decoder, encoder, recurrent layers, no AttentionInterface
-dispatch, attention classes from a table keyed by attn_implementation, chunked attention, complex
-rotary embeddings, expert loops transformers cannot batch, layers that call attention twice or pass
-it attention sinks, a generation cache that keeps fewer keys than the attention reads within
-max_seq) are checked on the real transformers classes, without exporting."""
+multiply not taken for a scale, a head module before the output embeddings, complex rotary
+arithmetic) and the refusals it gives before export (multimodal, encoder-decoder, encoder,
+recurrent layers, no AttentionInterface dispatch, attention classes from a table keyed by
+attn_implementation, chunked attention past one chunk, expert loops transformers cannot batch,
+layers that call attention twice or pass it attention sinks, a generation cache that keeps fewer
+keys than the attention reads within max_seq) are checked on the real transformers classes,
+without exporting."""
 
 from __future__ import annotations
 
@@ -57,7 +58,6 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
         # GIT's text attention comes from a dict keyed by attn_implementation; only its vision tower
         # dispatches through AttentionInterface (transformers itself would fail with KeyError 'kvforge').
         ("GitForCausalLM", "git", r"attention classes picked from GIT_SELF_ATTENTION_CLASSES \(eager\)"),
-        ("DeepseekV2ForCausalLM", "deepseek_v2", r"rotary embeddings computed in complex numbers \(torch.polar"),
         ("LongcatFlashForCausalLM", "longcat_flash", r"MoE experts that loop over the experts the tokens picked"),
     ],
 )
@@ -132,15 +132,24 @@ def test_a_head_before_the_output_embeddings_is_read_from_the_forward_source():
     assert generic.spec("LlamaForCausalLM", transformers.LlamaForCausalLM).head_attr is None
 
 
-def test_chunked_attention_is_refused_from_the_config():
-    config = {
-        "architectures": ["Llama4ForCausalLM"],
-        "model_type": "llama4_text",
-        "attention_chunk_size": 8192,
-        "layer_types": ["chunked_attention", "full_attention"],
-    }
-    with pytest.raises(UnsupportedArchitectureError, match=r"chunked attention \(attention_chunk_size=8192"):
-        resolve_spec(config)
+@pytest.mark.parametrize(("max_seq", "refused"), [(32, True), (None, True), (16, False)])
+def test_chunked_attention_is_refused_past_one_chunk(max_seq, refused):
+    # Llama 4: a query attends only its own chunk's keys; within one chunk that is causal attention.
+    config = transformers.Llama4TextConfig(
+        num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"], attention_chunk_size=16
+    )
+    why = generic.chunked_attention_refusal(config, max_seq)
+    assert (why is not None) == refused
+    if refused:
+        assert why.startswith("layers [0] use chunked attention (attention_chunk_size=16") and "--max-seq 16" in why
+    assert generic.chunked_attention_refusal(transformers.LlamaConfig(num_hidden_layers=2), 32) is None
+
+
+def test_complex_rotary_arithmetic_is_read_from_the_modeling_source():
+    # DeepSeek-V2 and Llama 4 rotate with view_as_complex/polar: export carries them as real pairs
+    assert generic.spec("DeepseekV2ForCausalLM", transformers.DeepseekV2ForCausalLM).complex_arithmetic
+    assert generic.spec("Llama4ForCausalLM", transformers.Llama4ForCausalLM).complex_arithmetic
+    assert not generic.spec("DeepseekV3ForCausalLM", transformers.DeepseekV3ForCausalLM).complex_arithmetic
 
 
 def _layers(*windows):
