@@ -296,9 +296,10 @@ def window_mismatch(
     window = min((cache for _, cache in bad), default=None)
     if window is None or (max_seq is not None and max_seq <= window):
         return None
-    given = sorted({str(layers[i].window) if layers[i].window else "none" for i, _ in bad})
+    windows = sorted({layers[i].window for i, _ in bad if layers[i].window})
+    given = f"a sliding window of {', '.join(map(str, windows))}" if windows else "no sliding window"
     return (
-        f"layers {[i for i, _ in bad]} get sliding window {', '.join(given)} in their attention but transformers' "
+        f"layers {[i for i, _ in bad]} get {given} in their attention but transformers' "
         f"generation cache keeps only their last {window} keys (config.sliding_window without layer_types), so "
         f"transformers' own forward and generate disagree past {window} tokens and kvforge cannot match both: "
         f"compile with max_seq <= {window} (--max-seq {window}), where they agree"

@@ -177,6 +177,8 @@ def test_a_generation_cache_narrower_than_the_attention_is_found(attention, cach
 def test_moshi_is_refused_at_load_unless_max_seq_stays_inside_its_window(tmp_path):
     # config.sliding_window without layer_types: transformers' generate keeps 8 keys, its forward all.
     model = families.build(tmp_path / "m", "MoshiForCausalLM", "MoshiConfig", {"sliding_window": 8, "head_dim": 16})
-    with pytest.raises(UnsupportedArchitectureError, match=r"layers \[0, 1\] get sliding window none .* last 8 keys"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"layers \[0, 1\] get no sliding window in their attention .* last 8 keys"
+    ):
         load_model(model, max_seq=32)
     assert load_model(model, max_seq=8).dims.num_layers == 2
