@@ -2,8 +2,10 @@
 distinct path of the generic compile path, each surveyed as the full survey does (tiny config from
 the config class's defaults, a subprocess per family, compile, parity, Engine greedy tokens against
 transformers' generate), with its exact result: token-exact for a plain generic family without the
-class flag, partial rotary + parallel residual, MoE and a logit scale; refused before export for a
-state-space family; not a decoder-only LM for an encoder. Also: the tiny configs keep one layer
+class flag, partial rotary + parallel residual, MoE, a logit scale and a head before the output
+embeddings; refused before export for a state-space family and (by the shape probe at load) for one
+whose generation cache keeps fewer keys than its attention reads; not a decoder-only LM for an
+encoder. Also: the tiny configs keep one layer
 per layer type, and the markdown counts what it lists."""
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def test_the_sample_gives_each_family_its_expected_result(coverage, tmp_path):
         assert result == expected, f"{model_type}: {result}: {detail}"
         assert phrase in detail, f"{model_type}: {detail!r} does not say {phrase!r}"
     doc = coverage.markdown(results, "python benchmarks/coverage.py --sample", {"transformers": "x"}, 1.0)
-    assert "| token-exact | 4 |" in doc and "| refused | 1 |" in doc and "| **total** | 6 |" in doc
+    assert "| token-exact | 5 |" in doc and "| refused | 2 |" in doc and "| **total** | 8 |" in doc
     assert "| mamba | MambaForCausalLM | refused: " in doc
 
 
