@@ -16,8 +16,6 @@ other op on a complex value raises :class:`ComplexOpError` naming it, before the
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch._guards import detect_fake_mode
 
@@ -125,9 +123,6 @@ def rewrite(program: torch.export.ExportedProgram) -> int:
                 )
         if _is_complex(node):
             real[node] = out
-            for user in list(node.users):
-                if user.target is operator.getitem:
-                    raise ComplexOpError(f"{target} returns several complex values")
         count += 1
     for node in reversed(list(graph.nodes)):  # the complex nodes, now unused
         if node in real and not node.users:
