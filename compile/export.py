@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge.compile import replicate
 from kvforge.compile.load import LoadedModel
 from kvforge.graphs import contract, lowering
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
@@ -39,22 +40,26 @@ _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY, _EXAMPLE_POSITIONS = 2, 7, 37, 
 
 @dataclass
 class ExportTimes:
-    """Seconds spent in each step of the traces of one stage (summed over its traces)."""
+    """Seconds spent in each step of the traces of one stage (summed over its traces), and how the
+    decoder stack was traced (:mod:`kvforge.compile.replicate`: a prefix and copies, or in full
+    and why)."""
 
     steps: dict[str, float] = field(default_factory=dict)
+    trace: str = ""
 
     def add(self, step: str, seconds: float) -> None:
         self.steps[step] = self.steps.get(step, 0.0) + seconds
 
     def __str__(self) -> str:
-        return ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.steps.items())
+        steps = ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.steps.items())
+        return f"{steps}; {self.trace}" if self.trace else steps
 
 
-def _example_past(loaded: LoadedModel) -> list[torch.Tensor]:
+def _example_past(loaded: LoadedModel, num_layers: int | None = None) -> list[torch.Tensor]:
     d = loaded.dims
     dtype = next(loaded.model.parameters()).dtype
     shape = (_EXAMPLE_BATCH, d.num_kv_heads, _EXAMPLE_CAPACITY, d.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * d.num_layers)]
+    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * (num_layers or d.num_layers))]
 
 
 def _dims(max_batch: int, max_seq: int) -> tuple[object, object, object]:
@@ -74,6 +79,14 @@ def _export(
     times: ExportTimes | None = None,
 ):
     times = times if times is not None else ExportTimes()
+    model = _trace(module, args, dynamic_shapes, input_names, output_names, lowering_name, times)
+    _finish(model, module, times)
+    return model
+
+
+def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_name, times: ExportTimes):
+    """``torch.onnx.export`` of ``module`` without its optimizer: the raw model, whose nodes still
+    carry the exporter's module scopes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the eager call runs a few tokens; tracing runs no kernels
     try:
@@ -99,14 +112,19 @@ def _export(
             times.add("trace and ONNX translation", time.perf_counter() - started)
     finally:
         torch.set_num_threads(threads)
-    started = time.perf_counter()
     model = onnx_program.model
     del onnx_program
+    return model
+
+
+def _finish(model, module: torch.nn.Module, times: ExportTimes) -> None:
+    """onnxscript's optimizer, then HF-traceable node names; in place. ``module`` is the whole
+    traced wrapper: the weights of its model that the optimizer left behind are dropped."""
+    started = time.perf_counter()
     optimize_exported(model)
     _drop_stale_weights(module)
     _name_nodes(model)
     times.add("onnxscript optimizer", time.perf_counter() - started)
-    return model
 
 
 # onnxscript's default rewrite rules that never match an exported causal LM but cost the most:
@@ -194,12 +212,47 @@ def _name_nodes(model) -> None:
 
 
 def export_general(
-    loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, times: ExportTimes | None = None
+    loaded: LoadedModel,
+    lowering_name: str,
+    max_batch: int,
+    max_seq: int,
+    times: ExportTimes | None = None,
+    full_trace: bool = False,
 ):
     """The general graph: ``input_ids [B, S]``, ``position_ids [B, S]``, ``write_indices [B]``,
     ``logit_indices [B, K]`` (int64, positions in ``[0, S)``), pasts -> ``logits [B, K, V]``, presents.
-    :mod:`kvforge.compile.derive` makes every contract graph from it."""
+    :mod:`kvforge.compile.derive` makes every contract graph from it.
+
+    Where the decoder's layers are provably one computation, only the first
+    :data:`kvforge.compile.replicate.TRACED` are traced and the others copied in the graph
+    (:mod:`kvforge.compile.replicate`); ``full_trace`` traces every layer. ``times.trace`` says which
+    was done, and why a full trace was needed."""
+    times = times if times is not None else ExportTimes()
     n = loaded.dims.num_layers
+    module = GeneralGraph(loaded.model, loaded.spec).eval()
+    plan = replicate.plan(loaded.model, n, full_trace)
+    model = None
+    if plan.stack is not None:
+        with replicate.truncated(loaded.model, plan.stack, plan.traced):
+            model = _trace_general(module, loaded, plan.traced, lowering_name, max_batch, max_seq, times)
+        started = time.perf_counter()
+        try:
+            replicate.replicate(model, f"model.{plan.stack.path}", plan.stack.layers, plan.traced)
+            times.trace = f"traced {plan.traced} of {n} layers, copied the other {n - plan.traced} in the graph"
+        except replicate.NotReplicable as e:
+            model = None
+            times.trace = f"traced all {n} layers: {e}"
+        times.add("layer copies", time.perf_counter() - started)
+    else:
+        times.trace = f"traced all {n} layers: {plan.reason}"
+    if model is None:
+        model = _trace_general(module, loaded, n, lowering_name, max_batch, max_seq, times)
+    _finish(model, module, times)
+    return model
+
+
+def _trace_general(module, loaded: LoadedModel, n: int, lowering_name: str, max_batch: int, max_seq: int, times):
+    """The raw trace of ``module`` (a :class:`GeneralGraph`) with ``n`` layers' caches."""
     batch, seq, capacity = _dims(max_batch, max_seq)
     positions = torch.export.Dim(POSITIONS_DIM, min=1, max=max(max_seq, _EXAMPLE_CAPACITY))
     b, s, k = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_POSITIONS
@@ -208,7 +261,7 @@ def export_general(
         torch.arange(s).expand(b, s).contiguous(),
         torch.zeros(b, dtype=torch.int64),
         torch.arange(s - k, s).expand(b, k).contiguous(),
-        *_example_past(loaded),
+        *_example_past(loaded, n),
     )
     shapes = (
         {0: batch, 1: seq},
@@ -218,8 +271,7 @@ def export_general(
         tuple({0: batch, 2: capacity} for _ in range(2 * n)),
     )
     names = [*contract.decode_input_names(n)[:3], LOGIT_INDICES, *contract.past_names(n)]
-    module = GeneralGraph(loaded.model, loaded.spec).eval()
-    return _export(module, args, shapes, names, contract.output_names(n), lowering_name, times)
+    return _trace(module, args, shapes, names, contract.output_names(n), lowering_name, times)
 
 
 def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, all_logits: bool = False):
