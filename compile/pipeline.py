@@ -76,6 +76,7 @@ class CompileOptions:
     target: str = "cpu"  # "cpu" | "cuda" | "tensorrt" (TARGETS)
     max_prompt: int | None = None  # longest prompt (TensorRT's prefill profile); None: max_seq
     trust_remote_code: bool = False  # run the modeling code config.json's auto_map names
+    full_trace: bool = False  # trace every layer, never copy one (debugging: kvforge.compile.replicate)
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -132,6 +133,7 @@ def compile_model(
     max_prompt: int | None = None,
     gpu_memory: str | None = None,
     trust_remote_code: bool = False,
+    full_trace: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -149,10 +151,18 @@ def compile_model(
     target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile.
     ``trust_remote_code`` lets a family that needs its own modeling code (config.json's
     ``auto_map``, a model type transformers does not ship) run it; without it such a directory is
-    refused before anything is loaded. Nothing is written to ``out_dir`` unless compile succeeds.
+    refused before anything is loaded. ``full_trace`` traces every decoder layer instead of
+    copying a traced one (:mod:`kvforge.compile.replicate`; for debugging: the graphs are the same).
+    Nothing is written to ``out_dir`` unless compile succeeds.
     """
     _check_types(
-        model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize, trust_remote_code
+        model_dir,
+        out_dir,
+        max_batch,
+        max_seq,
+        max_prompt,
+        block_size,
+        dict(score_graph=score_graph, optimize=optimize, trust_remote_code=trust_remote_code, full_trace=full_trace),
     )
     # numpy ints are accepted; the manifest (JSON) holds Python ints
     max_batch, block_size = int(max_batch), int(block_size)
@@ -192,6 +202,7 @@ def compile_model(
         target,
         max_prompt,
         trust_remote_code,
+        full_trace,
     )
     options.check()
     _check_out_dir(out)
@@ -223,9 +234,7 @@ def _refuse_type(name: str, value: object, accepted: str) -> OptionTypeError:
     return OptionTypeError(f"{name}={text} is not accepted: {name} must be {accepted}")
 
 
-def _check_types(
-    model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize, trust_remote_code
-) -> None:
+def _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, flags: dict[str, object]) -> None:
     """compile_model's arguments by type, before any file is read: paths are str/PathLike, counts
     Python or numpy ints (``max_batch=2.5`` refused, not truncated), flags bools. Their ranges are
     :meth:`CompileOptions.check`'s."""
@@ -241,7 +250,7 @@ def _check_types(
             continue
         if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
             raise _refuse_type(name, value, "an integer (int or numpy integer; bools and floats are refused)")
-    for name, value in (("score_graph", score_graph), ("optimize", optimize), ("trust_remote_code", trust_remote_code)):
+    for name, value in flags.items():
         if not isinstance(value, bool):
             raise _refuse_type(name, value, "True or False")
 
@@ -309,7 +318,9 @@ def _compile_into(
             f"graph, from which the {', '.join(names)} graphs are derived",
         )
         times = export_stage.ExportTimes()
-        general = export_stage.export_general(loaded, options.lowering, options.max_batch, options.max_seq, times)
+        general = export_stage.export_general(
+            loaded, options.lowering, options.max_batch, options.max_seq, times, options.full_trace
+        )
     except Exception as e:
         if loaded_spec.verified:
             raise

@@ -163,17 +163,17 @@ def _layer_difference(layers: Sequence[torch.nn.Module]) -> str | None:
     first = _signature(layers[0])
     for index, layer in enumerate(layers[1:], start=1):
         other = _signature(layer)
-        if len(other) != len(first):
-            return f"layer {index} has {len(other)} modules, layer 0 {len(first)}"
         for (name, kind, attrs, params, buffers), (name_i, kind_i, attrs_i, params_i, buffers_i) in zip(first, other):
-            where = f"layer {index}'s {name or 'layer module'}"
             if (name, kind) != (name_i, kind_i):
-                return f"{where} is {kind_i} {name_i!r}, layer 0's {kind} {name!r}"
+                return f"layer {index}'s {name_i or 'module'} is {kind_i}, layer 0's {name or 'module'} {kind}"
+            where = f"layer {index}'s {name or 'module'}"
             if params != params_i or buffers != buffers_i:
                 return f"{where} has other parameters or buffers than layer 0's"
             for key in sorted(set(attrs) | set(attrs_i)):
                 if key not in attrs or key not in attrs_i or not _same(attrs[key], attrs_i[key]):
                     return f"{where} has {key}={_short(attrs_i.get(key))}, layer 0's {key}={_short(attrs.get(key))}"
+        if len(other) != len(first):
+            return f"layer {index} has {len(other)} modules, layer 0 {len(first)}"
     return None
 
 
