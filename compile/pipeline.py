@@ -19,6 +19,7 @@ Output layout (see docs/manifest.md)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import gc
 import os
@@ -212,7 +213,11 @@ def compile_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started)
+        # The checkpoint's sha256 (the manifest's source record) is read and hashed on a thread of
+        # its own while the stages run: hashlib and file reads release the GIL.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-hash") as pool:
+            source_hashes = pool.submit(lambda: {f.name: mf.sha256_file(f) for f in weight_files})
+            manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started, source_hashes)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -299,6 +304,7 @@ def _compile_into(
     weight_files: list[Path],
     say: Progress,
     started: float,
+    source_hashes: concurrent.futures.Future,
 ) -> mf.Manifest:
     # ORT's CPU provider has no bfloat16 kernels, so it cannot optimize (or run) such graphs.
     optimize = options.optimize and options.dtype != "bfloat16"
@@ -377,7 +383,8 @@ def _compile_into(
     parity["verified_family"] = loaded_spec.verified
     stages.start("manifest", "writing manifest")
     report = weights.report()
-    manifest = _manifest(model_dir, tmp, options, config, weight_files, dims, report.file, tok, parity, optimized)
+    files = {"source": source_hashes.result(), report.file: weights.sha256()}
+    manifest = _manifest(model_dir, tmp, options, config, files, dims, report.file, tok, parity, optimized)
     mf.write(manifest, tmp)
     stages.end()
     return manifest
@@ -435,7 +442,7 @@ def _manifest(
     tmp: Path,
     options: CompileOptions,
     config: dict,
-    weight_files: list[Path],
+    hashes: dict,
     dims,
     weights_file: str,
     tok: dict,
@@ -470,7 +477,7 @@ def _manifest(
         source={
             "path": str(model_dir.resolve()),
             "config_sha256": mf.sha256_file(model_dir / "config.json"),
-            "weights": {f.name: mf.sha256_file(f) for f in weight_files},
+            "weights": hashes["source"],
             **({"trust_remote_code": True} if options.trust_remote_code else {}),
         },
         model=mf.ModelDims(
@@ -493,7 +500,7 @@ def _manifest(
             "bytes": numel * itemsize,
         },
         graphs=graphs,
-        weights=mf.FileRef(weights_file, mf.sha256_file(tmp / weights_file), (tmp / weights_file).stat().st_size),
+        weights=mf.FileRef(weights_file, hashes[weights_file], (tmp / weights_file).stat().st_size),
         tokenizer=tok,
         generation={"eos_token_ids": tok["eos_token_ids"]},
         versions={
