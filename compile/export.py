@@ -121,6 +121,7 @@ def _finish(model, module: torch.nn.Module, times: ExportTimes) -> None:
     """onnxscript's optimizer, then HF-traceable node names; in place. ``module`` is the whole
     traced wrapper: the weights of its model that the optimizer left behind are dropped."""
     started = time.perf_counter()
+    transpose_weights_lazily(model)
     optimize_exported(model)
     _drop_stale_weights(module)
     _name_nodes(model)
@@ -156,6 +157,52 @@ def optimize_exported(model) -> None:
 
     with without_unmatched_rules():
         onnxscript.optimizer.optimize_ir(model)
+
+
+def transpose_weights_lazily(model) -> int:
+    """Replace each ``Transpose`` of a 2-D initializer that it alone reads (a ``Linear``'s
+    ``[out, in]`` weight, exported as ``MatMul(x, Transpose(W))``) by an initializer that holds the
+    transposed ``[in, out]`` weight, computed only when read (the weights file writes it, one
+    tensor at a time). The same graph as onnxscript's constant folding makes of it (it always folds
+    such a Transpose, whatever its size), under the same value name, but the folded weights are not
+    all copied in memory at once during export. In place; returns the Transposes replaced."""
+    import numpy as np
+    import onnx_ir as ir
+
+    graph = model.graph
+    replaced = 0
+    for node in list(graph):
+        weight = node.inputs[0] if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
+        if weight is None or weight.const_value is None or not weight.is_initializer():
+            continue
+        perm = node.attributes.get("perm")
+        source = weight.const_value
+        if (
+            len(source.shape) != 2
+            or (perm is not None and list(perm.as_ints()) != [1, 0])
+            or len(weight.uses()) != 1
+            or weight.is_graph_output()
+            or source.dtype.bitwidth < 8
+        ):
+            continue
+        out = node.outputs[0]
+        shape = ir.Shape([source.shape[1], source.shape[0]])
+
+        def transposed(source=source, name=out.name) -> ir.Tensor:
+            return ir.Tensor(np.ascontiguousarray(source.numpy().T), name=name)  # (in, out)
+
+        folded = ir.Value(
+            name=out.name,
+            shape=shape,
+            type=weight.type,
+            const_value=ir.LazyTensor(transposed, dtype=source.dtype, shape=shape, name=out.name),
+        )
+        graph.remove(node, safe=False)
+        out.replace_all_uses_with(folded, replace_graph_outputs=True)
+        graph.initializers.pop(weight.name)
+        graph.register_initializer(folded)
+        replaced += 1
+    return replaced
 
 
 def _drop_stale_weights(module: torch.nn.Module) -> None:
