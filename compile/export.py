@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import onnx_ir as ir
 import torch
 
 from kvforge.compile import replicate
@@ -117,12 +118,14 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
     return model
 
 
-def _finish(model, module: torch.nn.Module, times: ExportTimes) -> None:
-    """onnxscript's optimizer, then HF-traceable node names; in place. ``module`` is the whole
-    traced wrapper: the weights of its model that the optimizer left behind are dropped."""
+def _finish(model, module: torch.nn.Module, times: ExportTimes, optimized: bool = False) -> None:
+    """onnxscript's optimizer (unless ``optimized``), then HF-traceable node names; in place.
+    ``module`` is the whole traced wrapper: the weights of its model that the optimizer left
+    behind are dropped."""
     started = time.perf_counter()
-    transpose_weights_lazily(model)
-    optimize_exported(model)
+    if not optimized:
+        transpose_weights_lazily(model)
+        optimize_exported(model)
     _drop_stale_weights(module)
     _name_nodes(model)
     times.add("onnxscript optimizer", time.perf_counter() - started)
@@ -159,18 +162,16 @@ def optimize_exported(model) -> None:
         onnxscript.optimizer.optimize_ir(model)
 
 
-def transpose_weights_lazily(model) -> int:
+def transpose_weights_lazily(model) -> dict[str, str]:
     """Replace each ``Transpose`` of a 2-D initializer that it alone reads (a ``Linear``'s
     ``[out, in]`` weight, exported as ``MatMul(x, Transpose(W))``) by an initializer that holds the
     transposed ``[in, out]`` weight, computed only when read (the weights file writes it, one
     tensor at a time). The same graph as onnxscript's constant folding makes of it (it always folds
     such a Transpose, whatever its size), under the same value name, but the folded weights are not
-    all copied in memory at once during export. In place; returns the Transposes replaced."""
-    import numpy as np
-    import onnx_ir as ir
-
+    all copied in memory at once during export. In place; returns {new initializer's name: the
+    weight's name} (:func:`kvforge.compile.replicate.replicate` binds copies of layers by it)."""
     graph = model.graph
-    replaced = 0
+    replaced = {}
     for node in list(graph):
         weight = node.inputs[0] if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
         if weight is None or weight.const_value is None or not weight.is_initializer():
@@ -186,22 +187,13 @@ def transpose_weights_lazily(model) -> int:
         ):
             continue
         out = node.outputs[0]
-        shape = ir.Shape([source.shape[1], source.shape[0]])
-
-        def transposed(source=source, name=out.name) -> ir.Tensor:
-            return ir.Tensor(np.ascontiguousarray(source.numpy().T), name=name)  # (in, out)
-
-        folded = ir.Value(
-            name=out.name,
-            shape=shape,
-            type=weight.type,
-            const_value=ir.LazyTensor(transposed, dtype=source.dtype, shape=shape, name=out.name),
-        )
+        lazy = replicate.transposed_lazily(source, out.name)
+        folded = ir.Value(name=out.name, shape=lazy.shape, type=weight.type, const_value=lazy)
         graph.remove(node, safe=False)
         out.replace_all_uses_with(folded, replace_graph_outputs=True)
         graph.initializers.pop(weight.name)
         graph.register_initializer(folded)
-        replaced += 1
+        replaced[folded.name] = weight.name
     return replaced
 
 
@@ -278,24 +270,56 @@ def export_general(
     n = loaded.dims.num_layers
     module = GeneralGraph(loaded.model, loaded.spec).eval()
     plan = replicate.plan(loaded.model, n, full_trace)
-    model = None
+    model, optimized = None, False
     if plan.stack is not None:
         with replicate.truncated(loaded.model, plan.stack, plan.traced):
             model = _trace_general(module, loaded, plan.traced, lowering_name, max_batch, max_seq, times)
-        started = time.perf_counter()
-        try:
-            replicate.replicate(model, f"model.{plan.stack.path}", plan.stack.layers, plan.traced)
-            times.trace = f"traced {plan.traced} of {n} layers, copied the other {n - plan.traced} in the graph"
-        except replicate.NotReplicable as e:
-            model = None
-            times.trace = f"traced all {n} layers: {e}"
-        times.add("layer copies", time.perf_counter() - started)
+        model, optimized = _copy_layers(model, plan, times)
     else:
         times.trace = f"traced all {n} layers: {plan.reason}"
     if model is None:
         model = _trace_general(module, loaded, n, lowering_name, max_batch, max_seq, times)
-    _finish(model, module, times)
+    _finish(model, module, times, optimized)
     return model
+
+
+def _copy_layers(short, plan: replicate.TracePlan, times: ExportTimes):
+    """``(model, optimized)``: the graph of every layer from ``short``, the raw trace of the first
+    ``plan.traced``; or ``(None, False)`` when the traced layers do not prove the copies right
+    (``times.trace`` says why). Tried first on ``short`` after onnxscript's optimizer (a pass over
+    3 layers, not all of them: ``optimized``), then on the raw trace, which the optimizer then
+    takes whole."""
+    from onnx_ir.passes import common as common_passes
+
+    n, scope = plan.total, f"model.{plan.stack.path}"
+    started = time.perf_counter()
+    transposed = transpose_weights_lazily(short)
+    raw = short.clone()  # shares the tensors
+    optimize_exported(short)
+    times.add("onnxscript optimizer", time.perf_counter() - started)
+    started = time.perf_counter()
+    copied = f"traced {plan.traced} of {n} layers, copied the other {n - plan.traced} in the graph"
+    try:
+        replicate.replicate(short, scope, plan.stack.layers, plan.traced, transposed)
+        # What the optimizer's last passes would do on the whole graph: equal small weights of
+        # the copies merged into one initializer, as in the traced layers.
+        common_passes.DeduplicateInitializersPass()(short)
+        common_passes.CommonSubexpressionEliminationPass()(short)
+        times.add("layer copies", time.perf_counter() - started)
+        times.trace = f"{copied} after the optimizer"
+        return short, True
+    except replicate.NotReplicable as e:
+        after_optimizer = str(e)
+    del short
+    try:
+        replicate.replicate(raw, scope, plan.stack.layers, plan.traced, transposed)
+        times.trace = f"{copied} before the optimizer (after it: {after_optimizer})"
+        return raw, False
+    except replicate.NotReplicable as e:
+        times.trace = f"traced all {n} layers: {e}"
+        return None, False
+    finally:
+        times.add("layer copies", time.perf_counter() - started)
 
 
 def _trace_general(module, loaded: LoadedModel, n: int, lowering_name: str, max_batch: int, max_seq: int, times):

@@ -33,9 +33,10 @@ import ast
 import contextlib
 import functools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
@@ -263,10 +264,10 @@ def _same_constant(a: ir.Value, b: ir.Value) -> bool:
     )
 
 
-def _layer_dependent(graph: ir.Graph, scope: str, pasts: set[str]) -> set[ir.Value]:
+def _layer_dependent(graph: ir.Graph, scope: str, pasts: set[str], transposed: Mapping[str, str]) -> set[ir.Value]:
     """Values computed from some layer's weights or cache contents (a Shape of one is not: every
     layer's tensors have the same shapes)."""
-    tainted = {v for name, v in graph.initializers.items() if name.startswith(scope + ".")}
+    tainted = {v for name, v in graph.initializers.items() if name.startswith(scope + ".") or name in transposed}
     tainted |= {v for v in graph.inputs if v.name in pasts}
     for node in graph:
         if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
@@ -276,6 +277,28 @@ def _layer_dependent(graph: ir.Graph, scope: str, pasts: set[str]) -> set[ir.Val
     return tainted
 
 
+def transposed_lazily(source: ir.TensorProtocol, name: str) -> ir.LazyTensor:
+    """``source`` (2-D) transposed, computed only when read (the weights file writes it, one tensor
+    at a time), C-contiguous."""
+    shape = ir.Shape([source.shape[1], source.shape[0]])
+
+    def transposed() -> ir.Tensor:
+        return ir.Tensor(np.ascontiguousarray(source.numpy().T), name=name)
+
+    return ir.LazyTensor(transposed, dtype=source.dtype, shape=shape, name=name)
+
+
+def _weight_of(value: ir.Value, pattern: re.Pattern, transposed: Mapping[str, str]) -> tuple[int, str, bool] | None:
+    """``(layer, name in the layer, transposed)`` when ``value`` is a layer's weight as the graph
+    reads it: the exporter's initializer ``<stack>.{layer}.<name>``, or its lazily transposed copy
+    (``transposed`` maps such a value's name to the weight's)."""
+    if not value.is_initializer():
+        return None
+    source = transposed.get(value.name)
+    match = pattern.fullmatch(source if source is not None else value.name)
+    return (int(match.group(1)), match.group(2), source is not None) if match else None
+
+
 def _layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
         **dict(layer.named_parameters(remove_duplicate=False)),
@@ -283,14 +306,26 @@ def _layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def replicate(model: ir.Model, scope: str, layers: Sequence[torch.nn.Module], traced: int) -> int:
+def replicate(
+    model: ir.Model,
+    scope: str,
+    layers: Sequence[torch.nn.Module],
+    traced: int,
+    transposed: Mapping[str, str] | None = None,
+) -> int:
     """Add layers ``traced .. len(layers) - 1`` to ``model`` (traced with its first ``traced``
     layers), each a copy of layer ``traced - 1`` bound to its own weights and cache; in place.
     ``scope`` is the stack's path in the traced wrapper (``model.model.layers``): its layers'
-    module scopes and initializer names start with it. Returns the nodes added. Raises
+    module scopes and initializer names start with it. ``transposed`` names the initializers that
+    hold a weight transposed (:func:`kvforge.compile.export.transpose_weights_lazily`): {value name:
+    weight name}. The model may come straight from the exporter or from onnxscript's optimizer
+    (then small weights of equal content may be one initializer: the copies get their own, which
+    the optimizer's deduplication merges again). Returns the nodes added. Raises
     :class:`NotReplicable`, with the model untouched, when the traced layers do not show that the
     copies compute what the layers would."""
     from torch.onnx._internal.exporter._core import TorchTensor  # how the exporter binds weights
+
+    transposed = transposed or {}
 
     graph = model.graph
     total = len(layers)
@@ -307,10 +342,13 @@ def replicate(model: ir.Model, scope: str, layers: Sequence[torch.nn.Module], tr
     in_a, in_b = set(nodes_a), set(nodes_b)
     past_of = {contract.past_key_name(b): "key", contract.past_value_name(b): "value"}
     past_a = {contract.past_key_name(a): "key", contract.past_value_name(a): "value"}
-    tainted = _layer_dependent(graph, scope, set(contract.past_names(traced)))
+    tainted = _layer_dependent(graph, scope, set(contract.past_names(traced)), transposed)
+    weight_pattern = re.compile(re.escape(scope) + r"\.(\d+)\.(.+)")
+    tensors = [_layer_tensors(layer) for layer in layers]
 
     mapping: dict[ir.Value, ir.Value] = {}  # layer a's values -> layer b's
-    params: dict[ir.Value, str] = {}  # layer b's weights -> their name in the layer ("mlp.up_proj.weight")
+    # layer b's weights -> (their name in the layer ("mlp.up_proj.weight"), transposed, merged)
+    params: dict[ir.Value, tuple[str, bool, bool]] = {}
     pasts: dict[ir.Value, str] = {}  # layer b's cache inputs -> "key" | "value"
     streams: set[ir.Value] = set()  # layer a's values that layer b reads
     for na, nb in zip(nodes_a, nodes_b):
@@ -331,6 +369,7 @@ def replicate(model: ir.Model, scope: str, layers: Sequence[torch.nn.Module], tr
                 if x is not y:
                     raise NotReplicable(f"{what} has an input that layer {a}'s lacks")
                 continue
+            wx, wy = _weight_of(x, weight_pattern, transposed), _weight_of(y, weight_pattern, transposed)
             if x.producer() in in_a:  # wiring inside the layer
                 if mapping.get(x) is not y:
                     raise NotReplicable(f"{what} is wired otherwise than in layer {a}")
@@ -338,16 +377,11 @@ def replicate(model: ir.Model, scope: str, layers: Sequence[torch.nn.Module], tr
                 if x.producer() not in nodes_before:
                     raise NotReplicable(f"{what} reads layer {a}'s {y.name}, but layer {a} no value of layer {a - 1}")
                 streams.add(y)
+            elif wx is not None or wy is not None:  # each layer's own weight
+                params[y] = _weight_pair(x, y, wx, wy, (a, b), tensors, what)
             elif x is y:  # shared by every layer: must depend on no layer's weights or cache
                 if x in tainted:
                     raise NotReplicable(f"layers {a} and {b} both read {x.name}, which depends on a layer's weights")
-            elif (
-                x.is_initializer()
-                and y.is_initializer()
-                and x.name.startswith(f"{scope}.{a}.")
-                and y.name == f"{scope}.{b}." + x.name.removeprefix(f"{scope}.{a}.")
-            ):
-                params[y] = y.name.removeprefix(f"{scope}.{b}.")
             elif past_a.get(x.name) is not None and past_of.get(y.name) == past_a[x.name] and y.is_graph_input():
                 pasts[y] = past_of[y.name]
             elif _same_constant(x, y) and y not in tainted:
@@ -385,14 +419,14 @@ def replicate(model: ir.Model, scope: str, layers: Sequence[torch.nn.Module], tr
         raise NotReplicable(f"layer {b} writes {sorted(presents)} of its cache, not its key and value")
 
     # The weights of every copy, checked before the graph changes.
-    layer_b = _layer_tensors(layers[b])
-    for value, name in params.items():
+    layer_b = tensors[b]
+    for value, (name, flip, merged) in params.items():
         raw = getattr(value.const_value, "raw", None)
-        if not isinstance(raw, torch.Tensor) or name not in layer_b or raw is not layer_b[name]:
+        if not flip and not merged and (name not in layer_b or raw is not layer_b[name]):
             raise NotReplicable(f"{value.name} is not layer {b}'s tensor {name} as the exporter bound it")
-    weights = [_layer_tensors(layer) for layer in layers]
+    weights = tensors
     for i in range(traced, total):
-        for name in params.values():
+        for name, _, _ in params.values():
             tensor = weights[i].get(name)
             if tensor is None or tensor.shape != layer_b[name].shape or tensor.dtype != layer_b[name].dtype:
                 raise NotReplicable(f"layer {i} has no {name} like layer {b}'s")
@@ -408,13 +442,14 @@ def replicate(model: ir.Model, scope: str, layers: Sequence[torch.nn.Module], tr
             inputs[kind] = ir.Value(name=name, shape=_copy_shape(template.shape), type=template.type)
             graph.inputs.append(inputs[kind])
         own = {}
-        for value, name in params.items():
-            full = f"{scope}.{i}.{name}"
+        for value, (name, flip, _) in params.items():
+            full = f"{value.name}__{i}" if flip else f"{scope}.{i}.{name}"
+            tensor = TorchTensor(weights[i][name], name=f"{scope}.{i}.{name}")
             own[value] = ir.Value(
                 name=full,
                 shape=_copy_shape(value.shape),
                 type=value.type,
-                const_value=TorchTensor(weights[i][name], name=full),
+                const_value=transposed_lazily(tensor, full) if flip else tensor,
             )
             graph.register_initializer(own[value])
         copies: dict[ir.Value, ir.Value] = {}
@@ -462,6 +497,35 @@ def replicate(model: ir.Model, scope: str, layers: Sequence[torch.nn.Module], tr
         node.replace_input_with(index, previous[value])
     graph.sort()  # the tail now reads the last copy, inserted after it
     return added
+
+
+def _weight_pair(
+    x: ir.Value,
+    y: ir.Value,
+    wx: tuple[int, str, bool] | None,
+    wy: tuple[int, str, bool] | None,
+    layer_pair: tuple[int, int],
+    tensors: Sequence[dict[str, torch.Tensor]],
+    what: str,
+) -> tuple[str, bool, bool]:
+    """``(name in the layer, transposed, merged)`` of the weight that layer b reads as ``y`` where
+    layer a reads ``x``: each its own (``<stack>.a.<name>``, ``<stack>.b.<name>``), or one value
+    that onnxscript's optimizer merged from several layers' equal tensors (``merged``: checked
+    equal here, byte for byte, to layers a's and b's own)."""
+    from torch.onnx._internal.exporter._core import TorchTensor
+
+    a, b = layer_pair
+    if wx is None or wy is None or wx[1:] != wy[1:]:
+        raise NotReplicable(f"{what} reads {y.name} where layer {a} reads {x.name}")
+    (layer_x, name, flip), layer_y = wx, wy[0]
+    if (layer_x, layer_y) == (a, b) and x is not y:
+        return name, flip, False
+    if x is y and y.const_value is not None and name in tensors[a] and name in tensors[b]:
+        stored = y.const_value.numpy()
+        own = [TorchTensor(tensors[layer][name]).numpy() for layer in (a, b)]
+        if all(np.array_equal(t.T if flip else t, stored) for t in own):
+            return name, flip, True
+    raise NotReplicable(f"{what} reads {y.name}, a weight of layer {layer_x}, where layer {a} reads {x.name}")
 
 
 def _copy_shape(shape: ir.Shape | None) -> ir.Shape | None:

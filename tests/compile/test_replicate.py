@@ -1,8 +1,10 @@
 """Layer copies (kvforge.compile.replicate): the general graph traced from the first 3 layers of a
-4-layer Llama, the 4th copied in the graph, is the full trace's graph: the same inputs and outputs
-in contract order, the same node count per op type and the same initializer shapes, and its derived
-prefill and decode graphs give outputs within 1e-6 of the full trace's on a ragged prefill and a
-decode step. Layers that are not one computation take the full trace and say why: a config whose
+4-layer Llama, the 4th copied in the graph (after onnxscript's optimizer, as compile does, or
+before it, compile's fallback), is the full trace's graph: the same inputs and outputs in contract
+order, the same node count per op type and the same initializer shapes, and its derived prefill and
+decode graphs give outputs within 1e-6 of the full trace's on a ragged prefill and a decode step.
+(The tiny Llama's norm weights are all ones, so the optimizer merges them: the copies' merged
+weights are exercised too.) Layers that are not one computation take the full trace and say why: a config whose
 ``layer_types`` mix sliding and full attention (in compile's progress line), a first-k-dense MoE,
 GPT-2's per-layer attention scaling; and the graph check alone, without the module check, refuses
 that GPT-2 and falls back to the full trace."""
@@ -27,22 +29,48 @@ from tests.helpers import assert_close, make_llama
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB, CAPACITY = 4, 2, 16, 384, 16
 
 
+COPIED = ("copied", "copied before the optimizer")
+
+
 @pytest.fixture(scope="module")
 def four_layer_graphs(tmp_path_factory):
-    """{"copied": (graph, ExportTimes), "full": (graph, ExportTimes)} of a tiny 4-layer Llama."""
+    """{kind: (graph, ExportTimes)} of a tiny 4-layer Llama, for kind in COPIED and "full"."""
     model_dir = make_llama(tmp_path_factory.mktemp("llama4"), num_hidden_layers=LAYERS)
     loaded = load_stage.load_model(model_dir)
     graphs = {}
-    for kind, full_trace in (("copied", False), ("full", True)):
+    for kind in (*COPIED, "full"):
         times = export_stage.ExportTimes()
-        graphs[kind] = export_stage.export_general(loaded, "gqa", 2, CAPACITY, times, full_trace=full_trace)
-        graphs[kind] = (graphs[kind], times)
+        with pytest.MonkeyPatch.context() as patch:
+            if kind == "copied before the optimizer":  # the copy after the optimizer refused
+                patch.setattr(replicate, "replicate", _refusing_once(replicate.replicate))
+            graph = export_stage.export_general(loaded, "gqa", 2, CAPACITY, times, full_trace=kind == "full")
+        graphs[kind] = (graph, times)
     return graphs
 
 
-def test_the_copied_graph_is_the_full_trace(four_layer_graphs):
-    (copied, copied_times), (full, full_times) = four_layer_graphs["copied"], four_layer_graphs["full"]
-    assert copied_times.trace == "traced 3 of 4 layers, copied the other 1 in the graph"
+def _refusing_once(replicate_layers):
+    calls = []
+
+    def refuse_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise replicate.NotReplicable("refused for the test")
+        return replicate_layers(*args, **kwargs)
+
+    return refuse_first
+
+
+@pytest.mark.parametrize("kind", COPIED)
+def test_the_copied_graph_is_the_full_trace(four_layer_graphs, kind):
+    (copied, copied_times), (full, full_times) = four_layer_graphs[kind], four_layer_graphs["full"]
+    assert (
+        copied_times.trace
+        == {
+            "copied": "traced 3 of 4 layers, copied the other 1 in the graph after the optimizer",
+            "copied before the optimizer": "traced 3 of 4 layers, copied the other 1 in the graph before the "
+            "optimizer (after it: refused for the test)",
+        }[kind]
+    )
     assert full_times.trace == "traced all 4 layers: full trace asked for"
     names = [*contract.decode_input_names(LAYERS)[:3], export_stage.LOGIT_INDICES, *contract.past_names(LAYERS)]
     for graph in (copied.graph, full.graph):
@@ -78,7 +106,7 @@ def test_the_copied_graph_computes_what_the_full_trace_does(four_layer_graphs, t
         **empty,
     }
     results = {}
-    for kind, (general, _) in four_layer_graphs.items():
+    for kind, (general, _) in four_layer_graphs.items():  # both copies and the full trace
         sessions = {
             g: _session(derive.derive(general, g), tmp_path / f"{kind}-{g}.onnx") for g in ("prefill", "decode")
         }
@@ -90,8 +118,9 @@ def test_the_copied_graph_computes_what_the_full_trace_does(four_layer_graphs, t
             **dict(zip(contract.past_names(LAYERS), first[1:])),
         }
         results[kind] = (first, sessions["decode"].run(None, step))
-    for call, (ours, theirs) in enumerate(zip(results["copied"], results["full"])):
-        what = "prefill" if call == 0 else "decode"
+    pairs = [(kind, call, pair) for kind in COPIED for call, pair in enumerate(zip(results[kind], results["full"]))]
+    for kind, call, (ours, theirs) in pairs:
+        what = f"{kind}: {'prefill' if call == 0 else 'decode'}"
         assert np.abs(theirs[0]).max() > 0.1, "the logits are not trivially zero"
         assert_close(ours[0], theirs[0], atol=1e-6, rtol=0, what=f"{what} logits")
         for name, a, b in zip(contract.present_names(LAYERS), ours[1:], theirs[1:]):
