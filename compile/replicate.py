@@ -1,17 +1,21 @@
 """Export pass: a trace of the first layers of the decoder stack -> the graph of the whole stack.
 
 Tracing costs time per layer (``torch.export`` and the ONNX translation: ~0.6 s a layer of the
-SmolLM-135M shape on 2 cores, 20 of compile's 38 s), and a decoder stack repeats one computation.
+SmolLM-135M shape on 2 cores, 20 of compile's 38 s; onnxscript's optimizer ~0.1 s more), and a
+decoder stack repeats one computation.
 So when every layer is provably the same computation, compile traces only the first
 :data:`TRACED` layers (the stack's ``ModuleList`` cut to them, the config's layer count with it,
 both restored after) and copies the last traced layer's subgraph for the others.
 
-Input: the raw ``onnx_ir.Model`` of ``torch.onnx.export`` (before onnxscript's optimizer, while
-every node still carries the exporter's module scopes ``model.model.layers.2...``) of the general
-graph over :data:`TRACED` layers. Output: the same model, edited in place, with every layer. Layer
-``i``'s copy reads its own initializers ``<stack>.{i}.<name>``, bound to layer ``i``'s torch
-parameters and buffers the way the exporter binds them (a wrapper of the tensor: no bytes are
-copied), its own ``past_key_values.{i}.key|value`` inputs and writes ``present.{i}.key|value``
+Input: the ``onnx_ir.Model`` of ``torch.onnx.export`` of the general graph over :data:`TRACED`
+layers, whose nodes still carry the exporter's module scopes (``model.model.layers.2...``): after
+onnxscript's optimizer (compile's first try: the optimizer then runs over 3 layers, not all) or
+raw (its fallback, where the optimized layers do not pass the checks below: a rewrite that drops
+the scopes of the nodes it makes, per-layer constants it folds). Output: the same model, edited in
+place, with every layer. Layer ``i``'s copy reads its own initializers, bound to layer ``i``'s
+torch parameters and buffers the way the exporter binds them (a wrapper of the tensor: no bytes
+are copied; a weight the graph reads transposed is transposed lazily, when the weights file
+writes it), its own ``past_key_values.{i}.key|value`` inputs and writes ``present.{i}.key|value``
 outputs (contract order), and reads from layer ``i - 1``'s copy what the last traced layer read
 from the one before it.
 
