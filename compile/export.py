@@ -295,12 +295,13 @@ def _copy_layers(short, plan: replicate.TracePlan, times: ExportTimes):
     started = time.perf_counter()
     transposed = transpose_weights_lazily(short)
     raw = short.clone()  # shares the tensors
+    independent = replicate.layer_independent_names(short, scope, plan.traced, transposed)
     optimize_exported(short)
     times.add("onnxscript optimizer", time.perf_counter() - started)
     started = time.perf_counter()
     copied = f"traced {plan.traced} of {n} layers, copied the other {n - plan.traced} in the graph"
     try:
-        replicate.replicate(short, scope, plan.stack.layers, plan.traced, transposed)
+        replicate.replicate(short, scope, plan.stack.layers, plan.traced, transposed, independent)
         # What the optimizer's last passes would do on the whole graph: equal small weights of
         # the copies merged into one initializer, as in the traced layers.
         common_passes.DeduplicateInitializersPass()(short)

@@ -268,10 +268,23 @@ def _same_constant(a: ir.Value, b: ir.Value) -> bool:
     )
 
 
-def _layer_dependent(graph: ir.Graph, scope: str, pasts: set[str], transposed: Mapping[str, str]) -> set[ir.Value]:
+def _layer_dependent(
+    graph: ir.Graph,
+    scope: str,
+    pasts: set[str],
+    transposed: Mapping[str, str],
+    independent: set[str] | None = None,
+) -> set[ir.Value]:
     """Values computed from some layer's weights or cache contents (a Shape of one is not: every
-    layer's tensors have the same shapes)."""
-    tainted = {v for name, v in graph.initializers.items() if name.startswith(scope + ".") or name in transposed}
+    layer's tensors have the same shapes). With ``independent`` (the names of the values that
+    depend on neither in the raw trace, :func:`layer_independent_names`), every initializer not
+    named there counts as dependent too: a constant onnxscript's optimizer folded may come from a
+    layer's weight (Gemma's ``1 + weight``)."""
+    tainted = {
+        v
+        for name, v in graph.initializers.items()
+        if name.startswith(scope + ".") or name in transposed or (independent is not None and name not in independent)
+    }
     tainted |= {v for v in graph.inputs if v.name in pasts}
     for node in graph:
         if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
@@ -303,6 +316,17 @@ def _weight_of(value: ir.Value, pattern: re.Pattern, transposed: Mapping[str, st
     return (int(match.group(1)), match.group(2), source is not None) if match else None
 
 
+def layer_independent_names(
+    model: ir.Model, scope: str, traced: int, transposed: Mapping[str, str] | None = None
+) -> set[str]:
+    """The names of the values of ``model`` (the raw trace, before the optimizer) that depend on no
+    layer's weights or cache: what :func:`replicate` may let every copy share after the optimizer."""
+    graph = model.graph
+    tainted = _layer_dependent(graph, scope, set(contract.past_names(traced)), transposed or {})
+    values = [*graph.inputs, *graph.initializers.values(), *(out for node in graph for out in node.outputs)]
+    return {v.name for v in values if v not in tainted and v.name}
+
+
 def _layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
         **dict(layer.named_parameters(remove_duplicate=False)),
@@ -316,6 +340,7 @@ def replicate(
     layers: Sequence[torch.nn.Module],
     traced: int,
     transposed: Mapping[str, str] | None = None,
+    independent: set[str] | None = None,
 ) -> int:
     """Add layers ``traced .. len(layers) - 1`` to ``model`` (traced with its first ``traced``
     layers), each a copy of layer ``traced - 1`` bound to its own weights and cache; in place.
@@ -324,7 +349,9 @@ def replicate(
     hold a weight transposed (:func:`kvforge.compile.export.transpose_weights_lazily`): {value name:
     weight name}. The model may come straight from the exporter or from onnxscript's optimizer
     (then small weights of equal content may be one initializer: the copies get their own, which
-    the optimizer's deduplication merges again). Returns the nodes added. Raises
+    the optimizer's deduplication merges again; and ``independent``, the raw trace's
+    :func:`layer_independent_names`, says which of the optimizer's constants the layers may share:
+    any other is taken as made from a layer's weights). Returns the nodes added. Raises
     :class:`NotReplicable`, with the model untouched, when the traced layers do not show that the
     copies compute what the layers would."""
     from torch.onnx._internal.exporter._core import TorchTensor  # how the exporter binds weights
@@ -346,7 +373,7 @@ def replicate(
     in_a, in_b = set(nodes_a), set(nodes_b)
     past_of = {contract.past_key_name(b): "key", contract.past_value_name(b): "value"}
     past_a = {contract.past_key_name(a): "key", contract.past_value_name(a): "value"}
-    tainted = _layer_dependent(graph, scope, set(contract.past_names(traced)), transposed)
+    tainted = _layer_dependent(graph, scope, set(contract.past_names(traced)), transposed, independent)
     weight_pattern = re.compile(re.escape(scope) + r"\.(\d+)\.(.+)")
     tensors = [_layer_tensors(layer) for layer in layers]
 

@@ -7,7 +7,9 @@ decode graphs give outputs within 1e-6 of the full trace's on a ragged prefill a
 weights are exercised too.) Layers that are not one computation take the full trace and say why: a config whose
 ``layer_types`` mix sliding and full attention (in compile's progress line), a first-k-dense MoE,
 GPT-2's per-layer attention scaling; and the graph check alone, without the module check, refuses
-that GPT-2 and falls back to the full trace."""
+that GPT-2 and falls back to the full trace. A constant the optimizer folded from a layer's
+weights and merged across layers (Gemma's ``1 + weight`` norms, equal in a random model) is never
+shared by the copies: Gemma is copied before the optimizer."""
 
 from __future__ import annotations
 
@@ -190,3 +192,13 @@ def test_the_graph_check_alone_refuses_layers_that_differ(tmp_path, monkeypatch)
     assert "differs from layer 1's: attribute scale=" in times.trace
     assert [v.name for v in graph.graph.outputs] == contract.output_names(4)
     assert len(loaded.model.transformer.h) == 4 and loaded.model.config.n_layer == 4  # restored after the prefix
+
+
+def test_a_constant_folded_from_weights_is_not_shared_by_the_copies(tmp_path):
+    overrides = dict(num_hidden_layers=4, head_dim=16)
+    model_dir = families.build(tmp_path / "gemma", "GemmaForCausalLM", "GemmaConfig", overrides)
+    loaded = load_stage.load_model(model_dir)
+    times = export_stage.ExportTimes()
+    export_stage.export_general(loaded, "gqa", 2, 32, times)
+    assert times.trace.startswith("traced 3 of 4 layers, copied the other 1 in the graph before the optimizer")
+    assert "both read" in times.trace and "which depends on a layer's weights" in times.trace
