@@ -23,9 +23,10 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import onnx_ir as ir
 import torch
 
-from kvforge.compile import complex_to_real, op_translations
+from kvforge.compile import complex_to_real, op_translations, replicate
 from kvforge.compile.load import LoadedModel
 from kvforge.graphs import contract, lowering
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
@@ -40,22 +41,26 @@ _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY, _EXAMPLE_POSITIONS = 2, 7, 37, 
 
 @dataclass
 class ExportTimes:
-    """Seconds spent in each step of the traces of one stage (summed over its traces)."""
+    """Seconds spent in each step of the traces of one stage (summed over its traces), and how the
+    decoder stack was traced (:mod:`kvforge.compile.replicate`: a prefix and copies, or in full
+    and why)."""
 
     steps: dict[str, float] = field(default_factory=dict)
+    trace: str = ""
 
     def add(self, step: str, seconds: float) -> None:
         self.steps[step] = self.steps.get(step, 0.0) + seconds
 
     def __str__(self) -> str:
-        return ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.steps.items())
+        steps = ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.steps.items())
+        return f"{steps}; {self.trace}" if self.trace else steps
 
 
-def _example_past(loaded: LoadedModel) -> list[torch.Tensor]:
+def _example_past(loaded: LoadedModel, num_layers: int | None = None) -> list[torch.Tensor]:
     d = loaded.dims
     dtype = next(loaded.model.parameters()).dtype
     shape = (_EXAMPLE_BATCH, d.num_kv_heads, _EXAMPLE_CAPACITY, d.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * d.num_layers)]
+    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * (num_layers or d.num_layers))]
 
 
 def _dims(max_batch: int, max_seq: int) -> tuple[object, object, object]:
@@ -75,6 +80,14 @@ def _export(
     times: ExportTimes | None = None,
 ):
     times = times if times is not None else ExportTimes()
+    model = _trace(module, args, dynamic_shapes, input_names, output_names, lowering_name, times)
+    _finish(model, module, times)
+    return model
+
+
+def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_name, times: ExportTimes):
+    """``torch.onnx.export`` of ``module`` without its optimizer: the raw model, whose nodes still
+    carry the exporter's module scopes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the eager call runs a few tokens; tracing runs no kernels
     try:
@@ -110,14 +123,22 @@ def _export(
             times.add("trace and ONNX translation", time.perf_counter() - started)
     finally:
         torch.set_num_threads(threads)
-    started = time.perf_counter()
     model = onnx_program.model
     del onnx_program
-    optimize_exported(model)
+    return model
+
+
+def _finish(model, module: torch.nn.Module, times: ExportTimes, optimized: bool = False) -> None:
+    """onnxscript's optimizer (unless ``optimized``), then HF-traceable node names; in place.
+    ``module`` is the whole traced wrapper: the weights of its model that the optimizer left
+    behind are dropped."""
+    started = time.perf_counter()
+    if not optimized:
+        transpose_weights_lazily(model)
+        optimize_exported(model)
     _drop_stale_weights(module)
     _name_nodes(model)
     times.add("onnxscript optimizer", time.perf_counter() - started)
-    return model
 
 
 # onnxscript's default rewrite rules that never match an exported causal LM but cost the most:
@@ -149,6 +170,41 @@ def optimize_exported(model) -> None:
 
     with without_unmatched_rules():
         onnxscript.optimizer.optimize_ir(model)
+
+
+def transpose_weights_lazily(model) -> dict[str, str]:
+    """Replace each ``Transpose`` of a 2-D initializer that it alone reads (a ``Linear``'s
+    ``[out, in]`` weight, exported as ``MatMul(x, Transpose(W))``) by an initializer that holds the
+    transposed ``[in, out]`` weight, computed only when read (the weights file writes it, one
+    tensor at a time). The same graph as onnxscript's constant folding makes of it (it always folds
+    such a Transpose, whatever its size), under the same value name, but the folded weights are not
+    all copied in memory at once during export. In place; returns {new initializer's name: the
+    weight's name} (:func:`kvforge.compile.replicate.replicate` binds copies of layers by it)."""
+    graph = model.graph
+    replaced = {}
+    for node in list(graph):
+        weight = node.inputs[0] if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
+        if weight is None or weight.const_value is None or not weight.is_initializer():
+            continue
+        perm = node.attributes.get("perm")
+        source = weight.const_value
+        if (
+            len(source.shape) != 2
+            or (perm is not None and list(perm.as_ints()) != [1, 0])
+            or len(weight.uses()) != 1
+            or weight.is_graph_output()
+            or source.dtype.bitwidth < 8
+        ):
+            continue
+        out = node.outputs[0]
+        lazy = replicate.transposed_lazily(source, out.name)
+        folded = ir.Value(name=out.name, shape=lazy.shape, type=weight.type, const_value=lazy)
+        graph.remove(node, safe=False)
+        out.replace_all_uses_with(folded, replace_graph_outputs=True)
+        graph.initializers.pop(weight.name)
+        graph.register_initializer(folded)
+        replaced[folded.name] = weight.name
+    return replaced
 
 
 def _drop_stale_weights(module: torch.nn.Module) -> None:
@@ -205,12 +261,80 @@ def _name_nodes(model) -> None:
 
 
 def export_general(
-    loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, times: ExportTimes | None = None
+    loaded: LoadedModel,
+    lowering_name: str,
+    max_batch: int,
+    max_seq: int,
+    times: ExportTimes | None = None,
+    full_trace: bool = False,
 ):
     """The general graph: ``input_ids [B, S]``, ``position_ids [B, S]``, ``write_indices [B]``,
     ``logit_indices [B, K]`` (int64, positions in ``[0, S)``), pasts -> ``logits [B, K, V]``, presents.
-    :mod:`kvforge.compile.derive` makes every contract graph from it."""
+    :mod:`kvforge.compile.derive` makes every contract graph from it.
+
+    Where the decoder's layers are provably one computation, only the first
+    :data:`kvforge.compile.replicate.TRACED` are traced and the others copied in the graph
+    (:mod:`kvforge.compile.replicate`); ``full_trace`` traces every layer. ``times.trace`` says which
+    was done, and why a full trace was needed."""
+    times = times if times is not None else ExportTimes()
     n = loaded.dims.num_layers
+    module = GeneralGraph(loaded.model, loaded.spec).eval()
+    plan = replicate.plan(loaded.model, n, full_trace)
+    model, optimized = None, False
+    if plan.stack is not None:
+        with replicate.truncated(loaded.model, plan.stack, plan.traced):
+            model = _trace_general(module, loaded, plan.traced, lowering_name, max_batch, max_seq, times)
+        model, optimized = _copy_layers(model, plan, times)
+    else:
+        times.trace = f"traced all {n} layers: {plan.reason}"
+    if model is None:
+        model = _trace_general(module, loaded, n, lowering_name, max_batch, max_seq, times)
+    _finish(model, module, times, optimized)
+    return model
+
+
+def _copy_layers(short, plan: replicate.TracePlan, times: ExportTimes):
+    """``(model, optimized)``: the graph of every layer from ``short``, the raw trace of the first
+    ``plan.traced``; or ``(None, False)`` when the traced layers do not prove the copies right
+    (``times.trace`` says why). Tried first on ``short`` after onnxscript's optimizer (a pass over
+    3 layers, not all of them: ``optimized``), then on the raw trace, which the optimizer then
+    takes whole."""
+    from onnx_ir.passes import common as common_passes
+
+    n, scope = plan.total, f"model.{plan.stack.path}"
+    started = time.perf_counter()
+    transposed = transpose_weights_lazily(short)
+    raw = short.clone()  # shares the tensors
+    independent = replicate.layer_independent_names(short, scope, plan.traced, transposed)
+    optimize_exported(short)
+    times.add("onnxscript optimizer", time.perf_counter() - started)
+    started = time.perf_counter()
+    copied = f"traced {plan.traced} of {n} layers, copied the other {n - plan.traced} in the graph"
+    try:
+        replicate.replicate(short, scope, plan.stack.layers, plan.traced, transposed, independent)
+        # What the optimizer's last passes would do on the whole graph: equal small weights of
+        # the copies merged into one initializer, as in the traced layers.
+        common_passes.DeduplicateInitializersPass()(short)
+        common_passes.CommonSubexpressionEliminationPass()(short)
+        times.add("layer copies", time.perf_counter() - started)
+        times.trace = f"{copied} after the optimizer"
+        return short, True
+    except replicate.NotReplicable as e:
+        after_optimizer = str(e)
+    del short
+    try:
+        replicate.replicate(raw, scope, plan.stack.layers, plan.traced, transposed)
+        times.trace = f"{copied} before the optimizer (after it: {after_optimizer})"
+        return raw, False
+    except replicate.NotReplicable as e:
+        times.trace = f"traced all {n} layers: {e}"
+        return None, False
+    finally:
+        times.add("layer copies", time.perf_counter() - started)
+
+
+def _trace_general(module, loaded: LoadedModel, n: int, lowering_name: str, max_batch: int, max_seq: int, times):
+    """The raw trace of ``module`` (a :class:`GeneralGraph`) with ``n`` layers' caches."""
     batch, seq, capacity = _dims(max_batch, max_seq)
     positions = torch.export.Dim(POSITIONS_DIM, min=1, max=max(max_seq, _EXAMPLE_CAPACITY))
     b, s, k = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_POSITIONS
@@ -219,7 +343,7 @@ def export_general(
         torch.arange(s).expand(b, s).contiguous(),
         torch.zeros(b, dtype=torch.int64),
         torch.arange(s - k, s).expand(b, k).contiguous(),
-        *_example_past(loaded),
+        *_example_past(loaded, n),
     )
     shapes = (
         {0: batch, 1: seq},
@@ -229,8 +353,7 @@ def export_general(
         tuple({0: batch, 2: capacity} for _ in range(2 * n)),
     )
     names = [*contract.decode_input_names(n)[:3], LOGIT_INDICES, *contract.past_names(n)]
-    module = GeneralGraph(loaded.model, loaded.spec).eval()
-    return _export(module, args, shapes, names, contract.output_names(n), lowering_name, times)
+    return _trace(module, args, shapes, names, contract.output_names(n), lowering_name, times)
 
 
 def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, all_logits: bool = False):

@@ -32,8 +32,10 @@ builds from). The runtime's ORT backend loads the ``.ort.onnx`` graphs without r
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx_ir as ir
@@ -73,7 +75,7 @@ def optimize_graphs(
     try:
         for name in names:
             model = ir.load(out_dir / f"{name}.onnx")
-            with without_unmatched_rules():
+            with without_unmatched_rules(), without_repeated_optimizer():
                 model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
             fuse_attention_glue(model)  # compile/fusions.py: no reshape/transpose glue, lengths once
@@ -103,6 +105,31 @@ def optimize_graphs(
         for leftover in out_dir.glob(".*.fused.onnx"):
             leftover.unlink()
     return files
+
+
+@contextlib.contextmanager
+def without_repeated_optimizer() -> Iterator[None]:
+    """Inside the block, ``ort_fusions.optimize_for_ort`` starts with onnx shape inference and its
+    shape rules, without the two runs of onnxscript's optimizer (``optimize_ir``) that its
+    ``_pre_optimize`` adds: compile's general graph has just come out of that same optimizer
+    (:func:`kvforge.compile.export.optimize_exported`; packing and the weights file add nothing it
+    folds), and each run costs a full pass over the graph (SmolLM-135M: 2 x 0.8 s, no node changed).
+    The fusions and the optimizer run that follows them are onnxscript's own. onnxscript offers no
+    parameter for it: its module function is swapped for the block and restored after it."""
+    import onnx_ir.passes.common as common_passes
+    from onnxscript.rewriter.ort_fusions import _core, shape_optimization
+
+    def shape_passes_only(model: ir.Model) -> ir.Model:
+        common_passes.ShapeInferencePass()(model)
+        shape_optimization.rules.apply_to_model(model)
+        return model
+
+    original = _core._pre_optimize
+    _core._pre_optimize = shape_passes_only
+    try:
+        yield
+    finally:
+        _core._pre_optimize = original
 
 
 def read_gemm_weights_in_place(graph: ir.Graph) -> int:

@@ -19,6 +19,7 @@ Output layout (see docs/manifest.md)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import gc
 import os
@@ -76,6 +77,7 @@ class CompileOptions:
     target: str = "cpu"  # "cpu" | "cuda" | "tensorrt" (TARGETS)
     max_prompt: int | None = None  # longest prompt (TensorRT's prefill profile); None: max_seq
     trust_remote_code: bool = False  # run the modeling code config.json's auto_map names
+    full_trace: bool = False  # trace every layer, never copy one (debugging: kvforge.compile.replicate)
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -132,6 +134,7 @@ def compile_model(
     max_prompt: int | None = None,
     gpu_memory: str | None = None,
     trust_remote_code: bool = False,
+    full_trace: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -149,10 +152,18 @@ def compile_model(
     target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile.
     ``trust_remote_code`` lets a family that needs its own modeling code (config.json's
     ``auto_map``, a model type transformers does not ship) run it; without it such a directory is
-    refused before anything is loaded. Nothing is written to ``out_dir`` unless compile succeeds.
+    refused before anything is loaded. ``full_trace`` traces every decoder layer instead of
+    copying a traced one (:mod:`kvforge.compile.replicate`; for debugging: the graphs are the same).
+    Nothing is written to ``out_dir`` unless compile succeeds.
     """
     _check_types(
-        model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize, trust_remote_code
+        model_dir,
+        out_dir,
+        max_batch,
+        max_seq,
+        max_prompt,
+        block_size,
+        dict(score_graph=score_graph, optimize=optimize, trust_remote_code=trust_remote_code, full_trace=full_trace),
     )
     # numpy ints are accepted; the manifest (JSON) holds Python ints
     max_batch, block_size = int(max_batch), int(block_size)
@@ -192,6 +203,7 @@ def compile_model(
         target,
         max_prompt,
         trust_remote_code,
+        full_trace,
     )
     options.check()
     _check_out_dir(out)
@@ -201,7 +213,11 @@ def compile_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started)
+        # The checkpoint's sha256 (the manifest's source record) is read and hashed on a thread of
+        # its own while the stages run: hashlib and file reads release the GIL.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-hash") as pool:
+            source_hashes = pool.submit(lambda: {f.name: mf.sha256_file(f) for f in weight_files})
+            manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started, source_hashes)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,9 +239,7 @@ def _refuse_type(name: str, value: object, accepted: str) -> OptionTypeError:
     return OptionTypeError(f"{name}={text} is not accepted: {name} must be {accepted}")
 
 
-def _check_types(
-    model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize, trust_remote_code
-) -> None:
+def _check_types(model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, flags: dict[str, object]) -> None:
     """compile_model's arguments by type, before any file is read: paths are str/PathLike, counts
     Python or numpy ints (``max_batch=2.5`` refused, not truncated), flags bools. Their ranges are
     :meth:`CompileOptions.check`'s."""
@@ -241,7 +255,7 @@ def _check_types(
             continue
         if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
             raise _refuse_type(name, value, "an integer (int or numpy integer; bools and floats are refused)")
-    for name, value in (("score_graph", score_graph), ("optimize", optimize), ("trust_remote_code", trust_remote_code)):
+    for name, value in flags.items():
         if not isinstance(value, bool):
             raise _refuse_type(name, value, "True or False")
 
@@ -290,6 +304,7 @@ def _compile_into(
     weight_files: list[Path],
     say: Progress,
     started: float,
+    source_hashes: concurrent.futures.Future,
 ) -> mf.Manifest:
     # ORT's CPU provider has no bfloat16 kernels, so it cannot optimize (or run) such graphs.
     optimize = options.optimize and options.dtype != "bfloat16"
@@ -309,7 +324,9 @@ def _compile_into(
             f"graph, from which the {', '.join(names)} graphs are derived",
         )
         times = export_stage.ExportTimes()
-        general = export_stage.export_general(loaded, options.lowering, options.max_batch, options.max_seq, times)
+        general = export_stage.export_general(
+            loaded, options.lowering, options.max_batch, options.max_seq, times, options.full_trace
+        )
     except Exception as e:
         if loaded_spec.verified:
             raise
@@ -366,7 +383,8 @@ def _compile_into(
     parity["verified_family"] = loaded_spec.verified
     stages.start("manifest", "writing manifest")
     report = weights.report()
-    manifest = _manifest(model_dir, tmp, options, config, weight_files, dims, report.file, tok, parity, optimized)
+    files = {"source": source_hashes.result(), report.file: weights.sha256()}
+    manifest = _manifest(model_dir, tmp, options, config, files, dims, report.file, tok, parity, optimized)
     mf.write(manifest, tmp)
     stages.end()
     return manifest
@@ -424,7 +442,7 @@ def _manifest(
     tmp: Path,
     options: CompileOptions,
     config: dict,
-    weight_files: list[Path],
+    hashes: dict,
     dims,
     weights_file: str,
     tok: dict,
@@ -459,7 +477,7 @@ def _manifest(
         source={
             "path": str(model_dir.resolve()),
             "config_sha256": mf.sha256_file(model_dir / "config.json"),
-            "weights": {f.name: mf.sha256_file(f) for f in weight_files},
+            "weights": hashes["source"],
             **({"trust_remote_code": True} if options.trust_remote_code else {}),
         },
         model=mf.ModelDims(
@@ -482,7 +500,7 @@ def _manifest(
             "bytes": numel * itemsize,
         },
         graphs=graphs,
-        weights=mf.FileRef(weights_file, mf.sha256_file(tmp / weights_file), (tmp / weights_file).stat().st_size),
+        weights=mf.FileRef(weights_file, hashes[weights_file], (tmp / weights_file).stat().st_size),
         tokenizer=tok,
         generation={"eos_token_ids": tok["eos_token_ids"]},
         versions={

@@ -7,6 +7,11 @@ the output directory. Every tensor of
 bytes), not by name, because the exporter names constant-folded tensors (transposed weights, ...)
 differently in each graph. Tensors are aligned to ``ALIGNMENT`` bytes so the file can be memory
 mapped.
+
+Each tensor's bytes are hashed once, as they are appended: the file's sha256 (the manifest's) is
+kept running, so it is never read back to be hashed. Finding a tensor already stored costs a
+digest of a sample of its bytes, then a byte-for-byte comparison with the stored candidate (the
+sample only picks candidates; equality is always decided on every byte).
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ class SharedWeights:
         self.out_dir = out_dir
         self.path = out_dir / WEIGHTS_FILE
         self.path.write_bytes(b"")
-        self._by_content: dict[tuple, tuple[int, int]] = {}  # (dtype, shape, sha256) -> (offset, length)
+        # (dtype, shape, digest of a sample of the bytes) -> (offset, length) of each stored tensor
+        self._by_sample: dict[tuple, list[tuple[int, int]]] = {}
         self._locations: set[tuple[int, int]] = set()
+        self._file_hash = hashlib.sha256()  # of the file's bytes so far, alignment padding included
+        self._size = 0
         self.references = 0
 
     def add(self, models: dict[str, ir.Model]) -> None:
@@ -89,18 +97,71 @@ class SharedWeights:
         ):
             return tensor.offset or 0, tensor.length  # already in the file (a graph re-saved after a pass)
         data = _raw_bytes(tensor)
-        key = (tensor.dtype, tuple(tensor.shape), hashlib.sha256(data).digest())
-        if key not in self._by_content:
-            end = f.seek(0, 2)
-            offset = end + (-end % ALIGNMENT)
-            f.seek(offset)
-            f.write(data)
-            self._by_content[key] = (offset, len(data))
-            self._locations.add((offset, len(data)))
-        return self._by_content[key]
+        key = (tensor.dtype, tuple(tensor.shape), _sample_digest(data))
+        candidates = self._by_sample.setdefault(key, [])
+        for offset, length in candidates:
+            if length == len(data) and _same_bytes(f, offset, data):
+                return offset, length
+        offset = self._size + (-self._size % ALIGNMENT)
+        f.seek(offset)
+        f.write(data)
+        self._file_hash.update(bytes(offset - self._size))  # the alignment gap reads as zeros
+        self._file_hash.update(data)
+        self._size = offset + len(data)
+        candidates.append((offset, len(data)))
+        self._locations.add((offset, len(data)))
+        return offset, len(data)
+
+    def sha256(self) -> str:
+        """The weights file's sha256 (hex), from the bytes as they were written; read back and
+        hashed only if the file is not exactly what this object wrote (its size differs)."""
+        if self.path.stat().st_size != self._size:
+            return _sha256_file(self.path)
+        return self._file_hash.hexdigest()
 
     def report(self) -> WeightsReport:
-        return WeightsReport(WEIGHTS_FILE, self.path.stat().st_size, len(self._by_content), self.references)
+        stored = sum(len(locations) for locations in self._by_sample.values())
+        return WeightsReport(WEIGHTS_FILE, self.path.stat().st_size, stored, self.references)
+
+
+_SAMPLES = 64  # 64-byte pieces, spread over the tensor, in a sample digest
+_PIECE = 64
+
+
+def _sample_digest(data: bytes | memoryview) -> bytes:
+    """A digest of the first and last 4 KiB of ``data`` and of pieces spread over it: equal
+    tensors have equal digests; distinct tensors almost always differ (then the bytes decide)."""
+    view = memoryview(data).cast("B")
+    n = len(view)
+    h = hashlib.sha256(n.to_bytes(8, "little"))
+    if n <= 16384:
+        h.update(view)
+        return h.digest()
+    h.update(view[:4096])
+    h.update(view[-4096:])
+    step = (n - _PIECE) // _SAMPLES
+    for i in range(_SAMPLES):
+        h.update(view[i * step : i * step + _PIECE])
+    return h.digest()
+
+
+def _same_bytes(f, offset: int, data: bytes | memoryview, chunk: int = 1 << 24) -> bool:
+    """Whether the file holds ``data`` at ``offset`` (compared in chunks of ``chunk`` bytes)."""
+    expected = np.frombuffer(data, np.uint8)  # numpy compares at memory speed; memoryview's == does not
+    f.seek(offset)
+    for start in range(0, len(expected), chunk):
+        piece = expected[start : start + chunk]
+        if not np.array_equal(np.frombuffer(f.read(len(piece)), np.uint8), piece):
+            return False
+    return True
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _raw_bytes(tensor) -> bytes | memoryview:

@@ -89,6 +89,8 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         help="run the modeling code a model directory ships (config.json's auto_map) for a family "
         "transformers does not include; without it such a directory is refused",
     )
+    # Debugging: trace every decoder layer instead of copying a traced one (kvforge.compile.replicate).
+    p.add_argument("--full-trace", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_run_compile)
 
@@ -112,6 +114,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         max_prompt=args.max_prompt,
         gpu_memory=args.gpu_memory,
         trust_remote_code=args.trust_remote_code,
+        full_trace=args.full_trace,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity

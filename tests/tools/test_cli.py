@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from kvforge.runtime import Engine
 from kvforge.tools.cli import main
 
@@ -20,6 +22,7 @@ def test_compile_then_generate(llama_dir, tmp_path, capsys):
     stages = ["load", "reference", "export", "write", "optimize", "parity", "manifest"]
     assert [(int(i), name) for i, name, _ in took] == list(enumerate(stages, 1)), captured.err
     assert re.search(r"export took [\d.]+s \(trace and ONNX translation [\d.]+s, onnxscript optimizer", captured.err)
+    assert "; traced all 2 layers: 2 layers, no more than a prefix of 3)" in captured.err  # how the stack was traced
     assert re.search(r"optimize took [\d.]+s \(onnxscript fusions [\d.]+s, ORT offline optimizer", captured.err)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["limits"]["max_batch"] == 2 and manifest["limits"]["max_seq"] == 64
@@ -39,6 +42,16 @@ def test_errors_are_one_line_with_exit_2(tmp_path, capsys):
 
     assert main(["generate", str(tmp_path), "hi"]) == 2
     assert "not a kvforge artifact" in capsys.readouterr().err
+
+
+def test_full_trace_is_a_hidden_compile_option(tmp_path, capsys):
+    """--full-trace (trace every layer, never copy one: for debugging) parses, and help omits it."""
+    assert main(["compile", str(tmp_path / "missing"), "-o", str(tmp_path / "o"), "--full-trace"]) == 2
+    assert "does not exist" in capsys.readouterr().err  # parsed: the model directory was checked
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--trust-remote-code" in help_text and "--full-trace" not in help_text
 
 
 # ---------------------------------------------------------------- GPU commands on a machine without a GPU
