@@ -32,12 +32,17 @@ class OrtOptions:
         the weights in memory, shared by all graphs, slower.
     optimized: run the ORT-optimized ``<graph>.ort.onnx`` files when the artifact has them,
         without optimizing again at load.
+    mem_pattern: ORT's memory pattern (``enable_mem_pattern``): one block planned per input shape,
+        kept in the arena. Off by default: each shape (a prefill of B x S tokens, a decode step of B
+        rows) would keep a block of its own, +22 MiB peak RSS for one prefill + decode + prefill
+        at batch 4 on the SmolLM-135M shape, for no decode speed measured here (benchmarks/README.md).
     """
 
     threads: int | None = None
     spin: bool = True
     prepack: bool = True
     optimized: bool = True
+    mem_pattern: bool = False
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     log_severity: int = 3  # errors only
 
@@ -102,6 +107,7 @@ class OrtBackend:
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
         if not options.prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
+        so.enable_mem_pattern = options.mem_pattern
         if name in self.preoptimized:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if self._weights is not None:
