@@ -49,7 +49,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from kvforge.compile.export import without_unmatched_rules
-from kvforge.compile.fusions import fuse_attention_glue
+from kvforge.compile.fusions import fuse_attention_glue, fuse_rotary_into_attention
 from kvforge.compile.weights import SharedWeights
 
 ORT_SUFFIX = ".ort"
@@ -59,14 +59,21 @@ PAGE = 4096  # a part starts on a page of weights.data, so ORT can map it
 
 
 def optimize_graphs(
-    out_dir: Path, names: list[str], weights: SharedWeights, times: dict[str, float] | None = None
+    out_dir: Path,
+    names: list[str],
+    weights: SharedWeights,
+    times: dict[str, float] | None = None,
+    max_positions: int | None = None,
 ) -> dict[str, str]:
     """Write ``<name>.ort.onnx`` for each graph; returns {graph name: optimized file name}. With
     ``times``, adds the seconds of each step to it (summed over the graphs).
 
     Compile runs it on the general graph alone and derives the contract's ``.ort.onnx`` graphs
     from the result (:mod:`kvforge.compile.derive`): one pass of each optimizer, not one per graph.
-    The ORT session that optimizes reads ``weights.data`` memory-mapped and does not prepack."""
+    The ORT session that optimizes reads ``weights.data`` memory-mapped and does not prepack.
+    ``max_positions`` (the artifact's ``max_seq``) lets attention rotate q and k itself
+    (:func:`kvforge.compile.fusions.fuse_rotary_into_attention`, cos/sin tables of that many
+    positions); None leaves the rotaries as they are."""
     import onnxruntime as ort
     from onnxscript.rewriter import ort_fusions
 
@@ -88,6 +95,8 @@ def optimize_graphs(
                 model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
             fuse_attention_glue(model)  # compile/fusions.py: no reshape/transpose glue, lengths once
+            if max_positions is not None:
+                fuse_rotary_into_attention(model, max_positions)  # packed q/k/v into GQA, do_rotary
             # Saved beside weights.data, so the untouched weights stay references into it.
             fused = out_dir / f".{name}.fused.onnx"
             ir.save(model, fused)

@@ -342,7 +342,9 @@ def _compile_into(
     if optimize:
         stages.start("optimize", "optimizing for ONNX Runtime once (fusions, offline optimizer), then deriving")
         optimize_times: dict[str, float] = {}
-        [general_file] = optimize_stage.optimize_graphs(tmp, [GENERAL], weights, optimize_times).values()
+        [general_file] = optimize_stage.optimize_graphs(
+            tmp, [GENERAL], weights, optimize_times, max_positions=options.max_seq
+        ).values()
         started_derive = time.perf_counter()
         general_ort = ir.load(tmp / general_file)
         for name in names:
