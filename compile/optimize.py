@@ -19,20 +19,23 @@ Three passes:
    ``QuickGelu``, MatMul + Add/Scale folding, ...), serialized with ``optimized_model_filepath``.
    EXTENDED, not ALL: ALL adds hardware-specific layout transforms that must not be saved.
 
-Then one edit of our own for a tensor that a ``Gather`` reads as well as a Gemm (the embedding
-table of a model with a tied lm_head), :func:`alias_tied_gemm_weights`. ORT repacks the constant B
-input of a MatMul/Gemm at load into its kernels' layout, and releases the original once every
-reader has repacked it; the ``Gather`` still reads the table, so packing it where both read one
-initializer would hold it twice (SmolLM-135M: 113 MiB of 513). Unpacked, the lm_head ``Gemm``
-(``transB=1``) repacks the table inside every call: at batch 4 it took 6.0 ms of a 24 ms step
-against 3.2 ms packed (genai's lm_head). So the Gemm reads initializers of its own that point at
-the table's rows in ``weights.data`` (:meth:`SharedWeights.row_view`: the same bytes, stored once):
-ORT packs those and unmaps them, while the ``Gather``'s mapping of the table only ever pages in
-the rows it looks up. The Gemm is split by rows into parts of at most ``TIED_GEMM_PART_BYTES``
-(joined by a ``Concat``), because a part's original pages stay resident while ORT packs it: one
-part, not the whole table, adds to the peak memory of loading. A tied weight that a MatMul, or a
-Gemm with another layout, reads keeps the old edit (:func:`read_gemm_weights_in_place`: the
-MatMul reads the table through an ``Identity``, unpacked).
+Then one edit of our own for a tensor that a ``Gather`` reads as well as a MatMul or Gemm (the
+embedding table of a model with a tied lm_head). ORT repacks the constant B input of a MatMul/Gemm
+at load into its kernels' layout and releases the original once every reader has repacked it; the
+``Gather`` still reads the table, so packing it where both read one initializer would hold it twice
+(SmolLM-135M: 113 MiB of 513). Two choices:
+
+* by default (:func:`read_gemm_weights_in_place`) the lm_head reads the table through an
+  ``Identity``, unpacked: one copy in memory, but the ``Gemm`` (``transB=1``) repacks the table
+  inside every call (SmolLM-135M shape, batch 4: 6.0 ms of a 24 ms step, against 3.2 ms packed,
+  genai's lm_head);
+* with ``pack_tied_lm_head`` (:func:`alias_tied_gemm_weights`) the Gemm reads initializers of its
+  own that point at the table's rows in ``weights.data`` (:meth:`SharedWeights.row_view`: the same
+  bytes, stored once): ORT packs those and unmaps them, while the ``Gather``'s mapping of the
+  table pages in the rows it looks up (with the kernel's fault-around, 64 KiB per lookup: 512
+  random prompt tokens made 65 MiB of it resident). The Gemm is split by rows into parts of at
+  most ``TIED_GEMM_PART_BYTES`` (joined by a ``Concat``), because a part's original pages stay
+  resident while ORT packs it: one part, not the whole table, adds to the peak of loading.
 
 The portable graphs stay as exported (standard ONNX with the ``onnx`` lowering: what TensorRT
 builds from). The runtime's ORT backend loads the ``.ort.onnx`` graphs without re-optimizing.
@@ -64,6 +67,7 @@ def optimize_graphs(
     weights: SharedWeights,
     times: dict[str, float] | None = None,
     max_positions: int | None = None,
+    pack_tied_lm_head: bool = False,
 ) -> dict[str, str]:
     """Write ``<name>.ort.onnx`` for each graph; returns {graph name: optimized file name}. With
     ``times``, adds the seconds of each step to it (summed over the graphs).
@@ -73,7 +77,9 @@ def optimize_graphs(
     The ORT session that optimizes reads ``weights.data`` memory-mapped and does not prepack.
     ``max_positions`` (the artifact's ``max_seq``) lets attention rotate q and k itself
     (:func:`kvforge.compile.fusions.fuse_rotary_into_attention`, cos/sin tables of that many
-    positions); None leaves the rotaries as they are."""
+    positions); None leaves the rotaries as they are. ``pack_tied_lm_head``: a tied lm_head reads
+    row views of the table that ORT packs (:func:`alias_tied_gemm_weights`) instead of the table in
+    place (:func:`read_gemm_weights_in_place`)."""
     import onnxruntime as ort
     from onnxscript.rewriter import ort_fusions
 
@@ -115,8 +121,9 @@ def optimize_graphs(
             lap("ORT offline optimizer")
             optimized = ir.load(work / f"{name}.onnx")
             weights.externalize(optimized)  # re-homes its tensors into weights.data
-            alias_tied_gemm_weights(optimized.graph, weights)
-            read_gemm_weights_in_place(optimized.graph)  # what the aliasing left: MatMuls, other Gemms
+            if pack_tied_lm_head:
+                alias_tied_gemm_weights(optimized.graph, weights)
+            read_gemm_weights_in_place(optimized.graph)  # tied tables left: read in place, unpacked
             weights.save(optimized, name + ORT_SUFFIX)
             files[name] = f"{name}{ORT_SUFFIX}.onnx"
             lap("weights re-homed")

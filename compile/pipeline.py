@@ -76,6 +76,7 @@ class CompileOptions:
     target: str = "cpu"  # "cpu" | "cuda" | "tensorrt" (TARGETS)
     max_prompt: int | None = None  # longest prompt (TensorRT's prefill profile); None: max_seq
     trust_remote_code: bool = False  # run the modeling code config.json's auto_map names
+    pack_tied_lm_head: bool = False  # ORT graphs: the tied lm_head packed (faster, +1 table in memory)
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -132,6 +133,7 @@ def compile_model(
     max_prompt: int | None = None,
     gpu_memory: str | None = None,
     trust_remote_code: bool = False,
+    pack_tied_lm_head: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -147,13 +149,20 @@ def compile_model(
     (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
     and TensorRT (``gpu_memory`` caps the build), else says to run ``kvforge build OUT`` on the
     target GPU. ``max_prompt`` (default ``max_seq``) bounds TensorRT's prefill profile.
-    ``trust_remote_code`` lets a family that needs its own modeling code (config.json's
-    ``auto_map``, a model type transformers does not ship) run it; without it such a directory is
-    refused before anything is loaded. Nothing is written to ``out_dir`` unless compile succeeds.
+    ``pack_tied_lm_head``: in the ORT graphs, a lm_head tied to the embedding table reads views of
+    the table that ONNX Runtime packs at load (faster: the lm_head Gemm at batch 4 on the
+    SmolLM-135M shape 6.0 -> 3.2 ms per step), at the cost of a second copy of the table in memory
+    (the packed one, beside the pages of the table the embedding lookup touches); by default it reads
+    the table in place, one copy (benchmarks/README.md). ``trust_remote_code`` lets a family that
+    needs its own modeling code (config.json's ``auto_map``, a model type transformers does not
+    ship) run it; without it such a directory is refused before anything is loaded. Nothing is
+    written to ``out_dir`` unless compile succeeds.
     """
     _check_types(
         model_dir, out_dir, max_batch, max_seq, max_prompt, block_size, score_graph, optimize, trust_remote_code
     )
+    if not isinstance(pack_tied_lm_head, bool):
+        raise _refuse_type("pack_tied_lm_head", pack_tied_lm_head, "True or False")
     # numpy ints are accepted; the manifest (JSON) holds Python ints
     max_batch, block_size = int(max_batch), int(block_size)
     max_seq = None if max_seq is None else int(max_seq)
@@ -192,6 +201,7 @@ def compile_model(
         target,
         max_prompt,
         trust_remote_code,
+        pack_tied_lm_head,
     )
     options.check()
     _check_out_dir(out)
@@ -343,7 +353,12 @@ def _compile_into(
         stages.start("optimize", "optimizing for ONNX Runtime once (fusions, offline optimizer), then deriving")
         optimize_times: dict[str, float] = {}
         [general_file] = optimize_stage.optimize_graphs(
-            tmp, [GENERAL], weights, optimize_times, max_positions=options.max_seq
+            tmp,
+            [GENERAL],
+            weights,
+            optimize_times,
+            max_positions=options.max_seq,
+            pack_tied_lm_head=options.pack_tied_lm_head,
         ).values()
         started_derive = time.perf_counter()
         general_ort = ir.load(tmp / general_file)

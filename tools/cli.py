@@ -89,6 +89,12 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         help="run the modeling code a model directory ships (config.json's auto_map) for a family "
         "transformers does not include; without it such a directory is refused",
     )
+    p.add_argument(
+        "--pack-tied-lm-head",
+        action="store_true",
+        help="ORT graphs: let ONNX Runtime pack a lm_head tied to the embedding table (faster decode, "
+        "a second copy of the table in memory); default: the lm_head reads the table in place",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_run_compile)
 
@@ -112,6 +118,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         max_prompt=args.max_prompt,
         gpu_memory=args.gpu_memory,
         trust_remote_code=args.trust_remote_code,
+        pack_tied_lm_head=args.pack_tied_lm_head,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity

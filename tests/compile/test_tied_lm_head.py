@@ -1,9 +1,11 @@
-"""A tied lm_head in the ORT graphs (kvforge.compile.optimize.alias_tied_gemm_weights): the Gemm that
-reads the embedding table reads row views of it instead, initializers of its own that point at the
+"""A tied lm_head in the ORT graphs with ``pack_tied_lm_head`` (kvforge.compile.optimize.alias_tied_gemm_weights):
+the Gemm that reads the embedding table reads row views of it instead, initializers of its own that point at the
 table's bytes in weights.data (the file holds the table once), split into parts of at most the
 given size that start on a page of the file, joined by a Concat; ORT runs the rewritten graph with
 prepacking on and gives the same logits as the original (the same dot products); the Gather still
-reads the table itself. A Gemm of another layout is left alone."""
+reads the table itself. A Gemm of another layout is left alone. A tiny tied Llama compiled with
+``pack_tied_lm_head=True`` reads a view in its ORT graphs (no Identity), stores the table once and
+generates transformers' greedy tokens; a non-bool flag is refused."""
 
 from __future__ import annotations
 
@@ -112,3 +114,35 @@ def test_a_row_view_needs_a_tensor_of_the_file(tmp_path):
     foreign = ir.tensor(np.zeros((4, 4), dtype=np.float32), name="foreign")
     with pytest.raises(ValueError, match="stored in weights.data"):
         weights.row_view(foreign, 0, 2, "foreign/rows")
+
+
+def test_compiled_with_pack_tied_lm_head(tmp_path):
+    from kvforge.compile import compile_model
+    from kvforge.runtime import Engine
+    from tests.helpers import hf_greedy, make_llama
+
+    model_dir = make_llama(tmp_path / "model", tie_word_embeddings=True)
+    out = tmp_path / "packed"
+    compile_model(model_dir, out, max_batch=2, max_seq=48, score_graph=False, pack_tied_lm_head=True, progress=None)
+    graph = onnx.load(str(out / "prefill.ort.onnx"), load_external_data=False).graph
+    inits = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
+    [gather] = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    [gemm] = [n for n in graph.node if n.op_type == "Gemm"]
+    assert gemm.input[1] != gather.input[0] and not [n for n in graph.node if n.op_type == "Identity"]
+    view, table = inits[gemm.input[1]], inits[gather.input[0]]
+    assert (view["offset"], view["length"]) == (table["offset"], table["length"])
+
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    prompts = [[1, 17, 42, 99, 5], [3, 4, 5]]
+    with Engine.load(out, threads=1) as engine:
+        got = [r.token_ids for r in engine.generate(prompts, max_new_tokens=12)]
+    assert got == [hf_greedy(reference, p, 12) for p in prompts]
+
+
+def test_pack_tied_lm_head_must_be_a_bool(tmp_path):
+    from kvforge.compile import compile_model
+
+    with pytest.raises(TypeError, match="pack_tied_lm_head"):
+        compile_model(tmp_path, tmp_path / "out", pack_tied_lm_head="yes", progress=None)
