@@ -34,8 +34,9 @@ class OrtOptions:
         without optimizing again at load.
     mem_pattern: ORT's memory pattern (``enable_mem_pattern``): one block planned per input shape,
         kept in the arena. Off by default: each shape (a prefill of B x S tokens, a decode step of B
-        rows) would keep a block of its own, +22 MiB peak RSS for one prefill + decode + prefill
-        at batch 4 on the SmolLM-135M shape, for no decode speed measured here (benchmarks/README.md).
+        rows) would keep a block of its own: +22-24 MiB peak RSS at batch 4 on the SmolLM-135M shape,
+        1.27x -> 1.32x the checkpoint; its effect on the decode step was within the noise of this
+        machine (p10 0.97-1.0x in two runs, 0.85x in one under load 4; benchmarks/README.md).
     """
 
     threads: int | None = None
