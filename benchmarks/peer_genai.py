@@ -198,6 +198,8 @@ def compile_kvforge(job: dict[str, Any]) -> dict[str, Any]:
         kwargs["quantize"] = job["quantize"]  # the parent checked that compile_model accepts it
     if "score_graph" in inspect.signature(compile_model).parameters:
         kwargs["score_graph"] = False  # the benchmark never runs it
+    if job.get("pack_tied_lm_head"):
+        kwargs["pack_tied_lm_head"] = True
     start = time.perf_counter()
     compile_model(job["model_dir"], job["out"], **kwargs)
     return {"compile_s": time.perf_counter() - start}
@@ -513,7 +515,8 @@ def ensure_kvforge(
     args: argparse.Namespace, model_dir: Path, work: Path, lowering: str, quantize: str | None
 ) -> tuple[Path, float | None]:
     max_seq = args.max_seq or args.prompt_len + args.new_tokens
-    tag = f"{args.shape}-{lowering}-{quantize or 'fp32'}-b{args.batch}-s{max_seq}"
+    packed = bool(getattr(args, "pack_tied_lm_head", False))
+    tag = f"{args.shape}-{lowering}-{quantize or 'fp32'}-b{args.batch}-s{max_seq}{'-packlm' if packed else ''}"
     out = work / f"kvforge-{tag}-{source_hash('kvforge.compile', 'kvforge.graphs')}"
     if (out / "manifest.json").exists() and not args.rebuild:
         return out, None
@@ -525,6 +528,7 @@ def ensure_kvforge(
         "max_seq": max_seq,
         "lowering": lowering,
         "quantize": quantize,
+        "pack_tied_lm_head": packed,
     }
     result = run_worker(sys.executable, "compile-kvforge", job, work)
     return out, result["compile_s"]
@@ -654,6 +658,11 @@ def main(argv: list[str] | None = None) -> None:
         help="kvforge: Engine.load(spin=False), idle ORT threads block instead of spinning (a shared machine)",
     )
     p.add_argument(
+        "--pack-tied-lm-head",
+        action="store_true",
+        help="kvforge: compile with pack_tied_lm_head=True (a tied lm_head packed by ORT: faster, +1 table in memory)",
+    )
+    p.add_argument(
         "--two-sessions",
         action="store_true",
         help="kvforge: Engine.load(one_session=False), decode steps on the decode graph's own session",
@@ -741,7 +750,8 @@ def main(argv: list[str] | None = None) -> None:
     for lowering, out in artifacts.items():
         kvforge_job = {**base_job, "out": str(out)}
         step_bytes = graph_weight_bytes_per_step(kvforge_decode_graph(out))
-        label = f"kvforge[{lowering}] ({quantize or 'fp32'}{', no spin' if args.spin is False else ''})"
+        packed = ", packed lm_head" if args.pack_tied_lm_head else ""
+        label = f"kvforge[{lowering}] ({quantize or 'fp32'}{', no spin' if args.spin is False else ''}{packed})"
         plan.append((label, sys.executable, "kvforge", kvforge_job, step_bytes))
 
     roofline_job = {"bytes": int(args.roofline_gib * 2**30), "threads": args.threads, "repeat": args.roofline_repeat}

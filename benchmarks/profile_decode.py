@@ -3,13 +3,13 @@ node counts of onnxruntime-genai's graph of the same model.
 
 For each ``--max-seq`` (default 192 and 512, compile's default), peer_genai.py's builders give (and
 cache, in the same work dir) the random Llama of ``--shape``, kvforge's artifact of it (``gqa``,
-fp32, ``max_batch`` 1, that ``max_seq``) and genai's fp32 model. A worker subprocess then:
+fp32, ``max_batch`` ``--batch`` (default 1), that ``max_seq``) and genai's fp32 model. A worker subprocess then:
 
 1. loads the artifact with ``Engine.load(threads=--threads)`` with ONNX Runtime's profiler switched on
    (``SessionOptions.enable_profiling``; the engine's own session options otherwise, so the graph
    run is the one a user runs: the ``.ort.onnx`` graph, decode steps on the prefill graph's session);
 2. prefills one random prompt of ``--prompt-len`` tokens, runs ``--warmup`` decode steps, then
-   ``--steps`` decode steps (batch 1, greedy), timing each from Python;
+   ``--steps`` decode steps (``--batch`` rows, greedy), timing each from Python;
 3. reads the profile: the ``model_run`` events of the last ``--steps`` runs are the decode steps, and
    every kernel event (``*_kernel_time``) inside one of them is charged to its op type;
 4. loads the artifact again without the profiler and times the same steps (the profiler's cost).
@@ -59,12 +59,13 @@ def _profiled_session_options(prefix: str):
     return original, make
 
 
-def _decode_steps(engine, prompt: list[int], warmup: int, steps: int) -> list[float]:
-    """Prefill ``prompt``, ``warmup`` untimed decode steps, then ``steps`` timed ones (seconds each)."""
+def _decode_steps(engine, prompts: list[list[int]], warmup: int, steps: int) -> list[float]:
+    """Prefill ``prompts`` (one row each), ``warmup`` untimed decode steps, then ``steps`` timed ones
+    (seconds each)."""
     import numpy as np
 
-    next_ids = np.zeros(1, dtype=np.int64)
-    np.argmax(engine.prefill([prompt]), axis=-1, out=next_ids)
+    next_ids = np.zeros(len(prompts), dtype=np.int64)
+    np.argmax(engine.prefill(prompts), axis=-1, out=next_ids)
     for _ in range(warmup):
         np.argmax(engine.decode(next_ids), axis=-1, out=next_ids)
     times = []
@@ -116,7 +117,7 @@ def profile_worker(job: dict[str, Any]) -> dict[str, Any]:
 
     from kvforge.runtime import Engine
 
-    prompt = peer.prompts(1, job["prompt_len"], job["vocab"])[0]
+    prompt = peer.prompts(job["batch"], job["prompt_len"], job["vocab"])
     prefix = str(Path(job["profile_dir"]) / "kvforge-decode")
     original, make = _profiled_session_options(prefix)
     ort.SessionOptions = make
@@ -170,11 +171,11 @@ def _genai_steps(model_dir: Path, job: dict[str, Any]) -> list[float]:
     import numpy as np
     import onnxruntime_genai as og
 
-    prompt = np.asarray(peer.prompts(1, job["prompt_len"], job["vocab"]), dtype=np.int32)
+    prompt = np.asarray(peer.prompts(job["batch"], job["prompt_len"], job["vocab"]), dtype=np.int32)
     total = job["prompt_len"] + 1 + job["warmup"] + job["steps"]
     model = og.Model(str(model_dir))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=1)
+    params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=job["batch"])
     generator = og.Generator(model, params)
     generator.append_tokens(prompt)
     generator.generate_next_token()  # the first token: no model run
@@ -285,7 +286,7 @@ def print_summary(max_seq: int, s: dict[str, Any], cfg: dict[str, Any], load: tu
         "which ORT fuses further at load: genai kernels/step are the nodes it runs)"
     )
     print(
-        f"kvforge decode step, {cfg['shape']} gqa fp32 b1, max_seq {max_seq}, {cfg['threads']} threads, "
+        f"kvforge decode step, {cfg['shape']} gqa fp32 b{cfg['batch']}, max_seq {max_seq}, {cfg['threads']} threads, "
         f"prompt {cfg['prompt_len']} + {cfg['warmup']} warm-up + {cfg['steps']} profiled steps; "
         f"load avg {load[0]} -> {load[1]}"
     )
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=40, help="profiled decode steps")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="rows per decode step (the artifact's max_batch)")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvforge-peer")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached model and artifacts")
     p.add_argument(
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     build = argparse.Namespace(
         shape=args.shape,
-        batch=1,
+        batch=args.batch,
         precision="fp32",
         prompt_len=args.prompt_len,
         new_tokens=args.steps,
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = peer.ensure_model(build, shape, work)
     genai_dir, _ = peer.ensure_genai(build, model_dir, work)
     genai_ops = op_counts(genai_dir / "model.onnx")
-    cfg = {k: getattr(args, k) for k in ("shape", "threads", "steps", "warmup", "prompt_len")}
+    cfg = {k: getattr(args, k) for k in ("shape", "threads", "steps", "warmup", "prompt_len", "batch")}
     report: dict[str, Any] = {
         "schema": "kvforge.profile_decode",
         "schema_version": 1,
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     for max_seq in args.max_seq:
         build.max_seq = max_seq
         artifact, _ = peer.ensure_kvforge(build, model_dir, work, "gqa", None)
-        profile_dir = work / f"profiles-{args.shape}-s{max_seq}"
+        profile_dir = work / f"profiles-{args.shape}-s{max_seq}{f'-b{args.batch}' if args.batch > 1 else ''}"
         profile_dir.mkdir(exist_ok=True)
         job = {
             "artifact": str(artifact),
@@ -389,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps": args.steps,
             "warmup": args.warmup,
             "prompt_len": args.prompt_len,
+            "batch": args.batch,
             "vocab": shape.vocab,
             "profile_dir": str(profile_dir),
         }

@@ -176,3 +176,186 @@ def _same_dims(a, b) -> bool:
 
 def _normalized(axis: int, rank: int) -> int:
     return max(0, min(rank, axis + rank if axis < 0 else axis))
+
+
+def fuse_rotary_into_attention(model: ir.Model, max_positions: int) -> int:
+    """``GroupQueryAttention(RotaryEmbedding(q), RotaryEmbedding(k), v)`` where ``q``, ``k``, ``v``
+    are the three outputs of one ``Split`` of a packed projection ``x`` (``compile/packing.py``)
+    becomes ``GroupQueryAttention(x, do_rotary=1)`` with cos/sin caches ``[max_positions, D / 2]``
+    and the graph's ``position_ids``: the attention rotates q and k itself, and the Split and the
+    two rotaries per layer go. Returns how many attentions were rewritten.
+
+    Exact where it fires: the caches are the graph's own cos/sin computation (whatever rope variant
+    the model has) evaluated by ONNX Runtime at positions ``0 .. max_positions - 1``, so every
+    entry is the value the graph computed at that position; it fires only when that computation
+    reads ``position_ids`` alone and gives each position the same values wherever it sits and
+    whatever else the call holds (checked on the positions shuffled across two rows, the first
+    and the last alone, the first three: a rope that depends on the call's longest position, as
+    longrope and dynamic NTK do, fails it and keeps its rotaries), for a
+    full (``rotary_embedding_dim`` 0), non-interleaved rotary of q and k with the same cos/sin.
+    GroupQueryAttention rotates with ``position_ids`` (the first prompt of a batch: the first row's
+    first position onwards, which the runtime's prefill at position 0 is), as ``RotaryEmbedding`` did.
+    """
+    graph = model.graph
+    position_ids = next((v for v in graph.inputs if v.name == "position_ids"), None)
+    if position_ids is None:
+        return 0
+    tables: dict[tuple[int, int], tuple[ir.Value, ir.Value] | None] = {}  # one pair per cos/sin computation
+    fused = 0
+    for node in list(graph):
+        match = _rotary_attention_match(node)
+        if match is None:
+            continue
+        packed, cos, sin = match
+        key = (id(cos), id(sin))
+        if key not in tables:
+            suffix = f"_{len(tables)}" if tables else ""
+            dtype = packed.dtype or node.outputs[0].dtype
+            tables[key] = _position_tables(model, cos, sin, position_ids, max_positions, dtype, suffix)
+        if tables[key] is None:
+            continue
+        cos_cache, sin_cache = tables[key]
+        _replace_attention(graph, node, packed, cos_cache, sin_cache, position_ids)
+        fused += 1
+    if fused:
+        RemoveUnusedNodesPass()(model)
+    return fused
+
+
+def _rotary_attention_match(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """(packed projection, cos, sin) when ``node`` is a GroupQueryAttention fed by the rotaries of
+    one Split's q and k and by its v, and nothing else reads the Split's outputs; else None."""
+    if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+        return None
+    if node.attributes.get_int("do_rotary", 0) or len(node.inputs) > 7:
+        return None
+    q, k, v = node.inputs[:3]
+    if q is None or k is None or v is None:
+        return None
+    rotaries = [q.producer(), k.producer()]
+    if any(r is None or r.op_type != "RotaryEmbedding" or r.domain not in ("", "ai.onnx") for r in rotaries):
+        return None
+    rq, rk = rotaries
+    for r in rotaries:
+        attrs = r.attributes
+        if attrs.get_int("interleaved", 0) or attrs.get_int("rotary_embedding_dim", 0) or "num_heads" not in attrs:
+            return None
+        if len([x for x in r.inputs if x is not None]) != 3:  # a position_ids input of its own: not ours
+            return None
+    if rq.inputs[1] is not rk.inputs[1] or rq.inputs[2] is not rk.inputs[2]:
+        return None
+    split = rq.inputs[0].producer()
+    if split is None or split.op_type != "Split" or len(split.outputs) != 3:
+        return None
+    if list(split.outputs) != [rq.inputs[0], rk.inputs[0], v]:
+        return None
+    if [len(list(out.uses())) for out in split.outputs] != [1, 1, 1] or len(list(q.uses())) != 1:
+        return None
+    if len(list(k.uses())) != 1:
+        return None
+    # rotary_embedding_dim 0: the rotation spans each whole head (cos is half a head wide)
+    return split.inputs[0], rq.inputs[1], rq.inputs[2]
+
+
+def _position_tables(
+    model: ir.Model,
+    cos: ir.Value,
+    sin: ir.Value,
+    position_ids: ir.Value,
+    max_positions: int,
+    dtype: ir.DataType | None,
+    suffix: str = "",
+) -> tuple[ir.Value, ir.Value] | None:
+    """The graph's ``cos``/``sin`` (``[B, S, D / 2]``, computed from ``position_ids``) at positions
+    ``0 .. max_positions - 1`` as initializers ``[max_positions, D / 2]``; None when they read any
+    other input or are not a function of each position alone. ``dtype``: the attention's (and
+    so the tables') element type."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import helper
+
+    nodes = _producers([cos, sin])
+    if nodes is None or dtype is None:
+        return None
+    graph_inputs = {v for n in nodes for v in n.inputs if v is not None and v.producer() is None}
+    if any(v is not position_ids and v.const_value is None for v in graph_inputs):
+        return None
+    proto_nodes = [ir.serde.serialize_node(n) for n in model.graph if n in nodes]  # graph order
+    inits = [ir.serde.serialize_tensor(v.const_value) for v in graph_inputs if v is not position_ids]
+    for init, value in zip(inits, [v for v in graph_inputs if v is not position_ids]):
+        init.name = value.name
+    outputs = [helper.make_tensor_value_info(v.name, int(dtype), None) for v in (cos, sin)]
+    ids = helper.make_tensor_value_info(position_ids.name, 7, ["batch", "seq"])
+    opsets = [helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
+    proto = helper.make_model(helper.make_graph(proto_nodes, "positions", [ids], outputs, inits), opset_imports=opsets)
+    proto.ir_version = model.ir_version
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        tables = session.run(None, {position_ids.name: np.arange(max_positions, dtype=np.int64)[None]})
+        # The same positions elsewhere in a batch, and a few alone: a rope that depends on the
+        # longest position of the call (longrope, dynamic NTK) gives other values there.
+        order = np.random.default_rng(0).permutation(max_positions)
+        probes = [
+            order.reshape(2 if max_positions % 2 == 0 else 1, -1),
+            np.array([[0]]),
+            np.array([[max_positions - 1]]),
+        ]
+        probes.append(np.arange(min(3, max_positions))[None])
+        probed = [(probe, session.run(None, {position_ids.name: probe.astype(np.int64)})) for probe in probes]
+    except Exception:  # a computation ORT cannot run alone: keep the rotaries
+        return None
+    if any(t.ndim != 3 or t.shape[:2] != (1, max_positions) for t in tables):
+        return None
+    for probe, results in probed:
+        for table, got in zip(tables, results):
+            if not np.array_equal(got.reshape(probe.size, -1), table[0][probe.reshape(-1)]):
+                return None
+    values = []
+    for name, table in zip(("cos", "sin"), tables):
+        table = table[0]
+        cache_name = f"/model/rotary_emb/{name}_cache{suffix}"
+        value = ir.Value(name=cache_name, const_value=ir.tensor(table, name=cache_name))
+        value.shape, value.type = ir.Shape(list(table.shape)), ir.TensorType(dtype)
+        model.graph.register_initializer(value)
+        values.append(value)
+    return values[0], values[1]
+
+
+def _producers(values: list[ir.Value]) -> set[ir.Node] | None:
+    """Every node ``values`` depend on (None if one has a subgraph)."""
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in values if v.producer() is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            return None
+        seen.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    return seen
+
+
+def _replace_attention(
+    graph: ir.Graph, node: ir.Node, packed: ir.Value, cos_cache: ir.Value, sin_cache: ir.Value, position_ids: ir.Value
+) -> None:
+    inputs = [packed, None, None, *node.inputs[3:7], cos_cache, sin_cache, position_ids]
+    attributes = [a for name, a in node.attributes.items() if name not in ("do_rotary", "rotary_interleaved")]
+    attributes += [ir.AttrInt64("do_rotary", 1), ir.AttrInt64("rotary_interleaved", 0)]
+    fused = ir.Node(
+        "com.microsoft",
+        "GroupQueryAttention",
+        inputs,
+        attributes=attributes,
+        num_outputs=len(node.outputs),
+        name=node.name,
+    )
+    graph.insert_before(node, fused)
+    for old, new in zip(node.outputs, fused.outputs):
+        new.shape, new.type = old.shape, old.type
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    for old, new in zip(node.outputs, fused.outputs):
+        new.name = old.name

@@ -19,12 +19,23 @@ Three passes:
    ``QuickGelu``, MatMul + Add/Scale folding, ...), serialized with ``optimized_model_filepath``.
    EXTENDED, not ALL: ALL adds hardware-specific layout transforms that must not be saved.
 
-Then one edit of our own (:func:`read_gemm_weights_in_place`): a tensor that a ``Gather`` reads
-as well as a MatMul or Gemm (the embedding table of a model with a tied lm_head) reaches the
-MatMul through an ``Identity``. ORT repacks the constant B input of a MatMul/Gemm at load, and a
-table the ``Gather`` still needs would then be held twice (SmolLM-135M: 113 MiB of 513); behind the
-``Identity`` the lm_head reads the table in place. The runtime loads these graphs with ORT's
-optimizer off, so the ``Identity`` stays. Measured on the SmolLM-135M shape: the same decode speed.
+Then one edit of our own for a tensor that a ``Gather`` reads as well as a MatMul or Gemm (the
+embedding table of a model with a tied lm_head). ORT repacks the constant B input of a MatMul/Gemm
+at load into its kernels' layout and releases the original once every reader has repacked it; the
+``Gather`` still reads the table, so packing it where both read one initializer would hold it twice
+(SmolLM-135M: 113 MiB of 513). Two choices:
+
+* by default (:func:`read_gemm_weights_in_place`) the lm_head reads the table through an
+  ``Identity``, unpacked: one copy in memory, but the ``Gemm`` (``transB=1``) repacks the table
+  inside every call (SmolLM-135M shape, batch 4: 6.0 ms of a 24 ms step, against 3.2 ms packed,
+  genai's lm_head);
+* with ``pack_tied_lm_head`` (:func:`alias_tied_gemm_weights`) the Gemm reads initializers of its
+  own that point at the table's rows in ``weights.data`` (:meth:`SharedWeights.row_view`: the same
+  bytes, stored once): ORT packs those and unmaps them, while the ``Gather``'s mapping of the
+  table pages in the rows it looks up (with the kernel's fault-around, 64 KiB per lookup: 512
+  random prompt tokens made 65 MiB of it resident). The Gemm is split by rows into parts of at
+  most ``TIED_GEMM_PART_BYTES`` (joined by a ``Concat``), because a part's original pages stay
+  resident while ORT packs it: one part, not the whole table, adds to the peak of loading.
 
 The portable graphs stay as exported (standard ONNX with the ``onnx`` lowering: what TensorRT
 builds from). The runtime's ORT backend loads the ``.ort.onnx`` graphs without re-optimizing.
@@ -33,6 +44,7 @@ builds from). The runtime's ORT backend loads the ``.ort.onnx`` graphs without r
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import time
 from collections.abc import Iterator
@@ -42,22 +54,34 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from kvforge.compile.export import without_unmatched_rules
-from kvforge.compile.fusions import fuse_attention_glue
+from kvforge.compile.fusions import fuse_attention_glue, fuse_rotary_into_attention
 from kvforge.compile.weights import SharedWeights
 
 ORT_SUFFIX = ".ort"
 OPTIMIZED_FOR = "CPUExecutionProvider"
+TIED_GEMM_PART_BYTES = 32 * 2**20  # the most of a tied table that is resident twice while ORT packs it
+PAGE = 4096  # a part starts on a page of weights.data, so ORT can map it
 
 
 def optimize_graphs(
-    out_dir: Path, names: list[str], weights: SharedWeights, times: dict[str, float] | None = None
+    out_dir: Path,
+    names: list[str],
+    weights: SharedWeights,
+    times: dict[str, float] | None = None,
+    max_positions: int | None = None,
+    pack_tied_lm_head: bool = False,
 ) -> dict[str, str]:
     """Write ``<name>.ort.onnx`` for each graph; returns {graph name: optimized file name}. With
     ``times``, adds the seconds of each step to it (summed over the graphs).
 
     Compile runs it on the general graph alone and derives the contract's ``.ort.onnx`` graphs
     from the result (:mod:`kvforge.compile.derive`): one pass of each optimizer, not one per graph.
-    The ORT session that optimizes reads ``weights.data`` memory-mapped and does not prepack."""
+    The ORT session that optimizes reads ``weights.data`` memory-mapped and does not prepack.
+    ``max_positions`` (the artifact's ``max_seq``) lets attention rotate q and k itself
+    (:func:`kvforge.compile.fusions.fuse_rotary_into_attention`, cos/sin tables of that many
+    positions); None leaves the rotaries as they are. ``pack_tied_lm_head``: a tied lm_head reads
+    row views of the table that ORT packs (:func:`alias_tied_gemm_weights`) instead of the table in
+    place (:func:`read_gemm_weights_in_place`)."""
     import onnxruntime as ort
     from onnxscript.rewriter import ort_fusions
 
@@ -79,6 +103,8 @@ def optimize_graphs(
                 model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
             fuse_attention_glue(model)  # compile/fusions.py: no reshape/transpose glue, lengths once
+            if max_positions is not None:
+                fuse_rotary_into_attention(model, max_positions)  # packed q/k/v into GQA, do_rotary
             # Saved beside weights.data, so the untouched weights stay references into it.
             fused = out_dir / f".{name}.fused.onnx"
             ir.save(model, fused)
@@ -96,8 +122,11 @@ def optimize_graphs(
             fused.unlink()
             lap("ORT offline optimizer")
             optimized = ir.load(work / f"{name}.onnx")
-            read_gemm_weights_in_place(optimized.graph)
-            weights.add({name + ORT_SUFFIX: optimized})  # re-homes its tensors into weights.data
+            weights.externalize(optimized)  # re-homes its tensors into weights.data
+            if pack_tied_lm_head:
+                alias_tied_gemm_weights(optimized.graph, weights)
+            read_gemm_weights_in_place(optimized.graph)  # tied tables left: read in place, unpacked
+            weights.save(optimized, name + ORT_SUFFIX)
             files[name] = f"{name}{ORT_SUFFIX}.onnx"
             lap("weights re-homed")
     finally:
@@ -130,6 +159,87 @@ def without_repeated_optimizer() -> Iterator[None]:
         yield
     finally:
         _core._pre_optimize = original
+
+
+def alias_tied_gemm_weights(graph: ir.Graph, weights: SharedWeights, part_bytes: int = TIED_GEMM_PART_BYTES) -> int:
+    """Give each ``Gemm(x, T, transB=1)`` whose ``T`` [V, H] a ``Gather`` also reads initializers of
+    its own: row views of ``T`` in ``weights.data`` of at most ``part_bytes`` each (whole pages where
+    the row size allows), one ``Gemm`` per part, joined along the last axis by a ``Concat`` that
+    takes the old Gemm's output (one part: the Gemm just reads its view). Values are unchanged: each
+    output column is the same dot product. ``graph``'s initializers must already be in ``weights``
+    (:meth:`SharedWeights.externalize`). Returns how many Gemms were given views."""
+    aliased = 0
+    for value in list(graph.initializers.values()):
+        uses = list(value.uses())
+        tensor = value.const_value
+        if not any(node.op_type == "Gather" and index == 0 for node, index in uses):
+            continue
+        if not isinstance(tensor, ir.ExternalTensor) or tensor.shape is None or len(tensor.shape) != 2:
+            continue
+        for node, index in uses:
+            if index == 1 and _is_plain_transposed_gemm(node):
+                _alias_gemm(graph, node, value, weights, part_bytes)
+                aliased += 1
+    return aliased
+
+
+def _is_plain_transposed_gemm(node: ir.Node) -> bool:
+    """``Gemm(A, B)`` = ``A @ B.T``: no C, no transA, unit alpha."""
+    attrs = node.attributes
+    return (
+        node.op_type == "Gemm"
+        and node.domain in ("", "ai.onnx")
+        and len([v for v in node.inputs if v is not None]) == 2
+        and attrs.get_int("transB", 0) == 1
+        and attrs.get_int("transA", 0) == 0
+        and attrs.get_float("alpha", 1.0) == 1.0
+    )
+
+
+def _row_parts(rows: int, row_bytes: int, part_bytes: int) -> list[tuple[int, int]]:
+    """Split ``rows`` into even ranges of about ``part_bytes`` (at least one row each), each a whole
+    number of ``PAGE``-aligned units of rows, so every part starts on a page of the file."""
+    step = PAGE // math.gcd(row_bytes, PAGE)  # rows per page-aligned unit
+    per_part = max(step, part_bytes // row_bytes // step * step)
+    count = math.ceil(rows / per_part)
+    size = math.ceil(math.ceil(rows / count) / step) * step
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def _alias_gemm(graph: ir.Graph, gemm: ir.Node, table: ir.Value, weights: SharedWeights, part_bytes: int) -> None:
+    tensor = table.const_value
+    rows, cols = tensor.shape
+    parts = _row_parts(rows, cols * int(tensor.dtype.itemsize), part_bytes)
+    x, out = gemm.inputs[0], gemm.outputs[0]
+    views = []
+    for start, stop in parts:
+        name = f"{table.name}/rows_{start}_{stop}"
+        view = ir.Value(name=name, const_value=weights.row_view(tensor, start, stop, name))
+        view.shape, view.type = ir.Shape([stop - start, cols]), ir.TensorType(tensor.dtype)
+        graph.register_initializer(view)
+        views.append(view)
+    if len(views) == 1:
+        gemm.replace_input_with(1, views[0])
+        return
+    nodes = []
+    for (start, stop), view in zip(parts, views):
+        part = ir.Node(
+            "", "Gemm", [x, view], attributes=list(gemm.attributes.values()), name=f"{gemm.name}/rows_{start}_{stop}"
+        )
+        part.outputs[0].name = f"{out.name}/rows_{start}_{stop}"
+        part.outputs[0].type = out.type
+        if out.shape is not None:
+            part.outputs[0].shape = ir.Shape([*out.shape[:-1], stop - start])
+        nodes.append(part)
+    concat = ir.Node(
+        "", "Concat", [p.outputs[0] for p in nodes], attributes=[ir.AttrInt64("axis", -1)], name=f"{gemm.name}/concat"
+    )
+    graph.insert_before(gemm, [*nodes, concat])
+    joined = concat.outputs[0]
+    joined.shape, joined.type = out.shape, out.type
+    out.replace_all_uses_with(joined, replace_graph_outputs=True)
+    graph.remove(gemm, safe=True)
+    joined.name = out.name
 
 
 def read_gemm_weights_in_place(graph: ir.Graph) -> int:

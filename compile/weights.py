@@ -90,12 +90,10 @@ class SharedWeights:
         return path
 
     def _store(self, f, tensor) -> tuple[int, int]:
-        if (
-            isinstance(tensor, ir.ExternalTensor)
-            and Path(tensor.path).resolve() == self.path.resolve()
-            and (tensor.offset or 0, tensor.length) in self._locations
-        ):
-            return tensor.offset or 0, tensor.length  # already in the file (a graph re-saved after a pass)
+        if isinstance(tensor, ir.ExternalTensor) and Path(tensor.path).resolve() == self.path.resolve():
+            offset = tensor.offset or 0
+            if (offset, tensor.length) in self._locations or self._inside_stored(offset, tensor.length):
+                return offset, tensor.length  # already in the file (a graph re-saved after a pass, or a view)
         data = _raw_bytes(tensor)
         key = (tensor.dtype, tuple(tensor.shape), _sample_digest(data))
         candidates = self._by_sample.setdefault(key, [])
@@ -118,6 +116,31 @@ class SharedWeights:
         if self.path.stat().st_size != self._size:
             return _sha256_file(self.path)
         return self._file_hash.hexdigest()
+
+    def row_view(self, tensor: ir.ExternalTensor, start: int, stop: int, name: str) -> ir.ExternalTensor:
+        """Rows ``[start, stop)`` of a 2-D tensor this file stores, as a tensor of its own that
+        points at those bytes (rows are contiguous in a C-order tensor): a second initializer on
+        the same data, never a second copy. Raises ValueError for a tensor not stored here."""
+        offset = (tensor.offset or 0) if isinstance(tensor, ir.ExternalTensor) else None
+        stored = offset is not None and (offset, tensor.length) in self._locations
+        if not stored or len(tensor.shape) != 2 or tensor.dtype.bitwidth < 8:
+            raise ValueError(f"{name}: a row view needs a 2-D tensor of whole bytes stored in {self.path.name}")
+        rows, cols = tensor.shape
+        if not 0 <= start < stop <= rows:
+            raise ValueError(f"{name}: rows [{start}, {stop}) are outside the tensor's {rows} rows")
+        row_bytes = cols * int(tensor.dtype.itemsize)
+        return ir.ExternalTensor(
+            location=WEIGHTS_FILE,
+            offset=offset + start * row_bytes,
+            length=(stop - start) * row_bytes,
+            dtype=tensor.dtype,
+            shape=ir.Shape([stop - start, cols]),
+            name=name,
+            base_dir=self.out_dir,
+        )
+
+    def _inside_stored(self, offset: int, length: int) -> bool:
+        return any(start <= offset and offset + length <= start + size for start, size in self._locations)
 
     def report(self) -> WeightsReport:
         stored = sum(len(locations) for locations in self._by_sample.values())

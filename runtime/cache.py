@@ -7,9 +7,17 @@ owned by the cache and allocated once. Its per-layer views are what the backend 
 The runtime holds host memory as numpy arrays, not torch tensors: ONNX Runtime's CPU provider
 needs nothing more, and importing torch would add about 200 MiB to the resident set of a process
 that never runs a torch op.
+
+Memory. The buffer's pages become resident as positions are written, not at allocation: a cache
+of ``max_seq`` 512 that holds 192 positions per row costs 192/512 of its size. numpy asks the
+kernel for transparent huge pages on large arrays, so the first write into a 2 MiB region would
+make all of it resident (every row and position of a layer's cache at once, for small models);
+the cache is therefore mapped by :func:`zeroed_pages`, in ordinary pages.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
@@ -30,7 +38,7 @@ class KVCache:
         self.max_seq = limits.max_seq
         # Zeros, not empty: rows past a sequence's length are masked, but NaN garbage times a zero
         # attention weight would still be NaN.
-        self.buffer = np.zeros(self.shape, dtype=NP_DTYPES[manifest.dtype])
+        self.buffer = zeroed_pages(self.shape, NP_DTYPES[manifest.dtype])
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +66,20 @@ class KVCache:
         Positions ``>= length`` of ``dst`` keep stale values, which attention masks."""
         if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
             self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
+
+
+def zeroed_pages(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zero-filled C-contiguous array of ``shape`` and ``dtype`` in an anonymous private mapping of
+    its own, in ordinary (not huge) pages: a page becomes resident when first written, so memory
+    grows with the positions in use. The array owns the mapping (it is released with the array)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux: also when the system's THP policy is "always"
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(pages, dtype=dtype).reshape(shape)
 
 
 def needs_row_copy(src: int, dst: int, length: int, max_batch: int, max_seq: int) -> bool:

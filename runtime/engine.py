@@ -131,6 +131,7 @@ class Engine:
         spin: bool = True,
         prepack: bool = True,
         optimized: bool = True,
+        mem_pattern: bool = False,
         one_session: bool = True,
         verify: bool = True,
         device: str = "cpu",
@@ -144,7 +145,7 @@ class Engine:
         (or TensorRT, or ORT's CUDA provider) they raise
         :class:`kvforge.graphs.environment.DeviceUnavailableError` naming what is missing.
 
-        ``threads``, ``spin``, ``prepack``, ``optimized``: ONNX Runtime session settings, see
+        ``threads``, ``spin``, ``prepack``, ``optimized``, ``mem_pattern``: ONNX Runtime session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
         the weights into its kernels' layout, once per session). ``one_session`` runs decode steps
         through the prefill graph's session, so generation holds one packed copy of the weights;
@@ -156,7 +157,12 @@ class Engine:
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
-        for name, value in [("spin", spin), ("prepack", prepack), ("optimized", optimized)]:
+        for name, value in [
+            ("spin", spin),
+            ("prepack", prepack),
+            ("optimized", optimized),
+            ("mem_pattern", mem_pattern),
+        ]:
             check.flag(name, value)
         check.flag("one_session", one_session)
         check.flag("verify", verify)
@@ -175,7 +181,7 @@ class Engine:
                 "this artifact is bfloat16, which ONNX Runtime's CPU provider cannot run; "
                 "recompile with --dtype float32 (or float16) for CPU"
             )
-        options = OrtOptions(threads=threads, spin=spin, prepack=prepack, optimized=optimized)
+        options = OrtOptions(threads=threads, spin=spin, prepack=prepack, optimized=optimized, mem_pattern=mem_pattern)
         use_ort = {name for name, g in manifest.graphs.items() if optimized and g.ort_file}
         graph_files = {name: root / (g.ort_file if name in use_ort else g.file) for name, g in manifest.graphs.items()}
         # Without prepacking, every session reads the weights as they are: map them once for all.

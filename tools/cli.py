@@ -91,6 +91,12 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     )
     # Debugging: trace every decoder layer instead of copying a traced one (kvforge.compile.replicate).
     p.add_argument("--full-trace", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--pack-tied-lm-head",
+        action="store_true",
+        help="ORT graphs: let ONNX Runtime pack a lm_head tied to the embedding table (faster decode, "
+        "a second copy of the table in memory); default: the lm_head reads the table in place",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_run_compile)
 
@@ -115,6 +121,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         gpu_memory=args.gpu_memory,
         trust_remote_code=args.trust_remote_code,
         full_trace=args.full_trace,
+        pack_tied_lm_head=args.pack_tied_lm_head,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity

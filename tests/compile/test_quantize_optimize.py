@@ -34,12 +34,19 @@ def test_optimized_graphs_share_weights_and_match_the_portable_ones(llama_artifa
     portable_ops, portable = _ops(llama_artifact / "decode.onnx")
     assert ops["SkipSimplifiedLayerNormalization"] > 0 and ops["SimplifiedLayerNormalization"] > 0
     assert "SimplifiedLayerNormalization" not in portable_ops, "the portable graph stays standard ONNX"
-    # Rotary: one RotaryEmbedding for q and one for k in each of the 2 layers, no rotate-half left.
-    assert ops["RotaryEmbedding"] == 4 and ops["Neg"] == 0 and portable_ops["Neg"] == 4
+    # Rotary: inside each of the 2 layers' attention (do_rotary), no rotate-half left.
+    assert ops["RotaryEmbedding"] == 0 and ops["Neg"] == 0 and portable_ops["Neg"] == 4
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 2 and all(a.i == 1 for n in attention for a in n.attribute if a.name == "do_rotary")
     assert [i.name for i in model.graph.input] == [i.name for i in portable.graph.input]
     assert [o.name for o in model.graph.output] == [o.name for o in portable.graph.output]
-    # The big tensors of the optimized graph are the portable graph's, in the same file.
-    assert _external_refs(model) <= _external_refs(portable) | _external_refs(_ops(llama_artifact / "prefill.onnx")[1])
+    # The big tensors of the optimized graph are the portable graph's, in the same file, and the
+    # rotary's cos/sin tables (the only tensors the optimization adds).
+    tables = {n.input[i] for n in attention for i in (7, 8)}
+    assert len(tables) == 2
+    added = _external_refs(model) - _external_refs(portable) - _external_refs(_ops(llama_artifact / "prefill.onnx")[1])
+    table_info = [{e.key: e.value for e in i.external_data} for i in model.graph.initializer if i.name in tables]
+    assert added == {(info["offset"], info["length"]) for info in table_info} and len(added) == 2
     prompt = [[0, 17, 201, 33, 90, 4]]
     with Engine.load(llama_artifact) as fast, Engine.load(llama_artifact, optimized=False) as plain:
         assert fast.backend.sessions["prefill"]._model_path.endswith("prefill.ort.onnx")

@@ -71,8 +71,9 @@ def test_greedy_equals_transformers_one_by_one_and_batched(engine, reference):
 
 def test_tied_lm_head_reads_the_embedding_table_in_place(engine):
     """The model ties its lm_head to the embedding table. In the ORT-optimized graph the Gemm reads
-    the table through an Identity (ORT would otherwise repack a second copy of it for the Gemm);
-    the portable graph keeps the plain Gather + Gemm on one initializer."""
+    the table through an Identity by default (ORT would otherwise repack a second copy of it for the
+    Gemm; ``pack_tied_lm_head`` is tests/compile/test_tied_lm_head.py's); the portable graph keeps
+    the plain Gather + Gemm on one initializer."""
     import onnx
 
     for name in ("prefill.ort.onnx", "prefill.onnx"):
