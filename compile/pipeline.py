@@ -316,6 +316,7 @@ def _compile_into(
     stages = _Stages(say, started, 6 + optimize + bool(options.quantize))
     names = [g for g in contract.GRAPHS if g != "score" or options.score_graph]
 
+    heap.freeze_survivors()  # the libraries imported so far: loading's collections skip them
     stages.start("load", f"loading {model_dir} ({options.dtype})")
     loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
     dims, loaded_spec = loaded.dims, loaded.spec
