@@ -1,17 +1,18 @@
-"""The garbage collector during compile: the survivors of the trace are frozen once the torch model
-and the weights have left memory, so that later collections do not walk them.
+"""The garbage collector during compile: long-lived objects are frozen, so that the full
+collections Python starts on its own do not walk them again and again.
 
-Tracing leaves ~700k long-lived objects (torch's, sympy's and the exporter's caches, the libraries'
-modules). Each full (generation 2) collection walks all of them: on the SmolLM-135M shape the two
-that Python starts on its own during the ORT optimization took 0.85 s, and 13 full collections
-~2.7 s of a 16 s compile. :func:`freeze_survivors` (``gc.freeze``) moves every object alive at that
+The libraries' modules and, after the trace, torch's, sympy's and the exporter's caches are ~700k
+long-lived objects. Each full (generation 2) collection walks all of them: on the SmolLM-135M shape
+13 full collections took ~2.8 s of a 16 s compile (the two that Python started during the ORT
+optimization 0.85 s). :func:`freeze_survivors` (``gc.freeze``) moves every object alive at that
 point out of the collector's reach; objects made after it are collected as before.
 :func:`unfreeze` gives them back (``gc.unfreeze``), so a frozen object that became garbage in the
 meantime (the general graph, a cycle of small ONNX IR objects) is still freed later.
 
-Freezing before the torch model and its weights are gone would keep them (and the checkpoint's
-memory map) alive for the rest of compile if they sit in a reference cycle: compile freezes after
-the weights file holds every tensor and a full collection has run.
+Compile freezes at its start (the libraries), after the transformers reference (the loaded model
+too: the trace's collections skip it) and after the weights file holds every tensor; it unfreezes
+before the torch model is dropped (a model in a reference cycle must be collectable, or it would
+keep the checkpoint's memory map for the rest of compile) and at its end.
 """
 
 from __future__ import annotations
