@@ -55,6 +55,7 @@ from onnxscript.rewriter import pattern
 
 from kvforge.compile.export import without_unmatched_rules
 from kvforge.compile.fusions import fuse_attention_glue, fuse_rotary_into_attention
+from kvforge.compile.optimizer_passes import without_idle_iteration
 from kvforge.compile.weights import SharedWeights
 
 ORT_SUFFIX = ".ort"
@@ -99,7 +100,7 @@ def optimize_graphs(
     try:
         for name in names:
             model = ir.load(out_dir / f"{name}.onnx")
-            with without_unmatched_rules(), without_repeated_optimizer():
+            with without_unmatched_rules(), without_repeated_optimizer(), without_idle_iteration():
                 model, _ = ort_fusions.optimize_for_ort(model)
             fuse_rotary(model)
             fuse_attention_glue(model)  # compile/fusions.py: no reshape/transpose glue, lengths once

@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 import kvforge.compile.export as export_stage
 from kvforge.compile import derive as derive_stage
+from kvforge.compile import heap
 from kvforge.compile import load as load_stage
 from kvforge.compile import optimize as optimize_stage
 from kvforge.compile import packing as packing_stage
@@ -231,7 +232,10 @@ def compile_model(
         # its own while the stages run: hashlib and file reads release the GIL.
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-hash") as pool:
             source_hashes = pool.submit(lambda: {f.name: mf.sha256_file(f) for f in weight_files})
-            manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started, source_hashes)
+            try:
+                manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started, source_hashes)
+            finally:
+                heap.unfreeze()
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -326,11 +330,13 @@ def _compile_into(
     stages = _Stages(say, started, 6 + optimize + bool(options.quantize))
     names = [g for g in contract.GRAPHS if g != "score" or options.score_graph]
 
+    heap.freeze_survivors()  # the libraries imported so far: loading's collections skip them
     stages.start("load", f"loading {model_dir} ({options.dtype})")
     loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
     dims, loaded_spec = loaded.dims, loaded.spec
     stages.start("reference", "running transformers (eager) on the parity prompt, on the loaded model")
     reference = _reference(model_dir, loaded, options.dtype, options.trust_remote_code)
+    heap.freeze_survivors()  # the libraries and the model: the trace's collections skip them
     try:
         stages.start(
             "export",
@@ -352,6 +358,7 @@ def _compile_into(
     # The torch model goes now: the graph holds views of the parameters it needs, released one by
     # one as the weights file takes them.
     del loaded
+    heap.unfreeze()  # the model's cycles must be collectable again
     gc.collect()
     packing_stage.pack_projections({GENERAL: general})  # q/k/v and gate/up: one MatMul each, stored packed
     if options.quantize:
@@ -365,6 +372,7 @@ def _compile_into(
     weights = SharedWeights(tmp)
     weights.externalize(general)
     gc.collect()
+    heap.freeze_survivors()  # the torch model and the weights are gone: later collections skip the rest
     for name in names:
         weights.save(derive_stage.derive(general, name), name)
     weights.save(general, GENERAL)  # the optimizer's input; not part of the artifact
