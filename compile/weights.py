@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from kvforge.graphs.manifest import sha256_file
+
 WEIGHTS_FILE = "weights.data"
 SHARE_THRESHOLD = 1024  # smaller tensors (shape constants, scalars) stay inside the graph
 ALIGNMENT = 4096
@@ -114,7 +116,7 @@ class SharedWeights:
         """The weights file's sha256 (hex), from the bytes as they were written; read back and
         hashed only if the file is not exactly what this object wrote (its size differs)."""
         if self.path.stat().st_size != self._size:
-            return _sha256_file(self.path)
+            return sha256_file(self.path)
         return self._file_hash.hexdigest()
 
     def row_view(self, tensor: ir.ExternalTensor, start: int, stop: int, name: str) -> ir.ExternalTensor:
@@ -177,14 +179,6 @@ def _same_bytes(f, offset: int, data: bytes | memoryview, chunk: int = 1 << 24) 
         if not np.array_equal(np.frombuffer(f.read(len(piece)), np.uint8), piece):
             return False
     return True
-
-
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _raw_bytes(tensor) -> bytes | memoryview:
