@@ -12,8 +12,11 @@ exactly ``--prompt-len`` tokens (seeded, token ids, no tokenizer in the loop) an
   transformers: ``generate(max_new_tokens=1)``.
 * decode ms/step: the time of the N-1 decode steps divided by N-1 (for transformers
   ``(t_N - t_1) / (N - 1)`` from two ``generate`` calls). kvforge and genai also report the median
-  single step (``decode_ms_step_p50``, over every step of every repeat).
-* Every number is the median of ``--repeat`` timed runs after one untimed warm-up.
+  single step (``decode_ms_step_p50``, the median over the rounds of each round's median over its steps).
+* Rounds: the sides take turns, ``--rounds`` times (default 3): each round starts every side's
+  worker once (a fresh process: one untimed warm-up, then ``--repeat`` timed runs), so a change in
+  the machine's load or memory bandwidth during the run falls on every side alike. Every number
+  is the median over the rounds (peak RSS: the highest round).
 * peak RSS: the worker process's ``VmHWM`` (Python and what the side imports: torch for
   transformers, numpy and onnxruntime for kvforge and genai);
   ``+RSS``: that peak minus the RSS just before the side loaded its model.
@@ -55,6 +58,7 @@ from typing import Any
 SIDES = ("transformers", "genai", "kvforge")
 PRECISIONS = ("fp32", "int4", "int8")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+DEFAULT_MAX_SEQ = 512  # compile's default max_seq (kvforge.compile.pipeline; not imported: it pulls in torch)
 
 
 @dataclass(frozen=True)
@@ -198,8 +202,8 @@ def compile_kvforge(job: dict[str, Any]) -> dict[str, Any]:
         kwargs["quantize"] = job["quantize"]  # the parent checked that compile_model accepts it
     if "score_graph" in inspect.signature(compile_model).parameters:
         kwargs["score_graph"] = False  # the benchmark never runs it
-    if job.get("pack_tied_lm_head"):
-        kwargs["pack_tied_lm_head"] = True
+    if job.get("pack_tied_lm_head") is not None:  # None: compile's default
+        kwargs["pack_tied_lm_head"] = job["pack_tied_lm_head"]
     start = time.perf_counter()
     compile_model(job["model_dir"], job["out"], **kwargs)
     return {"compile_s": time.perf_counter() - start}
@@ -215,6 +219,31 @@ def _result(ttft: list[float], step_mean: list[float], steps: list[float], token
         "rss_added_bytes": peak - before if before is not None else None,
         "tokens": tokens,
     }
+
+
+def combine_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a side's rounds: the median of each time over the rounds, the highest peak RSS,
+    the first round's tokens (and whether every round generated the same), every round's figures."""
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in results if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    peak = max(results, key=lambda r: r["rss_peak_bytes"])
+    return {
+        "ttft_ms": median("ttft_ms"),
+        "decode_ms_step": median("decode_ms_step"),
+        "decode_ms_step_p50": median("decode_ms_step_p50"),
+        "rss_peak_bytes": peak["rss_peak_bytes"],
+        "rss_added_bytes": peak["rss_added_bytes"],
+        "tokens": results[0]["tokens"],
+        "same_tokens_every_round": all(r["tokens"] == results[0]["tokens"] for r in results),
+        "rounds": [{k: v for k, v in r.items() if k != "tokens"} for r in results],
+        **{k: v for k, v in results[0].items() if k not in _ROUND_KEYS},
+    }
+
+
+_ROUND_KEYS = {"ttft_ms", "decode_ms_step", "decode_ms_step_p50", "rss_peak_bytes", "rss_added_bytes", "tokens"}
 
 
 def run_transformers(job: dict[str, Any]) -> dict[str, Any]:
@@ -514,9 +543,10 @@ def kvforge_quantize_supported() -> bool:
 def ensure_kvforge(
     args: argparse.Namespace, model_dir: Path, work: Path, lowering: str, quantize: str | None
 ) -> tuple[Path, float | None]:
-    max_seq = args.max_seq or args.prompt_len + args.new_tokens
-    packed = bool(getattr(args, "pack_tied_lm_head", False))
-    tag = f"{args.shape}-{lowering}-{quantize or 'fp32'}-b{args.batch}-s{max_seq}{'-packlm' if packed else ''}"
+    max_seq = args.max_seq or DEFAULT_MAX_SEQ
+    packed = getattr(args, "pack_tied_lm_head", None)
+    in_place = "-inplacelm" if packed is False else ""
+    tag = f"{args.shape}-{lowering}-{quantize or 'fp32'}-b{args.batch}-s{max_seq}{in_place}"
     out = work / f"kvforge-{tag}-{source_hash('kvforge.compile', 'kvforge.graphs')}"
     if (out / "manifest.json").exists() and not args.rebuild:
         return out, None
@@ -558,7 +588,8 @@ def print_table(report: dict[str, Any]) -> None:
     roof = report["roofline"]
     print(
         f"\n{cfg['shape']}: {report['model']['description']}; batch {cfg['batch']}, prompt {cfg['prompt_len']}, "
-        f"{cfg['new_tokens']} new tokens, median of {cfg['repeat']}, precision {cfg['precision']}"
+        f"{cfg['new_tokens']} new tokens, {cfg['rounds']} rounds x {cfg['repeat']} runs (medians), "
+        f"precision {cfg['precision']}"
     )
     print(
         f"threads {cfg['threads']} (of {env['cpu_count']} cores); kvforge max_seq {cfg['max_seq']}, genai max_length "
@@ -620,9 +651,11 @@ def main(argv: list[str] | None = None) -> None:
         "--max-seq",
         type=int,
         default=None,
-        help="kvforge's compile max_seq (default: prompt + new tokens, the length genai's buffer gets)",
+        help=f"kvforge's compile max_seq (default: compile's own, {DEFAULT_MAX_SEQ}); genai's buffer is "
+        "prompt + new tokens, the max_length each of its generators gets",
     )
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="turns every side takes, alternating (medians over them)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per side per round, after one warm-up")
     p.add_argument(
         "--threads",
         type=int,
@@ -659,8 +692,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--pack-tied-lm-head",
-        action="store_true",
-        help="kvforge: compile with pack_tied_lm_head=True (a tied lm_head packed by ORT: faster, +1 table in memory)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="kvforge: compile with pack_tied_lm_head=True/False (default: compile's own, packed; --no-...: "
+        "the tied lm_head reads the table in place, unpacked)",
     )
     p.add_argument(
         "--two-sessions",
@@ -689,6 +724,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--threads must be at least 1, got {args.threads}")
     if args.roofline_repeat < 1:
         p.error(f"--roofline-repeat must be at least 1, got {args.roofline_repeat}")
+    if args.rounds < 1 or args.repeat < 1:
+        p.error(f"--rounds and --repeat must be at least 1, got {args.rounds} and {args.repeat}")
 
     shape = SHAPES[args.shape]
     work = args.work_dir
@@ -750,7 +787,7 @@ def main(argv: list[str] | None = None) -> None:
     for lowering, out in artifacts.items():
         kvforge_job = {**base_job, "out": str(out)}
         step_bytes = graph_weight_bytes_per_step(kvforge_decode_graph(out))
-        packed = ", packed lm_head" if args.pack_tied_lm_head else ""
+        packed = ", lm_head in place" if args.pack_tied_lm_head is False else ""
         label = f"kvforge[{lowering}] ({quantize or 'fp32'}{', no spin' if args.spin is False else ''}{packed})"
         plan.append((label, sys.executable, "kvforge", kvforge_job, step_bytes))
 
@@ -760,23 +797,29 @@ def main(argv: list[str] | None = None) -> None:
         say(f"roofline: {args.roofline_gib:g} GiB read by {args.threads} threads")
         bandwidth_before = run_worker(sys.executable, "roofline", roofline_job, work)
 
+    per_round: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in plan}
     rows: dict[str, dict[str, Any]] = {}
-    for name, python, worker, job, step_bytes in plan:
-        say(f"running {name}")
-        if worker == "genai":
-            set_genai_threads(genai_dir, job["threads"])  # genai reads its threads from genai_config.json
-        try:
-            r = run_worker(python, worker, job, work)
-        except StepFailed as e:
-            say(str(e))
-            rows[name] = {"error": str(e)}
+    for round_ in range(args.rounds):
+        for name, python, worker, job, _ in plan:
+            if name in rows:  # failed in an earlier round
+                continue
+            say(f"round {round_ + 1}/{args.rounds}: running {name}")
+            if worker == "genai":
+                set_genai_threads(genai_dir, job["threads"])  # genai reads its threads from genai_config.json
+            try:
+                per_round[name].append(run_worker(python, worker, job, work))
+            except StepFailed as e:
+                say(str(e))
+                rows[name] = {"error": str(e)}
+    for name, _, _, job, step_bytes in plan:
+        if name in rows:
             continue
+        r = rows[name] = combine_rounds(per_round[name])
         r["threads"] = job["threads"]  # None: the library's default
         r["threads_label"] = str(job["threads"]) if job["threads"] else "def"
         r["decode_tokens_per_s"] = args.batch * 1e3 / r["decode_ms_step"]
         r["weight_bytes_per_step"] = step_bytes["bytes"]
         r["weight_bytes_per_step_detail"] = step_bytes
-        rows[name] = r
     if genai_dir is not None:
         set_genai_threads(genai_dir, args.threads)  # leave the cached model on the equal-threads setting
 
@@ -828,7 +871,8 @@ def main(argv: list[str] | None = None) -> None:
             "repeat": args.repeat,
             "threads": args.threads,
             "peer_defaults": args.peer_defaults,
-            "max_seq": args.max_seq or args.prompt_len + args.new_tokens,
+            "max_seq": args.max_seq or DEFAULT_MAX_SEQ,
+            "rounds": args.rounds,
             "genai_max_length": args.prompt_len + args.new_tokens,
         },
         "model": {

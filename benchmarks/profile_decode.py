@@ -3,7 +3,8 @@ node counts of onnxruntime-genai's graph of the same model.
 
 For each ``--max-seq`` (default 192 and 512, compile's default), peer_genai.py's builders give (and
 cache, in the same work dir) the random Llama of ``--shape``, kvforge's artifact of it (``gqa``,
-fp32, ``max_batch`` ``--batch`` (default 1), that ``max_seq``) and genai's fp32 model. A worker subprocess then:
+``--precision`` (fp32 or int4), ``max_batch`` ``--batch`` (default 1), that ``max_seq``) and
+genai's model of that precision. A worker subprocess then:
 
 1. loads the artifact with ``Engine.load(threads=--threads)`` with ONNX Runtime's profiler switched on
    (``SessionOptions.enable_profiling``; the engine's own session options otherwise, so the graph
@@ -286,7 +287,8 @@ def print_summary(max_seq: int, s: dict[str, Any], cfg: dict[str, Any], load: tu
         "which ORT fuses further at load: genai kernels/step are the nodes it runs)"
     )
     print(
-        f"kvforge decode step, {cfg['shape']} gqa fp32 b{cfg['batch']}, max_seq {max_seq}, {cfg['threads']} threads, "
+        f"kvforge decode step, {cfg['shape']} gqa {cfg['precision']} b{cfg['batch']}, max_seq {max_seq}, "
+        f"{cfg['threads']} threads, "
         f"prompt {cfg['prompt_len']} + {cfg['warmup']} warm-up + {cfg['steps']} profiled steps; "
         f"load avg {load[0]} -> {load[1]}"
     )
@@ -330,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=1, help="rows per decode step (the artifact's max_batch)")
+    p.add_argument("--precision", choices=["fp32", "int4"], default="fp32", help="kvforge --quantize and genai -p")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvforge-peer")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached model and artifacts")
     p.add_argument(
@@ -357,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     build = argparse.Namespace(
         shape=args.shape,
         batch=args.batch,
-        precision="fp32",
+        precision=args.precision,
         prompt_len=args.prompt_len,
         new_tokens=args.steps,
         rebuild=args.rebuild,
@@ -367,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = peer.ensure_model(build, shape, work)
     genai_dir, _ = peer.ensure_genai(build, model_dir, work)
     genai_ops = op_counts(genai_dir / "model.onnx")
-    cfg = {k: getattr(args, k) for k in ("shape", "threads", "steps", "warmup", "prompt_len", "batch")}
+    cfg = {k: getattr(args, k) for k in ("shape", "threads", "steps", "warmup", "prompt_len", "batch", "precision")}
     report: dict[str, Any] = {
         "schema": "kvforge.profile_decode",
         "schema_version": 1,
@@ -382,8 +385,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     for max_seq in args.max_seq:
         build.max_seq = max_seq
-        artifact, _ = peer.ensure_kvforge(build, model_dir, work, "gqa", None)
-        profile_dir = work / f"profiles-{args.shape}-s{max_seq}{f'-b{args.batch}' if args.batch > 1 else ''}"
+        quantize = None if args.precision == "fp32" else args.precision
+        artifact, _ = peer.ensure_kvforge(build, model_dir, work, "gqa", quantize)
+        batch_tag = f"-b{args.batch}" if args.batch > 1 else ""
+        profile_dir = work / f"profiles-{args.shape}-{args.precision}-s{max_seq}{batch_tag}"
         profile_dir.mkdir(exist_ok=True)
         job = {
             "artifact": str(artifact),

@@ -79,7 +79,7 @@ class CompileOptions:
     max_prompt: int | None = None  # longest prompt (TensorRT's prefill profile); None: max_seq
     trust_remote_code: bool = False  # run the modeling code config.json's auto_map names
     full_trace: bool = False  # trace every layer, never copy one (debugging: kvforge.compile.replicate)
-    pack_tied_lm_head: bool = False  # ORT graphs: the tied lm_head packed (faster, +1 table in memory)
+    pack_tied_lm_head: bool = True  # ORT graphs: the tied lm_head packed by ORT (False: read in place, slower)
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -137,7 +137,7 @@ def compile_model(
     gpu_memory: str | None = None,
     trust_remote_code: bool = False,
     full_trace: bool = False,
-    pack_tied_lm_head: bool = False,
+    pack_tied_lm_head: bool = True,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -157,11 +157,12 @@ def compile_model(
     ``auto_map``, a model type transformers does not ship) run it; without it such a directory is
     refused before anything is loaded. ``full_trace`` traces every decoder layer instead of
     copying a traced one (:mod:`kvforge.compile.replicate`; for debugging: the graphs are the same).
-    ``pack_tied_lm_head``: in the ORT graphs, a lm_head tied to the embedding table reads views of
-    the table that ONNX Runtime packs at load (faster: the lm_head Gemm at batch 4 on the
-    SmolLM-135M shape 6.0 -> 3.2 ms per step), at the cost of a second copy of the table in memory
-    (the packed one, beside the pages of the table the embedding lookup touches); by default it reads
-    the table in place, one copy (benchmarks/README.md). Nothing is written to ``out_dir`` unless
+    ``pack_tied_lm_head`` (default): in the ORT graphs, a lm_head tied to the embedding table reads
+    views of the table that ONNX Runtime packs at load (the lm_head Gemm at batch 4 on the
+    SmolLM-135M shape: 3.2 ms per step, against 6.0 ms reading the table unpacked), while the
+    embedding lookup reads only the rows it needs (:mod:`kvforge.runtime.embedding_rows`), so the
+    table is held about once; False: the lm_head reads the table in place, unpacked (no packed copy:
+    the least memory, a slower step; benchmarks/README.md). Nothing is written to ``out_dir`` unless
     compile succeeds.
     """
     _check_types(

@@ -8,13 +8,16 @@ per batch and each step only rewrites the values inside the bound input buffers.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvforge.graphs import contract
 from kvforge.graphs.manifest import ArtifactError
 from kvforge.runtime.cache import KVCache
+from kvforge.runtime.embedding_rows import EmbeddingRows, gather_only_tables
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ class OrtBackend:
         self.preoptimized = set(preoptimized)
         self.sessions = {}
         self._weights = _SharedInitializers(weights_file) if weights_file is not None else None
+        # Tables only a Gather of input_ids reads, filled row by row (with prepacking; see
+        # kvforge.runtime.embedding_rows): by (file, offset, length), and the ones each graph reads.
+        self.embedding_rows: dict[tuple[str, int, int], EmbeddingRows] = {}
+        self._rows_of: dict[str, list[EmbeddingRows]] = {}
+        self._rows_lock = threading.Lock()
         for name in graph_files:
             if name not in lazy:
                 self.session(name)
@@ -113,6 +121,8 @@ class OrtBackend:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if self._weights is not None:
             self._weights.add_to(so, path)
+        elif options.prepack:
+            self._rows_of[name] = self._add_embedding_rows(so, path)
         try:
             self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
         except Exception as e:  # ORT's errors (InvalidProtobuf, Fail, ...) are not ValueErrors: say what it means
@@ -122,6 +132,33 @@ class OrtBackend:
                 "kvforge; recompile the model (Engine.load checks sha256 unless verify=False)"
             ) from e
         return self.sessions[name]
+
+    def _add_embedding_rows(self, session_options, graph_path: Path) -> list[EmbeddingRows]:
+        """Hand ``session_options`` an :class:`EmbeddingRows` for each table of the graph that only
+        a ``Gather`` of ``input_ids`` reads (a tied embedding whose lm_head ORT packs from views of
+        its own); ORT maps every other initializer itself."""
+        import onnx
+        import onnxruntime as ort
+
+        graph = onnx.load(str(graph_path), load_external_data=False).graph
+        tables = []
+        for init in gather_only_tables(graph, contract.INPUT_IDS):
+            info = {e.key: e.value for e in init.external_data}
+            file = (graph_path.parent / info["location"]).resolve()
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            key = (str(file), offset, length)
+            if key not in self.embedding_rows:
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+                rows = EmbeddingRows(file, offset, tuple(init.dims), dtype)
+                if rows.array.nbytes != length:
+                    raise ArtifactError(
+                        f"{graph_path.name}: initializer {init.name} holds {length} bytes, not {rows.array.nbytes}"
+                    )
+                rows.value = ort.OrtValue.ortvalue_from_numpy(rows.array)
+                self.embedding_rows[key] = rows
+            session_options.add_initializer(init.name, self.embedding_rows[key].value)
+            tables.append(self.embedding_rows[key])
+        return tables
 
     def tensor_shapes(self, graph: str) -> dict[str, list[int | str | None]]:
         """Every input's and output's shape as the graph declares it (ints, or symbolic names)."""
@@ -148,8 +185,19 @@ class OrtBackend:
         return Binding(graph, binding, {**inputs, **outputs})
 
     def run(self, binding: Binding) -> None:
+        session = self.session(binding.graph)
+        tables = self._rows_of.get(binding.graph)
+        if tables:
+            with self._rows_lock:  # no table is emptied while a run reads it
+                for table in tables:
+                    table.ensure(binding.tensors[contract.INPUT_IDS])
+                self._run(session, binding)
+        else:
+            self._run(session, binding)
+
+    def _run(self, session, binding: Binding) -> None:
         try:
-            self.session(binding.graph).run_with_iobinding(binding.io_binding)
+            session.run_with_iobinding(binding.io_binding)
         except Exception as e:  # the inputs were validated: a failing run means the graph itself is wrong
             raise GraphRunError(binding.graph, e) from e
 
@@ -160,6 +208,10 @@ class OrtBackend:
     def close(self) -> None:
         self.sessions.clear()
         self._weights = None
+        for rows in self.embedding_rows.values():
+            rows.close()
+        self.embedding_rows.clear()
+        self._rows_of.clear()
 
 
 class _SharedInitializers:

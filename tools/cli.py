@@ -93,9 +93,11 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-trace", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--pack-tied-lm-head",
-        action="store_true",
-        help="ORT graphs: let ONNX Runtime pack a lm_head tied to the embedding table (faster decode, "
-        "a second copy of the table in memory); default: the lm_head reads the table in place",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ORT graphs: let ONNX Runtime pack a lm_head tied to the embedding table (default: a faster "
+        "decode step; the table is held about once, the embedding lookup reading only the rows it needs); "
+        "--no-pack-tied-lm-head reads the table in place, unpacked (slower, ~one table's size less memory)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_run_compile)

@@ -69,20 +69,27 @@ def test_greedy_equals_transformers_one_by_one_and_batched(engine, reference):
         assert one.text == tokenizer.decode(want, skip_special_tokens=True)
 
 
-def test_tied_lm_head_reads_the_embedding_table_in_place(engine):
+def test_tied_lm_head_is_packed_and_the_lookup_reads_rows(engine):
     """The model ties its lm_head to the embedding table. In the ORT-optimized graph the Gemm reads
-    the table through an Identity by default (ORT would otherwise repack a second copy of it for the
-    Gemm; ``pack_tied_lm_head`` is tests/compile/test_tied_lm_head.py's); the portable graph keeps
-    the plain Gather + Gemm on one initializer."""
+    a view of the table's bytes in weights.data (an initializer of its own, which ORT packs) and
+    the Gather reads the table, which the engine holds row by row (kvforge.runtime.embedding_rows):
+    after a generation, only the rows looked up are loaded. The portable graph keeps the plain
+    Gather + Gemm on one initializer."""
     import onnx
 
+    engine.generate(PROMPTS[:1], max_new_tokens=8)
     for name in ("prefill.ort.onnx", "prefill.onnx"):
         graph = onnx.load(str(engine.artifact_dir / name), load_external_data=False).graph
+        inits = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
         tables = {i.name for i in graph.initializer if list(i.dims) == [4096, 256]}  # vocab x hidden
         gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] in tables)
         gemm = next(n for n in graph.node if n.op_type == "Gemm")
-        identities = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity"}
         if name == "prefill.ort.onnx":
-            assert identities.get(gemm.input[1]) == gather.input[0]
+            assert gemm.input[1] != gather.input[0] and not [n for n in graph.node if n.op_type == "Identity"]
+            view, table = inits[gemm.input[1]], inits[gather.input[0]]
+            assert (view["offset"], view["length"]) == (table["offset"], table["length"])
+            [rows] = engine.backend.embedding_rows.values()
+            assert rows.offset == int(table["offset"]) and rows.array.shape == (4096, 256)
+            assert 0 < rows.loaded_count < 4096 // 4
         else:
             assert gemm.input[1] == gather.input[0]
