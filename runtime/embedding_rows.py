@@ -65,6 +65,11 @@ class EmbeddingRows:
         ids = np.asarray(ids).ravel()
         if ids.size == 0:
             return 0
+        try:
+            if self.loaded[ids].all():  # a decode step's usual case (numpy's negative indices are Gather's)
+                return 0
+        except IndexError:
+            pass  # an id out of range: sorted out below
         ids = np.where(ids < 0, ids + self.rows, ids)
         ids = ids[(ids >= 0) & (ids < self.rows)]  # out of range: the Gather itself refuses them
         missing = np.unique(ids[~self.loaded[ids]])
