@@ -193,8 +193,11 @@ def fuse_rotary_into_attention(model: ir.Model, max_positions: int) -> int:
     and the last alone, the first three: a rope that depends on the call's longest position, as
     longrope and dynamic NTK do, fails it and keeps its rotaries), for a
     full (``rotary_embedding_dim`` 0), non-interleaved rotary of q and k with the same cos/sin.
-    GroupQueryAttention rotates with ``position_ids`` (the first prompt of a batch: the first row's
-    first position onwards, which the runtime's prefill at position 0 is), as ``RotaryEmbedding`` did.
+    GroupQueryAttention is not given ``position_ids``: it rotates each token at the position it
+    derives from its lengths inputs (``seqlens_k[b] + 1 - S + s``, or ``s`` for a first prompt),
+    which is ``write_indices[b] + s`` (graphs/lowering.py), the position the runtime feeds
+    (``position_ids = write_indices + arange(S)``, the graph contract); read from an input instead,
+    the positions made an int4 decode step ~5% slower (``benchmarks/ab_decode.py``).
     """
     graph = model.graph
     position_ids = next((v for v in graph.inputs if v.name == "position_ids"), None)
@@ -215,7 +218,7 @@ def fuse_rotary_into_attention(model: ir.Model, max_positions: int) -> int:
         if tables[key] is None:
             continue
         cos_cache, sin_cache = tables[key]
-        _replace_attention(graph, node, packed, cos_cache, sin_cache, position_ids)
+        _replace_attention(graph, node, packed, cos_cache, sin_cache)
         fused += 1
     if fused:
         RemoveUnusedNodesPass()(model)
@@ -339,9 +342,9 @@ def _producers(values: list[ir.Value]) -> set[ir.Node] | None:
 
 
 def _replace_attention(
-    graph: ir.Graph, node: ir.Node, packed: ir.Value, cos_cache: ir.Value, sin_cache: ir.Value, position_ids: ir.Value
+    graph: ir.Graph, node: ir.Node, packed: ir.Value, cos_cache: ir.Value, sin_cache: ir.Value
 ) -> None:
-    inputs = [packed, None, None, *node.inputs[3:7], cos_cache, sin_cache, position_ids]
+    inputs = [packed, None, None, *node.inputs[3:7], cos_cache, sin_cache]  # positions from the lengths
     attributes = [a for name, a in node.attributes.items() if name not in ("do_rotary", "rotary_interleaved")]
     attributes += [ir.AttrInt64("do_rotary", 1), ir.AttrInt64("rotary_interleaved", 0)]
     fused = ir.Node(

@@ -1,8 +1,9 @@
 """Rotary inside attention (kvforge.compile.fusions.fuse_rotary_into_attention): in a Llama artifact's
 ORT graphs every GroupQueryAttention reads the packed q/k/v projection and rotates q and k itself
-(``do_rotary=1``, cos/sin tables of ``max_seq`` positions, the graph's ``position_ids``), with no
-RotaryEmbedding or q/k/v Split left; a chunked prefill (positions from ``position_ids``, not the
-first prompt) and the decode steps after it give transformers' logits and greedy tokens; the cos/sin
+(``do_rotary=1``, cos/sin tables of ``max_seq`` positions; each token's position derived from the
+lengths inputs, no ``position_ids``), with no RotaryEmbedding or q/k/v Split left; a chunked prefill
+(not the first prompt: positions from the write index) and the decode steps after it give
+transformers' logits and greedy tokens, and so does a ragged batch of two rows; the cos/sin
 tables are the graph's own values at each position, and a rope whose values depend on the longest
 position of the call (longrope, dynamic NTK) is refused (it keeps its rotaries)."""
 
@@ -38,14 +39,14 @@ def test_attention_reads_the_packed_projection_and_rotates_itself(llama_artifact
         query, key, value = node.input[:3]
         assert producers[query].op_type == "MatMul" and key == "" and value == ""
         assert shapes[node.input[7]] == shapes[node.input[8]] == [MAX_SEQ, HEAD_DIM // 2]
-        assert node.input[9] == "position_ids"
+        assert len(node.input) == 9  # no position_ids: GroupQueryAttention derives them from seqlens_k
 
 
 def test_chunked_prefill_and_decode_match_transformers(llama_artifact, llama_reference):
     prompt = [5, 17, 42, 99, 3, 8, 250, 11, 64]
     with Engine.load(llama_artifact, threads=1) as engine:
         logits = [engine.prefill([prompt[:4]]).copy()]
-        logits.append(engine.prefill([prompt[4:]], start=[4]).copy())  # positions 4..8 from position_ids
+        logits.append(engine.prefill([prompt[4:]], start=[4]).copy())  # positions 4..8: from seqlens_k
         tokens = [int(np.argmax(logits[-1][0]))]
         for _ in range(6):
             logits.append(engine.decode([tokens[-1]]).copy())
@@ -57,6 +58,17 @@ def test_chunked_prefill_and_decode_match_transformers(llama_artifact, llama_ref
     for got, row in zip(logits, at):
         np.testing.assert_allclose(got[0], want[row], atol=1e-4, rtol=1e-4)
     assert tokens == [int(t) for t in np.argmax(want[8:], axis=-1)]
+
+
+def test_a_ragged_batch_rotates_each_row_at_its_own_positions(llama_artifact, llama_reference):
+    """Two rows of different lengths (the short one right-padded in the prefill): each row's
+    logits at its last token and over 5 decode steps, where the rows sit at different positions."""
+    from tests.helpers import hf_greedy
+
+    prompts = [[5, 17, 42, 99, 3, 8, 250], [7, 21]]
+    with Engine.load(llama_artifact, threads=1) as engine:
+        got = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6)]
+    assert got == [hf_greedy(llama_reference, p, 6) for p in prompts]
 
 
 def _rope_model(depends_on_longest: bool) -> tuple[ir.Model, ir.Value, ir.Value, ir.Value]:
