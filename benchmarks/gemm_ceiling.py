@@ -6,6 +6,14 @@ projections; at the MatMul rate this script measures, that is the floor under TT
 graph around it does. Example (the SmolLM-135M shape of peer_genai.py, 128-token prompt):
 
     python benchmarks/gemm_ceiling.py --hidden 576 --intermediate 1536 --kv-dim 192 --layers 30 --tokens 128
+
+``--decode`` asks the decode question instead: how fast does ORT's MatMul stream a model's weights
+at M = 1..8 rows? One graph chains every layer's projections (q|k|v packed, o, gate|up packed, down;
+fp32, prepacked by ORT as in a session the engine makes) and runs on ``--threads`` threads; the
+script prints GB/s of weights read per run next to the memory-read bandwidth measured in the same
+run (``np.sum`` over a 1 GiB buffer by ``--threads`` threads, as ``peer_genai.py``'s roofline):
+
+    python benchmarks/gemm_ceiling.py --decode --threads 2
 """
 
 from __future__ import annotations
@@ -50,6 +58,65 @@ def _rate(run, flops: int, repeat: int) -> float:
     return flops * repeat / (time.perf_counter() - start) / 1e9
 
 
+def decode_ceiling(h: int, i: int, kv: int, layers: int, threads: int, repeat: int) -> None:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits, x, total = [], [], "x", 0
+    for layer in range(layers):
+        for name, (k, n) in zip(("qkv", "o", "gate_up", "down"), [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]):
+            weight = rng.standard_normal((k, n), dtype=np.float32) * 0.02
+            inits.append(numpy_helper.from_array(weight, f"{name}{layer}"))
+            total += weight.nbytes
+        # each projection's input is the previous output cut to its width (a Slice costs ~nothing)
+        for name, width in (("qkv", h), ("o", h), ("gate_up", i), ("down", h)):
+            nodes.append(helper.make_node("MatMul", [x, f"{name}{layer}"], [f"{name}{layer}_y"]))
+            nodes.append(
+                helper.make_node("Slice", [f"{name}{layer}_y", "zero", f"w{width}", "last"], [f"{name}{layer}_s"])
+            )
+            x = f"{name}{layer}_s"
+    for name, value in (("zero", 0), (f"w{h}", h), (f"w{i}", i), ("last", -1)):
+        inits.append(numpy_helper.from_array(np.array([value], dtype=np.int64), name))
+    graph = helper.make_graph(
+        nodes,
+        "decode_ceiling",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", h])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    print(f"{layers} layers, {total / 2**20:.0f} MiB of fp32 projection weights, {threads} threads")
+    print(f"memory read bandwidth (np.sum, 1 GiB): {_bandwidth(threads) / 1e9:.1f} GB/s")
+    for m in (1, 2, 4, 8):
+        feed = {"x": rng.standard_normal((m, h), dtype=np.float32)}
+        for _ in range(3):
+            session.run(None, feed)
+        times = sorted(_time(lambda feed=feed: session.run(None, feed)) for _ in range(repeat))
+        best = times[len(times) // 10]  # p10: the runs that had the cores
+        print(f"M={m}: p10 {best * 1e3:.2f} ms per pass -> {total / best / 1e9:.1f} GB/s of weights")
+    print(f"memory read bandwidth again: {_bandwidth(threads) / 1e9:.1f} GB/s")
+
+
+def _time(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _bandwidth(threads: int) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    buffer = np.ones(2**27)  # 1 GiB of float64
+    chunks = np.array_split(buffer, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        best = min(_time(lambda: list(pool.map(np.sum, chunks))) for _ in range(5))
+    return buffer.nbytes / best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=576)
@@ -58,7 +125,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=50)
+    p.add_argument("--decode", action="store_true", help="GB/s of ORT's MatMul streaming the weights at M = 1..8")
+    p.add_argument("--threads", type=int, default=2, help="--decode: ORT intra-op threads and bandwidth threads")
     a = p.parse_args()
+    if a.decode:
+        decode_ceiling(a.hidden, a.intermediate, a.kv_dim, a.layers, a.threads, a.repeat)
+        return
     h, i, kv, s = a.hidden, a.intermediate, a.kv_dim, a.tokens
     # (K, N, how many per layer): q and o, k and v, gate and up, down.
     shapes = [(h, h, 2), (h, kv, 2), (h, i, 2), (i, h, 1)]
