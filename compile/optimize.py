@@ -25,17 +25,18 @@ at load into its kernels' layout and releases the original once every reader has
 ``Gather`` still reads the table, so packing it where both read one initializer would hold it twice
 (SmolLM-135M: 113 MiB of 513). Two choices:
 
-* by default (:func:`read_gemm_weights_in_place`) the lm_head reads the table through an
-  ``Identity``, unpacked: one copy in memory, but the ``Gemm`` (``transB=1``) repacks the table
-  inside every call (SmolLM-135M shape, batch 4: 6.0 ms of a 24 ms step, against 3.2 ms packed,
-  genai's lm_head);
-* with ``pack_tied_lm_head`` (:func:`alias_tied_gemm_weights`) the Gemm reads initializers of its
-  own that point at the table's rows in ``weights.data`` (:meth:`SharedWeights.row_view`: the same
-  bytes, stored once): ORT packs those and unmaps them, while the ``Gather``'s mapping of the
-  table pages in the rows it looks up (with the kernel's fault-around, 64 KiB per lookup: 512
-  random prompt tokens made 65 MiB of it resident). The Gemm is split by rows into parts of at
-  most ``TIED_GEMM_PART_BYTES`` (joined by a ``Concat``), because a part's original pages stay
-  resident while ORT packs it: one part, not the whole table, adds to the peak of loading.
+* by default (``pack_tied_lm_head``, :func:`alias_tied_gemm_weights`) the Gemm reads initializers
+  of its own that point at the table's rows in ``weights.data`` (:meth:`SharedWeights.row_view`:
+  the same bytes, stored once): ORT packs those and unmaps them. The ``Gather`` still reads the
+  table, which the runtime hands ORT as memory holding only the rows looked up
+  (:mod:`kvforge.runtime.embedding_rows`; left to ORT's mapping of the file, the kernel maps the
+  page cache's 2 MiB folios, so a few hundred lookups made most of the table resident beside the
+  packed copy). The Gemm is split by rows into parts of at most ``TIED_GEMM_PART_BYTES`` (joined by
+  a ``Concat``), because a part's original pages stay resident while ORT packs it: one part, not
+  the whole table, adds to the peak of loading;
+* with ``pack_tied_lm_head=False`` (:func:`read_gemm_weights_in_place`) the lm_head reads the table
+  through an ``Identity``, unpacked: no packed copy, but the ``Gemm`` (``transB=1``) repacks the
+  table inside every call (SmolLM-135M shape, batch 4: a step ×1.18 the packed one).
 
 The portable graphs stay as exported (standard ONNX with the ``onnx`` lowering: what TensorRT
 builds from). The runtime's ORT backend loads the ``.ort.onnx`` graphs without re-optimizing.

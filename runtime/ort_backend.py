@@ -140,7 +140,10 @@ class OrtBackend:
         import onnx
         import onnxruntime as ort
 
-        graph = onnx.load(str(graph_path), load_external_data=False).graph
+        try:
+            graph = onnx.load(str(graph_path), load_external_data=False).graph
+        except Exception:  # not a graph (a corrupted file loaded with verify=False): ORT's load says so
+            return []
         tables = []
         for init in gather_only_tables(graph, contract.INPUT_IDS):
             info = {e.key: e.value for e in init.external_data}
@@ -149,7 +152,13 @@ class OrtBackend:
             key = (str(file), offset, length)
             if key not in self.embedding_rows:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-                rows = EmbeddingRows(file, offset, tuple(init.dims), dtype)
+                try:
+                    rows = EmbeddingRows(file, offset, tuple(init.dims), dtype)
+                except (OSError, ValueError) as e:  # a missing or truncated weights file (verify=False)
+                    raise ArtifactError(
+                        f"{graph_path.name}: cannot read the table {init.name} from {file.name} ({e}); "
+                        "the artifact is incomplete or corrupted: recompile the model"
+                    ) from e
                 if rows.array.nbytes != length:
                     raise ArtifactError(
                         f"{graph_path.name}: initializer {init.name} holds {length} bytes, not {rows.array.nbytes}"

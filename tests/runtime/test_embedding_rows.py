@@ -122,3 +122,23 @@ def test_an_engine_generates_transformers_tokens_through_it(tmp_path, tied):
         assert rows.resets >= 2  # the reset above, then the budget's (prefill: 8 rows > 3)
     want = [hf_greedy(reference, p, 12) for p in prompts]
     assert got == want and again == want
+
+
+def test_a_truncated_weights_file_is_an_artifact_error(tmp_path):
+    """With verify=False a weights file cut short before the table's end fails at load with the
+    artifact's error, not an OSError from the row reader."""
+    import shutil
+
+    from kvforge.compile import compile_model
+    from kvforge.graphs.manifest import ArtifactError
+    from kvforge.runtime import Engine
+    from tests.helpers import make_llama
+
+    out = tmp_path / "out"
+    compile_model(make_llama(tmp_path / "model"), out, max_batch=1, max_seq=32, score_graph=False, progress=None)
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    weights = broken / "weights.data"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    with pytest.raises(ArtifactError, match="recompile"):
+        Engine.load(broken, threads=1, verify=False)
