@@ -54,6 +54,7 @@ class EmbeddingRows:
             self._buffer.madvise(mmap.MADV_NOHUGEPAGE)  # a row, not a 2 MiB huge page, per lookup
         self.array = np.frombuffer(self._buffer, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
         self.loaded = np.zeros(self.rows, dtype=bool)
+        self._seen = np.zeros(64, dtype=bool)  # the decode fast path's scratch (up to 64 ids a run)
         self.loaded_count = 0
         self.resets = 0
         self.value = None  # the OrtValue over array, set by whoever hands it to a session
@@ -65,11 +66,11 @@ class EmbeddingRows:
         ids = np.asarray(ids).ravel()
         if ids.size == 0:
             return 0
-        try:
-            if self.loaded[ids].all():  # a decode step's usual case (numpy's negative indices are Gather's)
+        if ids.size <= self._seen.size:  # a decode step's usual case: all loaded, checked without allocating
+            seen = self._seen[: ids.size]
+            np.take(self.loaded, ids, out=seen, mode="wrap")  # wrap: negative ids count from the end
+            if seen.all():
                 return 0
-        except IndexError:
-            pass  # an id out of range: sorted out below
         ids = np.where(ids < 0, ids + self.rows, ids)
         ids = ids[(ids >= 0) & (ids < self.rows)]  # out of range: the Gather itself refuses them
         missing = np.unique(ids[~self.loaded[ids]])
