@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-PAGE = mmap.PAGESIZE
-
 
 class EmbeddingRows:
     """A ``[rows, ...]`` table stored at ``offset`` of ``path``, filled on demand (:meth:`ensure`).

@@ -146,9 +146,7 @@ class OrtBackend:
             return []
         tables = []
         for init in gather_only_tables(graph, contract.INPUT_IDS):
-            info = {e.key: e.value for e in init.external_data}
-            file = (graph_path.parent / info["location"]).resolve()
-            offset, length = int(info.get("offset", 0)), int(info["length"])
+            file, offset, length = _external_location(init, graph_path)
             key = (str(file), offset, length)
             if key not in self.embedding_rows:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
@@ -243,16 +241,21 @@ class _SharedInitializers:
         for init in graph.graph.initializer:
             if init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            info = {e.key: e.value for e in init.external_data}
-            if (graph_path.parent / info["location"]).resolve() != self.path.resolve():
+            file, offset, length = _external_location(init, graph_path)
+            if file != self.path.resolve():
                 continue
-            offset, length = int(info.get("offset", 0)), int(info["length"])
             dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
             key = (offset, length, dtype.str, tuple(init.dims))
             if key not in self.values:
                 array = self.map[offset : offset + length].view(dtype).reshape(tuple(init.dims))
                 self.values[key] = ort.OrtValue.ortvalue_from_numpy(array)
             session_options.add_initializer(init.name, self.values[key])
+
+
+def _external_location(init, graph_path: Path) -> tuple[Path, int, int]:
+    """Where an externally stored initializer's bytes are: (file, offset, length)."""
+    info = {e.key: e.value for e in init.external_data}
+    return (graph_path.parent / info["location"]).resolve(), int(info.get("offset", 0)), int(info["length"])
 
 
 def _ptr(array: np.ndarray) -> int:
