@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 import torch
 
-from kvforge.compile import complex_to_real, op_translations, replicate
+from kvforge.compile import complex_to_real, op_translations, quiet, replicate
 from kvforge.compile.load import LoadedModel
 from kvforge.graphs import contract, lowering
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
@@ -91,8 +91,9 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the eager call runs a few tokens; tracing runs no kernels
     try:
-        with warnings.catch_warnings(), torch.no_grad():
-            # The exporter warns about things that do not concern us (missing torchvision ops, ...).
+        with warnings.catch_warnings(), torch.no_grad(), quiet.quiet_logger(quiet.EXPORTER_REGISTRY_LOGGER):
+            # The exporter warns about things that do not concern us (missing torchvision ops, ...),
+            # through Python's warnings and through its registry's logger.
             warnings.simplefilter("ignore")
             # One eager call first: some modules create buffers lazily on their first forward (Phi-3's
             # longrope frequencies); created during tracing, they would be fake tensors, not constants.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.compile import generic
+from kvforge.compile import generic, quiet
 from kvforge.graphs import lowering
 from kvforge.graphs.architectures import ArchSpec, Dims, UnsupportedArchitectureError, lookup, supported
 
@@ -211,15 +211,16 @@ def _from_pretrained(model_dir: str | Path, dtype: str, attention: str, trust_re
     """``AutoModelForCausalLM.from_pretrained`` in eval mode, refusing mismatched weights."""
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(model_dir),
-        dtype=DTYPES[dtype],
-        attn_implementation=attention,
-        trust_remote_code=trust_remote_code,
-        output_loading_info=True,
-        ignore_mismatched_sizes=True,  # report mismatches (check_loading_info) rather than raise mid-load
-        **extra,
-    )
+    with quiet.no_loading_bar():  # compile reports its own progress
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=DTYPES[dtype],
+            attn_implementation=attention,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # report mismatches (check_loading_info) rather than raise mid-load
+            **extra,
+        )
     check_loading_info(info, model_dir)
     return model.eval()
 
