@@ -234,7 +234,8 @@ def make_plan(
         def fits(batch: int, seq: int, prompt: int) -> bool:
             return shape.weights_bytes + sum(need(batch, seq, prompt)) + reserve_bytes <= budget_bytes
 
-        advice = _advice(fits, shape.weights_bytes + reserve_bytes, budget_bytes, max_batch, max_seq, max_prompt)
+        fixed = shape.weights_bytes + reserve_bytes
+        advice = _advice(fits, fixed, budget_bytes, dtype, max_batch, max_seq, max_prompt)
     return MemoryPlan(
         source=source,
         dtype=dtype,
@@ -266,12 +267,12 @@ def _largest(ok, hi: int, lo: int) -> int | None:
     return lo
 
 
-def _advice(fits, fixed: int, budget: int, batch: int, seq: int, prompt: int) -> str:
+def _advice(fits, fixed: int, budget: int, dtype: str, batch: int, seq: int, prompt: int) -> str:
     if fixed > budget or not fits(1, 2, 1):
-        return (
-            f"the weights and the CUDA reserve alone need {human(fixed)} of {human(budget)}: "
-            "use a smaller --dtype (float16), a quantized model, or a GPU with more memory"
-        )
+        # A smaller dtype only where there is one: float16 and bfloat16 are already the smallest.
+        smaller = [f"--dtype {d}" for d in ("float16",) if ITEMSIZE[d] < ITEMSIZE[dtype]]
+        fixes = ", ".join([*smaller, "a smaller or quantized model", "or a GPU with more memory"])
+        return f"the weights and the CUDA reserve alone need {human(fixed)} of {human(budget)}: use {fixes}"
     options = []
     best_seq = _largest(lambda s: fits(batch, s, min(prompt, s)), seq, 2)
     if best_seq:

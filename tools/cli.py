@@ -13,7 +13,7 @@
 
 User errors (bad paths, unsupported models, corrupted artifacts, bad prompts) print one line
 ``kvforge: error: ...`` and exit with status 2; no traceback. ``compare`` exits with 1 when it finds a
-mismatch. The JSON written by ``--json`` is documented in docs/tools.md.
+mismatch, ``plan`` when the plan does not fit its budget. The JSON written by ``--json`` is documented in docs/tools.md.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         gpu_name=name,
     )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else memory_plan.format_plan(plan))
-    return 0
+    return 1 if plan.fits is False else 0  # a script can test the fit: 1 when it does not fit
 
 
 def _add_build(sub: argparse._SubParsersAction) -> None:

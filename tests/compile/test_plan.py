@@ -118,11 +118,19 @@ def test_plan_that_does_not_fit_names_the_limits_to_lower():
     assert "DOES NOT FIT" in mp.format_plan(plan) and plan.advice in mp.format_plan(plan)
 
 
-def test_weights_alone_too_large():
+def test_weights_alone_too_large_never_suggests_the_dtype_in_use():
     plan = mp.make_plan(
         _shape(weights=90 * GIB), source="m", dtype="float16", max_batch=1, max_seq=64, budget_bytes=80 * GIB
     )
-    assert plan.advice.startswith("the weights and the CUDA reserve alone need 90.50 GiB of 80.00 GiB")
+    assert plan.advice == (
+        "the weights and the CUDA reserve alone need 90.50 GiB of 80.00 GiB: "
+        "use a smaller or quantized model, or a GPU with more memory"
+    )
+    for dtype in ("bfloat16", "float16"):  # already the smallest dtype: no --dtype advice
+        plan = mp.make_plan(_shape(), source="m", dtype=dtype, max_batch=1, max_seq=64, budget_bytes=GIB)
+        assert "--dtype" not in plan.advice, plan.advice
+    plan = mp.make_plan(_shape(), source="m", dtype="float32", max_batch=1, max_seq=64, budget_bytes=GIB)
+    assert plan.advice.endswith(": use --dtype float16, a smaller or quantized model, or a GPU with more memory")
 
 
 def test_plan_for_an_artifact_uses_its_dtype_limits_and_weights(llama_onnx_artifact):

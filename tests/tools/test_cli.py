@@ -94,7 +94,7 @@ def test_compile_target_tensorrt_then_plan_and_build(llama_dir, tmp_path, capsys
     plan = json.loads(capsys.readouterr().out)
     assert plan["kv_cache_bytes"] == manifest["kv_cache"]["bytes"] and plan["fits"] is None
     tight = plan["total_bytes"] - plan["kv_cache_bytes"] // 2  # half the cache does not fit
-    assert main(["plan", str(out), "--json", "--gpu-memory", str(tight)]) == 0
+    assert main(["plan", str(out), "--json", "--gpu-memory", str(tight)]) == 1  # does not fit: exit 1
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is False and plan["advice"].startswith("does not fit: lower --max-seq ")
 
@@ -113,6 +113,19 @@ def test_plan_of_a_model_dir_without_a_gpu(llama_dir, capsys):
         assert "give --gpu-memory 70GiB to check a fit" in out
     assert main(["plan", str(llama_dir), "--gpu-memory", "lots"]) == 2
     assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
+
+
+def test_plan_exits_1_when_it_does_not_fit_and_never_suggests_the_dtype_in_use(llama_dir, capsys):
+    assert main(["plan", str(llama_dir), "--gpu-memory", "1GiB"]) == 0  # the tiny model fits
+    assert "budget 1.00 GiB (--gpu-memory): fits" in capsys.readouterr().out
+    # 1 MiB: not even the CUDA reserve fits. float16 (the default) is the smallest dtype already.
+    assert main(["plan", str(llama_dir), "--gpu-memory", "1MiB"]) == 1
+    table = capsys.readouterr().out
+    assert "DOES NOT FIT" in table and "use a smaller or quantized model, or a GPU with more memory" in table
+    assert "--dtype" not in table
+    assert main(["plan", str(llama_dir), "--gpu-memory", "1MiB", "--dtype", "float32", "--json"]) == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False and "use --dtype float16, a smaller or quantized model" in plan["advice"]
 
 
 def test_compile_target_cuda_records_optimization_at_load(llama_dir, tmp_path, capsys):
