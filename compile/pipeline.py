@@ -42,6 +42,7 @@ from kvforge.compile import optimize as optimize_stage
 from kvforge.compile import packing as packing_stage
 from kvforge.compile import parity as parity_stage
 from kvforge.compile import quantize as quantize_stage
+from kvforge.compile import source as source_stage
 from kvforge.compile import tokenizer as tokenizer_stage
 from kvforge.compile.optimize import ORT_SUFFIX
 from kvforge.compile.weights import SharedWeights
@@ -138,9 +139,15 @@ def compile_model(
     trust_remote_code: bool = False,
     full_trace: bool = False,
     pack_tied_lm_head: bool = True,
+    revision: str | None = None,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
+
+    ``model_dir`` is a Hugging Face model directory, a ``.gguf`` file (converted by transformers'
+    GGUF reader; its Q4_0, Q8_0 and Q4_1 blocks are kept as they are, :mod:`kvforge.compile.gguf_exact`)
+    or a Hub id ``ORG/NAME`` that is not a local path (config, tokenizer and safetensors from the
+    Hub or its local cache, at ``revision``; :mod:`kvforge.compile.source`).
 
     Raises :class:`kvforge.compile.load.ModelDirError` for a missing or non-HF directory,
     :class:`kvforge.graphs.architectures.UnsupportedArchitectureError` (listing what is supported),
@@ -185,7 +192,52 @@ def compile_model(
     max_seq = None if max_seq is None else int(max_seq)
     max_prompt = None if max_prompt is None else int(max_prompt)
     say = progress or (lambda _: None)
-    model_dir, out = Path(model_dir), Path(out_dir)
+    out = Path(out_dir)
+    _check_out_dir(out)
+    scratch = out.parent / f".{out.name}.source-kvforge"  # a GGUF file's conversion, removed after
+    with source_stage.resolve(model_dir, revision, scratch, say) as source:
+        return _compile_source(
+            source,
+            out,
+            dtype,
+            max_batch,
+            max_seq,
+            lowering,
+            score_graph,
+            quantize,
+            block_size,
+            optimize,
+            target,
+            max_prompt,
+            gpu_memory,
+            trust_remote_code,
+            full_trace,
+            pack_tied_lm_head,
+            say,
+        )
+
+
+def _compile_source(
+    source: source_stage.Source,
+    out: Path,
+    dtype: str | None,
+    max_batch: int,
+    max_seq: int | None,
+    lowering: str | None,
+    score_graph: bool,
+    quantize: str | None,
+    block_size: int,
+    optimize: bool,
+    target: str,
+    max_prompt: int | None,
+    gpu_memory: str | None,
+    trust_remote_code: bool,
+    full_trace: bool,
+    pack_tied_lm_head: bool,
+    say: Progress,
+) -> mf.Manifest:
+    """:func:`compile_model` on a resolved source (a Hugging Face directory)."""
+    model_dir = source.model_dir
     config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
     spec = load_stage.resolve_spec(config, model_dir, trust_remote_code)
     if not spec.verified:
@@ -234,7 +286,7 @@ def compile_model(
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-hash") as pool:
             source_hashes = pool.submit(lambda: {f.name: mf.sha256_file(f) for f in weight_files})
             try:
-                manifest = _compile_into(model_dir, tmp, options, config, weight_files, say, started, source_hashes)
+                manifest = _compile_into(source, tmp, options, config, weight_files, say, started, source_hashes)
             finally:
                 heap.unfreeze()
         _replace_dir(tmp, out)
@@ -316,7 +368,7 @@ class _Stages:
 
 
 def _compile_into(
-    model_dir: Path,
+    source: source_stage.Source,
     tmp: Path,
     options: CompileOptions,
     config: dict,
@@ -328,7 +380,8 @@ def _compile_into(
     # ORT's CPU provider has no bfloat16 kernels, so it cannot optimize (or run) such graphs.
     optimize = options.optimize and options.dtype != "bfloat16"
     torch_dtype = load_stage.DTYPES[options.dtype]
-    stages = _Stages(say, started, 6 + optimize + bool(options.quantize))
+    model_dir = source.model_dir
+    stages = _Stages(say, started, 6 + optimize + bool(options.quantize) + bool(source.gguf))
     names = [g for g in contract.GRAPHS if g != "score" or options.score_graph]
 
     heap.freeze_survivors()  # the libraries imported so far: loading's collections skip them
@@ -361,11 +414,13 @@ def _compile_into(
     del loaded
     heap.unfreeze()  # the model's cycles must be collectable again
     gc.collect()
+    kept = _keep_gguf_blocks(source, general, options, stages, str(times))  # before packing: it packs its own
     packing_stage.pack_projections({GENERAL: general})  # q/k/v and gate/up: one MatMul each, stored packed
     if options.quantize:
         stages.end(str(times))
         stages.start("quantize", f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size})")
-        general = quantize_stage.quantize({GENERAL: general}, options.quantize, options.block_size)[GENERAL]
+        exclude = kept.exclude if kept else []
+        general = quantize_stage.quantize({GENERAL: general}, options.quantize, options.block_size, exclude)[GENERAL]
         stages.start("write", "writing one shared weights file and deriving the graphs")
     else:
         stages.end(str(times))
@@ -403,7 +458,7 @@ def _compile_into(
     stages.start("parity", "checking parity against transformers")
     run_file = optimized.get("prefill", "prefill.onnx")  # what the runtime runs
     parity = parity_stage.measure(tmp, run_file, reference, dims, torch_dtype)
-    if not loaded_spec.verified and not options.quantize:
+    if not loaded_spec.verified and not options.quantize and not (kept and kept.nodes):
         problem = parity_stage.failure(parity, options.dtype)
         if problem:
             raise UnsupportedArchitectureError(
@@ -414,10 +469,31 @@ def _compile_into(
     stages.start("manifest", "writing manifest")
     report = weights.report()
     files = {"source": source_hashes.result(), report.file: weights.sha256()}
-    manifest = _manifest(model_dir, tmp, options, config, files, dims, report.file, tok, parity, optimized)
+    manifest = _manifest(source, tmp, options, config, files, dims, report.file, tok, parity, optimized, kept)
     mf.write(manifest, tmp)
     stages.end()
     return manifest
+
+
+def _keep_gguf_blocks(
+    source: source_stage.Source, general: ir.Model, options: CompileOptions, stages: _Stages, export_details: str
+):
+    """A GGUF source: its Q4_0/Q8_0/Q4_1 projections onto their own blocks (:mod:`kvforge.compile.gguf_exact`);
+    returns the pass's report, or None (not a GGUF source, or not float32: nothing rewritten)."""
+    if source.gguf is None:
+        return None
+    from kvforge.compile import gguf, gguf_exact
+
+    stages.end(export_details)
+    if options.dtype != "float32":
+        stages.start(
+            "gguf", f"GGUF blocks are kept in float32 graphs only: {options.dtype} reads all weights as floats"
+        )
+        return None
+    stages.start("gguf", f"keeping the Q4_0/Q8_0/Q4_1 blocks of {source.gguf.name} (MatMulNBits, no requantization)")
+    report = gguf_exact.keep_gguf_blocks(general, gguf.GGUFBlocks(source.gguf))
+    stages.end(report.summary())
+    return report
 
 
 def _reference(
@@ -468,7 +544,7 @@ def _io(path: Path) -> tuple[list[mf.TensorSpec], list[mf.TensorSpec]]:
 
 
 def _manifest(
-    model_dir: Path,
+    source: source_stage.Source,
     tmp: Path,
     options: CompileOptions,
     config: dict,
@@ -478,6 +554,7 @@ def _manifest(
     tok: dict,
     parity: dict,
     optimized: dict[str, str],
+    kept,
 ) -> mf.Manifest:
     import onnxruntime
     import torch
@@ -505,10 +582,11 @@ def _manifest(
         kvforge_version=mf.kvforge_version(),
         created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         source={
-            "path": str(model_dir.resolve()),
-            "config_sha256": mf.sha256_file(model_dir / "config.json"),
+            "path": str((source.gguf or source.model_dir).resolve()),
+            "config_sha256": mf.sha256_file(source.model_dir / "config.json"),
             "weights": hashes["source"],
             **({"trust_remote_code": True} if options.trust_remote_code else {}),
+            **source.record,
         },
         model=mf.ModelDims(
             architecture=load_stage.architecture_of(config),
@@ -541,9 +619,16 @@ def _manifest(
             "opset": str(export_stage.OPSET),
         },
         parity=parity,
-        quantization=None
-        if not options.quantize
-        else {
+        quantization=_quantization(options, source, kept),
+        ort_optimization=_ort_optimization(options, optimized),
+        target=options.target,
+    )
+
+
+def _quantization(options: CompileOptions, source: source_stage.Source, kept) -> dict | None:
+    record = None
+    if options.quantize:
+        record = {
             "scheme": options.quantize,
             "block_size": options.block_size,
             "op": "com.microsoft.MatMulNBits",
@@ -551,10 +636,11 @@ def _manifest(
             "accuracy_level": 4,
             "lm_head": "quantized",
             "embedding": options.dtype,
-        },
-        ort_optimization=_ort_optimization(options, optimized),
-        target=options.target,
-    )
+        }
+    if kept and kept.nodes:
+        record = record or {"scheme": "gguf", "op": "com.microsoft.MatMulNBits", "embedding": options.dtype}
+        record["gguf"] = kept.record(source.gguf.name)
+    return record
 
 
 def _ort_optimization(options: CompileOptions, optimized: dict[str, str]) -> dict | None:

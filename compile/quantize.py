@@ -26,8 +26,11 @@ QUANTIZE_BITS = {"int4": 4, "int8": 8}
 DEFAULT_BLOCK_SIZE = 32
 
 
-def quantize(models: dict[str, ir.Model], scheme: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, ir.Model]:
-    """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8")."""
+def quantize(
+    models: dict[str, ir.Model], scheme: str, block_size: int = DEFAULT_BLOCK_SIZE, exclude: list[str] | None = None
+) -> dict[str, ir.Model]:
+    """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8"), except the
+    nodes named in ``exclude`` (a GGUF Q4_1 projection's block-minimum MatMul: already exact)."""
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_BITS)}")
     if block_size < 16 or block_size & (block_size - 1):
@@ -42,6 +45,7 @@ def quantize(models: dict[str, ir.Model], scheme: str, block_size: int = DEFAULT
             block_size=block_size,
             is_symmetric=True,
             accuracy_level=4,
+            nodes_to_exclude=list(exclude or []),
         )
         quantizer.process()
         out[name] = ir.serde.deserialize_model(quantizer.model.model)

@@ -1,7 +1,7 @@
 """The ``kvforge`` command line: thin subcommands over the public APIs.
 
-    kvforge compile MODEL_DIR -o OUT [--target cpu|cuda|tensorrt] [--dtype D] [--max-batch 4] [--max-seq 512]
-                                     [--max-prompt N] [--lowering gqa|onnx]
+    kvforge compile MODEL_DIR|FILE.gguf|ORG/NAME -o OUT [--revision R] [--target cpu|cuda|tensorrt] [--dtype D]
+                                     [--max-batch 4] [--max-seq 512] [--max-prompt N] [--lowering gqa|onnx]
     kvforge plan MODEL_DIR|OUT [--dtype D] [--max-batch N] [--max-seq N] [--max-prompt N] [--gpu-memory 70GiB] [--json]
     kvforge build OUT [--gpu-memory 70GiB]
     kvforge generate OUT "prompt" [--max-new-tokens 32] [--temperature T --top-p P --seed N --stop S ...]
@@ -26,7 +26,14 @@ from collections.abc import Sequence
 
 def _add_compile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a Hugging Face model directory into prefill + decode graphs")
-    p.add_argument("model_dir", help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument(
+        "model_dir",
+        metavar="MODEL",
+        help="Hugging Face model directory (config.json + *.safetensors), a .gguf file (its Q4_0/Q8_0/Q4_1 blocks "
+        "kept as they are; needs the gguf extra), or a Hub id ORG/NAME that is not a local path (from the Hub "
+        "or its local cache; HF_HUB_OFFLINE=1: the cache only)",
+    )
+    p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     p.add_argument("-o", "--out", required=True, help="output artifact directory")
     p.add_argument(
         "--target",
@@ -132,6 +139,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         full_trace=args.full_trace,
         pack_tied_lm_head=args.pack_tied_lm_head,
+        revision=args.revision,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity
