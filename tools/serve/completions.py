@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kvforge.tools.serve import fields
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import (
     SSE_DONE,
@@ -21,7 +22,6 @@ from kvforge.tools.serve.serving import (
     ModelServer,
     SeqRequest,
     ServingError,
-    check_unsupported,
     choices,
     final_results,
     raise_on_error,
@@ -55,7 +55,7 @@ def _prompts(server: ModelServer, prompt) -> list[tuple[list[int], str]]:
 
 def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
     server.check_model(req.model)
-    check_unsupported({"suffix": req.suffix, "logit_bias": req.logit_bias})
+    fields.check_refused(req)
     if req.best_of is not None and req.best_of != req.n:
         raise ServingError("best_of is not supported (only best_of = n); remove it", param="best_of")
     if req.echo and req.logprobs is not None:
@@ -70,6 +70,8 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
         frequency_penalty=req.frequency_penalty,
         seed=req.seed,
         logprobs=req.logprobs,
+        logit_bias=req.logit_bias,
+        vocab_size=vocab,
     )
     sequences = []
     for i, (ids, _) in enumerate(prompts):
@@ -113,9 +115,8 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
                 stop_reason=result.stop_string,
             )
         )
-    completion = sum(len(r.token_ids) for r in results.values())
     return p.CompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, list(results.values()))
     )
 
 
@@ -126,7 +127,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
         id=p.random_id("cmpl"), created=int(time.time()), model=server.model_name, choices=[]
     )
     offsets = [len(prep.prompt_texts[i // prep.n]) for i in range(len(prep.sequences))]
-    completion = 0
+    finished = []
 
     def chunk(index: int, text: str, **fields) -> str:
         return sse(head.model_copy(update={"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}))
@@ -149,10 +150,10 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
                         yield chunk(index, piece.text, logprobs=logprobs)
                 else:
                     result = event.payload
-                    completion += len(result.token_ids)
+                    finished.append(result)
                     yield chunk(index, "", finish_reason=result.finish_reason, stop_reason=result.stop_string)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, finished)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE
