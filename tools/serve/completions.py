@@ -45,12 +45,15 @@ def _prompts(server: ModelServer, prompt) -> list[tuple[list[int], str]]:
         return [(server.encode(prompt), prompt)]
     if not prompt:
         raise ServingError("prompt is an empty list; send a string or a non-empty list", param="prompt")
-    if all(isinstance(x, int) for x in prompt):
-        ids = [int(x) for x in prompt]
-        return [(ids, server.tokenizer.decode(ids))]
     if all(isinstance(x, str) for x in prompt):
         return [(server.encode(x), x) for x in prompt]
-    return [([int(t) for t in ids], server.tokenizer.decode(list(ids))) for ids in prompt]
+    lists = [prompt] if all(isinstance(x, int) for x in prompt) else prompt
+    vocab = server.engine.vocab_size
+    for i, ids in enumerate(lists):  # before decoding: the tokenizer cannot decode a negative id
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
+    return [([int(t) for t in ids], server.tokenizer.decode(list(ids))) for ids in lists]
 
 
 def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
@@ -75,9 +78,6 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
     )
     sequences = []
     for i, (ids, _) in enumerate(prompts):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ServingError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
         what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         max_tokens = server.check_lengths(ids, req.max_tokens, what=what)
         sequences.extend(choices(req, ids, max_tokens, base))
