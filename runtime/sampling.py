@@ -4,8 +4,12 @@ Input: one row of next-token logits ``[V]`` (float32/float16) per step. Output: 
 plus its log-probability and top alternatives when asked. numpy only (no torch, no transformers).
 
 The processors run in transformers' order (``GenerationMixin._get_logits_processor``), each with
-transformers' arithmetic, in float32 as transformers does after ``logits.to(torch.float32)``:
+transformers' arithmetic, in float32 as transformers does after ``logits.to(torch.float32)``, after
+OpenAI's ``logit_bias``, which vLLM applies first:
 
+0. logit bias (OpenAI's ``logit_bias``; not in transformers): ``logit += bias[id]`` for the biased ids,
+   before any other processor, where vLLM v1's sampler applies it (with min-tokens, before the
+   repetition/frequency/presence penalties and temperature). Applied in greedy mode too.
 1. repetition penalty (``RepetitionPenaltyLogitsProcessor``): for every id in prompt + generated ids,
    ``logit * p`` when the logit is < 0, else ``logit / p``. Applied in greedy mode too.
 2. frequency and presence penalties (not in transformers; OpenAI's definition, as vLLM applies them
@@ -40,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # The sampler divides and multiplies float32 logits by temperature and repetition_penalty: values
 # outside float32's normal range would become 0 or inf there (found by tests/test_fuzz.py).
 F32_TINY = float(np.finfo(np.float32).tiny)
@@ -74,6 +79,33 @@ def _int(name: str, value: object, accepted: str, ok) -> int:
     if not _is_int(value) or not ok(int(value)):
         raise ValueError(f"{name}={_short(value)} is not accepted: {name} must be {accepted}")
     return int(value)
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """``logit_bias`` as ``{token id: bias}``, or a ValueError naming the bad entry. Keys are ints
+    >= 0 or their decimal strings (a JSON object's keys are strings); values finite in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"logit_bias={_short(value)} is not accepted: logit_bias must be a mapping of token id -> bias or None"
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if (_is_int(key) and key >= 0) or (isinstance(key, str) and key.isascii() and key.isdigit()):
+            token = int(key)
+        else:
+            raise ValueError(
+                f"logit_bias has the key {_short(key)}: logit_bias keys must be token ids (ints >= 0, or their "
+                "decimal strings)"
+            )
+        out[token] = _real(
+            f"logit_bias[{token}]",
+            bias,
+            f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (added to the token's logit)",
+            lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+        )
+    return out or None
 
 
 @dataclass(frozen=True)
@@ -147,6 +179,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # same
     seed: int | None = None  # None: fresh entropy per request
     logprobs: int | None = None  # None: off; k in [0, 20]: each token's logprob + top-k alternatives
+    # {token id: bias in [-100, 100]} added to the logits before any other processor; None or {}: off.
+    # Ids are checked against the vocabulary by Sampler (the params do not know its size).
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -199,6 +234,7 @@ class SamplingParams:
                     lambda v: 0 <= v <= MAX_LOGPROBS,
                 ),
             )
+        put("logit_bias", _logit_bias(self.logit_bias))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> SamplingParams:
@@ -278,9 +314,22 @@ class Sampler:
         self._greedy = params.temperature == 0.0
         self._rep = params.repetition_penalty != 1.0
         self._pen = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        self._plain = self._greedy and not self._rep and not self._pen and params.logprobs is None
+        bias = params.logit_bias or {}
+        outside = sorted(t for t in bias if t >= V)
+        if outside:
+            raise ValueError(
+                f"logit_bias has token id {outside[0]} outside the vocabulary [0, {V}); "
+                "use ids of this model's tokenizer"
+            )
+        self._plain = self._greedy and not self._rep and not self._pen and not bias and params.logprobs is None
         if self._plain:
             return  # nothing to count, nothing to scratch: the engine's argmax is the whole job
+        # logit_bias as a dense row, built once: one in-place add per step, no allocation.
+        self._bias: np.ndarray | None = None
+        if bias:
+            self._bias = np.zeros(V, dtype=np.float32)
+            for t, b in bias.items():
+                self._bias[t] = b
         # Penalty state: ids seen in prompt + generated (repetition), counts of generated ids (presence/frequency).
         self._seen = np.zeros(V, dtype=bool)
         self._seen_list: list[int] = []
@@ -302,7 +351,8 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Temperature 0, no penalties, no logprobs: the engine may argmax a whole batch at once (then ``record``)."""
+        """Temperature 0, no penalties, no logit bias, no logprobs: the engine may argmax a whole batch
+        at once (then ``record``)."""
         return self._plain
 
     def record(self, token_id: int) -> None:
@@ -369,11 +419,13 @@ class Sampler:
             raise ValueError(f"logits must be one row of shape ({self.vocab_size},), got {logits.shape}")
 
     def _process(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """Processors 1-7 of the module docstring. Returns ``(None, x[V])`` when greedy, else the kept
+        """Processors 0-7 of the module docstring. Returns ``(None, x[V])`` when greedy, else the kept
         candidate ids (increasing) and their processed float32 logits."""
         p = self.params
         x = self._x
         np.copyto(x, logits, casting="same_kind")
+        if self._bias is not None:
+            np.add(x, self._bias, out=x)
         if self._rep and self._seen_list:
             if self._seen_ids is None:
                 self._seen_ids = np.array(self._seen_list, dtype=np.intp)

@@ -377,6 +377,16 @@ def _(c):
     return raised(lambda: c.engine.generate([[1, 2]], sampling={"temprature": 0.5}))
 
 
+@trigger("sampling-logit-bias")
+def _(c):
+    return raised(lambda: SamplingParams(logit_bias={3: 101}))
+
+
+@trigger("sampling-logit-bias-vocab")
+def _(c):
+    return raised(lambda: c.engine.generate([[1, 2]], sampling={"temperature": 0, "logit_bias": {99999: 1.0}}))
+
+
 @trigger("sampling-type")
 def _(c):
     return raised(lambda: c.engine.generate([[1, 2]], sampling="greedy"))
@@ -575,8 +585,9 @@ def http(llama_chat_artifact, llama_artifact):
     with (
         TestClient(build_app(server, api_key="k")) as client,
         TestClient(build_app(plain)) as plain_client,
+        TestClient(build_app(plain, strict_fields=True)) as strict_client,
     ):
-        yield server, client, plain_client
+        yield server, client, plain_client, strict_client
 
 
 def answer(response, status: int) -> str:
@@ -595,7 +606,8 @@ def _(c, http):
 
 @trigger("http-400-unknown-field")
 def _(c, http):
-    return answer(http[1].post("/v1/completions", json={**BODY, "temprature": 1}, headers=KEY), 400)
+    body = {**BODY, "model": "plain", "temprature": 1}
+    return answer(http[3].post("/v1/completions", json=body), 400)
 
 
 @trigger("http-400-model")
@@ -610,7 +622,28 @@ def _(c, http):
 
 @trigger("http-400-unsupported")
 def _(c, http):
-    return answer(http[1].post("/v1/completions", json={**BODY, "logit_bias": {"1": 2.0}}, headers=KEY), 400)
+    return answer(http[1].post("/v1/completions", json={**BODY, "suffix": "}"}, headers=KEY), 400)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@trigger("http-400-not-yet")
+def _(c, http):
+    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    return answer(http[1].post("/v1/chat/completions", json=body, headers=KEY), 400)
+
+
+@trigger("http-400-text-only")
+def _(c, http):
+    body = {**CHAT, "modalities": ["text", "audio"]}
+    return answer(http[1].post("/v1/chat/completions", json=body, headers=KEY), 400)
+
+
+@trigger("http-400-logit-bias-vocab")
+def _(c, http):
+    body = {**BODY, "logit_bias": {"999999": 1}}
+    return answer(http[1].post("/v1/completions", json=body, headers=KEY), 400)
 
 
 @trigger("http-400-no-template")

@@ -440,6 +440,8 @@ BODY_VALUES = st.one_of(
     st.lists(st.text(max_size=4), max_size=3),
     st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=2),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.dictionaries(st.sampled_from(["0", "5", "99999", "-1", "x"]), st.integers(-150, 150), max_size=2),
+    st.fixed_dictionaries({"type": st.sampled_from(["content", "text"]), "content": st.text(max_size=8)}),
 )
 COMPLETION_FIELDS = [
     "prompt",
@@ -474,6 +476,15 @@ CHAT_FIELDS = [
     "tools",
     "response_format",
     "model",
+    "logit_bias",
+    "prediction",
+    "modalities",
+    "audio",
+    "tool_choice",
+    "function_call",
+    "metadata",
+    "stream_options",
+    "unknown_field",
 ]
 MESSAGES = st.lists(
     st.fixed_dictionaries(

@@ -461,6 +461,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="the model name clients send (default: the artifact dir's name)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse request fields outside OpenAI's schema with HTTP 400 (default: ignore them, log a warning "
+        "and name them in the x-kvforge-ignored-fields response header)",
+    )
     ray = p.add_argument_group("Ray Serve (scale-out)")
     ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine (default 1)")
@@ -484,7 +490,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.ray:
         from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
 
-        settings = ReplicaSettings(args.artifact, args.threads, args.served_model_name, args.max_queue, args.api_key)
+        settings = ReplicaSettings(
+            args.artifact, args.threads, args.served_model_name, args.max_queue, args.api_key, args.strict_fields
+        )
         serve_ray(
             settings,
             replicas=args.replicas,
@@ -498,7 +506,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     server = serving.ModelServer.load(
         args.artifact, threads=args.threads, model_name=args.served_model_name, max_queue=args.max_queue
     )
-    runner.serve_local(server, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    runner.serve_local(
+        server,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        log_level=args.log_level,
+        strict_fields=args.strict_fields,
+    )
     return 0
 
 

@@ -13,13 +13,20 @@ standard errors and excluded tokens are never drawn; (5) logprobs are the raw lo
 reference, 1e-5) with the k most likely alternatives; (6) GenerationDefaults.from_artifact reads
 generation_config.json as transformers' GenerationConfig + generate's global defaults; (7) each invalid
 parameter raises ValueError naming the parameter, the value and what is accepted, and unknown keys in
-``from_dict`` and bad generation_config.json values are refused by name.
+``from_dict`` and bad generation_config.json values are refused by name; (8) ``logit_bias`` adds its
+bias before every other processor, as transformers' ``SequenceBiasLogitsProcessor`` (first in its
+order, as in vLLM's sampler) does: same distributions alone and with penalties and warpers; +100
+forces and -100 forbids a token under greedy decoding; a biased greedy sampler is not "plain
+greedy", allocates nothing per step, and ids outside the vocabulary or biases outside [-100, 100]
+are refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import tracemalloc
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -51,6 +58,7 @@ def hf_distribution(params: SamplingParams, logits: np.ndarray, prompt: list[int
         top_p=params.top_p,
         min_p=params.min_p if params.min_p > 0 else None,
         repetition_penalty=params.repetition_penalty,
+        sequence_bias={(t,): b for t, b in params.logit_bias.items()} if params.logit_bias else None,
     )
     processors = _Processors()._get_logits_processor(
         generation_config=cfg, input_ids_seq_length=len(prompt), device="cpu"
@@ -113,6 +121,16 @@ CASES = {
         frequency_penalty=0.3,
     ),
     "all_top_p_before_min_p": dict(temperature=1.3, top_k=0, top_p=0.7, min_p=0.2, repetition_penalty=0.9),
+    "logit_bias": dict(temperature=1.0, logit_bias={3: 5.0, 7: -30.0, 11: 2.5, 500: -3}),
+    "logit_bias_all": dict(
+        temperature=0.8,
+        top_k=30,
+        top_p=0.9,
+        repetition_penalty=1.3,  # the bias first, then the penalties (vLLM and transformers agree)
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        logit_bias={"20": 4.0, 21: -4.0, 22: 30},
+    ),
 }
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
 
@@ -196,7 +214,12 @@ def test_greedy_is_argmax_of_penalised_logits_lowest_id_on_ties():
 def test_plain_greedy_only_without_penalties_and_logprobs():
     base = dict(temperature=0.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
     assert Sampler(SamplingParams(**base), [], V).plain_greedy
-    for extra in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=0.1)):
+    for extra in (
+        dict(repetition_penalty=1.1),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.1),
+        dict(logit_bias={1: 0.5}),
+    ):
         assert not Sampler(SamplingParams(**{**base, **extra}), [], V).plain_greedy, extra
     assert not Sampler(SamplingParams(**base, logprobs=0), [], V).plain_greedy
     assert not Sampler(SamplingParams(**{**base, "temperature": 0.5}), [], V).plain_greedy
@@ -391,3 +414,85 @@ def test_from_dict_refuses_unknown_keys():
         SamplingParams.from_dict({"top_p": 2})
     with pytest.raises(ValueError, match="must be a mapping"):
         SamplingParams.from_dict([("temperature", 1.0)])
+
+
+# ------------------------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_forces_and_forbids_under_greedy():
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    top = int(np.argmax(logits))
+    greedy = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+    forced = Sampler(SamplingParams(**greedy, logit_bias={5: 100}), [], V)
+    forbidden = Sampler(SamplingParams(**greedy, logit_bias={top: -100}), [], V)
+    assert not forced.plain_greedy and not forbidden.plain_greedy
+    second = int(np.argsort(logits)[-2])
+    for _ in range(3):  # the bias holds at every step
+        assert forced(logits) == 5
+        assert forbidden(logits) == second
+    # Sampling too: a -100 token is never drawn, a +100 one always.
+    sampled = dict(greedy, temperature=1.0)
+    s = Sampler(SamplingParams(**sampled, logit_bias={top: -100}, seed=1), [], V)
+    assert top not in {s(logits) for _ in range(200)}
+    s = Sampler(SamplingParams(**sampled, logit_bias={9: 100}, seed=1), [], V)
+    assert {s(logits) for _ in range(50)} == {9}
+
+
+def test_logit_bias_keeps_logprobs_raw():
+    """Logprobs stay those of the model's raw distribution (vLLM's raw_logprobs), bias excluded."""
+    logits = np.linspace(-2, 2, V).astype(np.float32)
+    params = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, logprobs=1)
+    s = Sampler(replace(params, logit_bias={0: 100}), [], V)
+    assert s(logits) == 0
+    raw = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    assert abs(s.logprobs[0].logprob - raw[0]) < 1e-5 and s.logprobs[0].top[0][0] == V - 1
+
+
+def test_biased_greedy_step_allocates_nothing():
+    """A greedy row with a bias adds its dense bias row in place on the sampler's scratch row: a
+    step allocates no array (tracemalloc sees numpy's allocations)."""
+    n_vocab = 32768
+    logits = np.random.default_rng(0).standard_normal(n_vocab).astype(np.float32)
+    greedy = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+    s = Sampler(SamplingParams(**greedy, logit_bias={1: 100.0, 2: -50.0}), [], n_vocab)
+    s(logits)  # warm-up
+    tracemalloc.start()
+    try:
+        for _ in range(20):
+            assert s(logits) == 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4096, f"a biased greedy step allocated {peak} bytes (a logits row is {n_vocab * 4})"
+
+
+BAD_BIAS = [
+    ({"x": 1.0}, "logit_bias has the key 'x'", "token ids"),
+    ({-1: 1.0}, "logit_bias has the key -1", "token ids"),
+    ({True: 1.0}, "logit_bias has the key True", "token ids"),
+    ({"1.5": 1.0}, "logit_bias has the key '1.5'", "token ids"),
+    ({3: 100.5}, "logit_bias[3]=100.5", "in [-100, 100]"),
+    ({3: -101}, "logit_bias[3]=-101", "in [-100, 100]"),
+    ({3: math.nan}, "logit_bias[3]=nan", "in [-100, 100]"),
+    ({3: "5"}, "logit_bias[3]='5'", "in [-100, 100]"),
+    ([(3, 1.0)], "logit_bias=[(3, 1.0)]", "a mapping of token id -> bias"),
+]
+
+
+@pytest.mark.parametrize(("bias", "named", "accepted"), BAD_BIAS, ids=[b[1] for b in BAD_BIAS])
+def test_logit_bias_refused_by_name(bias, named, accepted):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(logit_bias=bias)
+    assert named in str(e.value) and accepted in str(e.value), str(e.value)
+
+
+def test_logit_bias_normalised_and_checked_against_the_vocabulary():
+    p = SamplingParams(logit_bias={"7": 1, np.int64(8): np.float32(-2.5)})
+    assert p.logit_bias == {7: 1.0, 8: -2.5} and isinstance(p.logit_bias[7], float)
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams.from_dict({"logit_bias": {"3": 5}}).logit_bias == {3: 5.0}  # JSON keys are strings
+    hash(p)  # still hashable (the bias is compared, not hashed)
+    resolved = p.resolve(GenerationDefaults())
+    with pytest.raises(ValueError, match=rf"logit_bias has token id {V} outside the vocabulary \[0, {V}\)"):
+        Sampler(replace(resolved, logit_bias={V: 1.0, 2: 1.0}), [], V)

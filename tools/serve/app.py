@@ -6,9 +6,15 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
 ``/v1`` routes need ``Authorization: Bearer KEY`` when an ``api_key`` is set. Every error is
 OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input
-(malformed JSON, unknown model or field, invalid value, too long a prompt), 401 for a missing or
+(malformed JSON, unknown model, invalid value, a field value kvforge cannot honour, too long a
+prompt, and fields outside OpenAI's schema when ``strict_fields``), 401 for a missing or
 wrong key, 404/405 for unknown routes, 429 when the queue is full, 503 while draining, 500 when the
 runtime fails. Every response carries ``x-kvforge-replica`` (which process or Ray replica answered).
+
+Fields outside OpenAI's schema are ignored, logged (a warning) and named in the response header
+``x-kvforge-ignored-fields``; ``strict_fields=True`` (``kvforge serve --strict-fields``) refuses
+them with a 400 instead. OpenAI fields with no meaning here are accepted and counted
+(:mod:`.fields`).
 
 A client that goes away is noticed while its request runs: the request's task is cancelled
 (``listen_for_disconnect``) and its sequences are cancelled in the scheduler, which frees their
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -31,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvforge.tools.serve import chat, completions
+from kvforge.tools.serve import chat, completions, fields
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import ModelServer, ServingError
 
@@ -39,6 +46,7 @@ REPLICA_HEADER = "x-kvforge-replica"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 T = TypeVar("T")
+log = logging.getLogger("kvforge.serve")
 
 
 def error_response(error: ServingError) -> JSONResponse:
@@ -56,9 +64,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return (f"the request body is not valid JSON ({ctx}); send a JSON object", None)
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
-        if kind == "extra_forbidden":
-            parts.append(f"unknown field '{where}': remove it (see the OpenAI API reference for this route)")
-        elif kind == "missing":
+        if kind == "missing":
             parts.append(f"field '{where}' is required")
         else:
             parts.append(f"field '{where}': {err.get('msg')} (got {err.get('input')!r})")
@@ -105,9 +111,18 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return await task  # CancelledError after a disconnect: nobody reads the answer
 
 
-def build_app(server: ModelServer, *, api_key: str | None = None, owns_server: bool = True) -> FastAPI:
+def _header_value(names: list[str], limit: int = 20) -> str:
+    """Field names for a response header: ASCII, control characters escaped, at most ``limit``."""
+    shown = [ascii(name)[1:-1] for name in names[:limit]]
+    return ", ".join(shown) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def build_app(
+    server: ModelServer, *, api_key: str | None = None, owns_server: bool = True, strict_fields: bool = False
+) -> FastAPI:
     """The OpenAI-compatible app over ``server``. ``api_key``: required bearer token on /v1 routes.
-    ``owns_server``: close the server when the app shuts down (uvicorn or Ray Serve lifespan)."""
+    ``owns_server``: close the server when the app shuts down (uvicorn or Ray Serve lifespan).
+    ``strict_fields``: refuse fields outside OpenAI's schema (400) instead of ignoring them."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,16 +169,31 @@ def build_app(server: ModelServer, *, api_key: str | None = None, owns_server: b
         return p.ModelList(data=[p.ModelCard(id=server.model_name, max_model_len=server.max_seq)])
 
     async def respond(request: Request, handler, body: Any) -> Response:
+        unknown = fields.unknown_fields(body)
+        if unknown and strict_fields:
+            raise fields.strict_refusal(unknown)
         prep = handler.prepare(server, body)
+        headers = {}
+        if unknown:
+            headers[fields.IGNORED_HEADER] = _header_value(unknown)
+            log.warning(
+                "%s: ignored field(s) outside OpenAI's schema: %s (kvforge serve --strict-fields refuses them)",
+                request.url.path,
+                headers[fields.IGNORED_HEADER],
+            )
+            server.metrics.unknown_fields.inc(len(unknown))
+        for name in fields.ignored_fields(body):
+            server.metrics.ignored_fields.labels(field=name).inc()
         server.admit(len(prep.sequences))
         flight = server.start(prep.sequences)
         if body.stream:
-            return StreamingResponse(handler.stream(server, body, prep, flight), media_type="text/event-stream")
+            stream = handler.stream(server, body, prep, flight)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         try:
             response = await _until_disconnected(request, handler.full(server, body, prep, flight))
         finally:
             flight.cancel()  # a no-op once finished; frees the rows of a client that left
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=headers)
 
     @app.post("/v1/completions", dependencies=v1)
     async def create_completion(body: p.CompletionRequest, request: Request) -> Response:

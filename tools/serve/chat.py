@@ -4,7 +4,10 @@ The messages are rendered with the artifact's chat template exactly as transform
 ``apply_chat_template(..., add_generation_prompt=True)`` does (the runtime's ``ChatTemplate``), then
 encoded without special tokens (as ``apply_chat_template(tokenize=True)`` does). ``max_tokens``
 (or ``max_completion_tokens``) defaults to the rest of the model's context. ``logprobs: true`` with
-``top_logprobs: k`` returns each token's logprob and k alternatives.
+``top_logprobs: k`` returns each token's logprob and k alternatives. ``logit_bias`` maps to the
+runtime's ``SamplingParams.logit_bias``. ``prediction`` (predicted outputs) is tokenized like the
+answer would be (no special tokens) and handed to the runtime by :func:`.serving.with_prediction`;
+``usage.completion_tokens_details`` reports the accepted and rejected prediction tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvforge.runtime.chat import ChatTemplateError
+from kvforge.tools.serve import fields
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import (
     SSE_DONE,
@@ -22,13 +26,13 @@ from kvforge.tools.serve.serving import (
     ModelServer,
     SeqRequest,
     ServingError,
-    check_unsupported,
     choices,
     final_results,
     raise_on_error,
     sampling_params,
     sse,
     usage,
+    with_prediction,
 )
 
 
@@ -54,15 +58,17 @@ def _content(message: p.ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
+def _prediction_text(prediction: p.PredictionContent | None) -> str:
+    if prediction is None:
+        return ""
+    if isinstance(prediction.content, str):
+        return prediction.content
+    return "".join(part.text for part in prediction.content)
+
+
 def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     server.check_model(req.model)
-    check_unsupported({"logit_bias": req.logit_bias, "tools": req.tools})
-    if req.tool_choice not in (None, "none"):
-        raise ServingError("tool_choice is not supported (this server has no tools); remove it", param="tool_choice")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise ServingError(
-            "response_format other than {'type': 'text'} is not supported; remove it", param="response_format"
-        )
+    fields.check_refused(req)
     if not req.messages:
         raise ServingError("messages is empty; send at least one message", param="messages")
     if server.chat_template is None:
@@ -90,7 +96,10 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         frequency_penalty=req.frequency_penalty,
         seed=req.seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        logit_bias=req.logit_bias,
+        vocab_size=server.engine.vocab_size,
     )
+    base = with_prediction(base, server.encode(_prediction_text(req.prediction), special=False))
     return Prepared(choices(req, ids, max_tokens, base), len(ids))
 
 
@@ -122,9 +131,8 @@ async def full(
         )
         for i in range(len(prep.sequences))
     ]
-    completion = sum(len(r.token_ids) for r in results.values())
     return p.ChatCompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, list(results.values()))
     )
 
 
@@ -141,7 +149,7 @@ async def stream(
         choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
         return sse(head.model_copy(update={"choices": [choice]}))
 
-    completion = 0
+    finished = []
     try:
         for index in range(len(prep.sequences)):
             yield chunk(index, p.DeltaMessage(role="assistant", content=""))
@@ -155,7 +163,7 @@ async def stream(
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
                     result = event.payload
-                    completion += len(result.token_ids)
+                    finished.append(result)
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
@@ -163,7 +171,7 @@ async def stream(
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, finished)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

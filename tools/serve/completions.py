@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kvforge.tools.serve import fields
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import (
     SSE_DONE,
@@ -21,7 +22,6 @@ from kvforge.tools.serve.serving import (
     ModelServer,
     SeqRequest,
     ServingError,
-    check_unsupported,
     choices,
     final_results,
     raise_on_error,
@@ -45,17 +45,20 @@ def _prompts(server: ModelServer, prompt) -> list[tuple[list[int], str]]:
         return [(server.encode(prompt), prompt)]
     if not prompt:
         raise ServingError("prompt is an empty list; send a string or a non-empty list", param="prompt")
-    if all(isinstance(x, int) for x in prompt):
-        ids = [int(x) for x in prompt]
-        return [(ids, server.tokenizer.decode(ids))]
     if all(isinstance(x, str) for x in prompt):
         return [(server.encode(x), x) for x in prompt]
-    return [([int(t) for t in ids], server.tokenizer.decode(list(ids))) for ids in prompt]
+    lists = [prompt] if all(isinstance(x, int) for x in prompt) else prompt
+    vocab = server.engine.vocab_size
+    for i, ids in enumerate(lists):  # before decoding: the tokenizer cannot decode a negative id
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
+    return [([int(t) for t in ids], server.tokenizer.decode(list(ids))) for ids in lists]
 
 
 def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
     server.check_model(req.model)
-    check_unsupported({"suffix": req.suffix, "logit_bias": req.logit_bias})
+    fields.check_refused(req)
     if req.best_of is not None and req.best_of != req.n:
         raise ServingError("best_of is not supported (only best_of = n); remove it", param="best_of")
     if req.echo and req.logprobs is not None:
@@ -70,12 +73,11 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
         frequency_penalty=req.frequency_penalty,
         seed=req.seed,
         logprobs=req.logprobs,
+        logit_bias=req.logit_bias,
+        vocab_size=vocab,
     )
     sequences = []
     for i, (ids, _) in enumerate(prompts):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ServingError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})", param="prompt")
         what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         max_tokens = server.check_lengths(ids, req.max_tokens, what=what)
         sequences.extend(choices(req, ids, max_tokens, base))
@@ -113,9 +115,8 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
                 stop_reason=result.stop_string,
             )
         )
-    completion = sum(len(r.token_ids) for r in results.values())
     return p.CompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, list(results.values()))
     )
 
 
@@ -126,7 +127,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
         id=p.random_id("cmpl"), created=int(time.time()), model=server.model_name, choices=[]
     )
     offsets = [len(prep.prompt_texts[i // prep.n]) for i in range(len(prep.sequences))]
-    completion = 0
+    finished = []
 
     def chunk(index: int, text: str, **fields) -> str:
         return sse(head.model_copy(update={"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}))
@@ -149,10 +150,10 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
                         yield chunk(index, piece.text, logprobs=logprobs)
                 else:
                     result = event.payload
-                    completion += len(result.token_ids)
+                    finished.append(result)
                     yield chunk(index, "", finish_reason=result.finish_reason, stop_reason=result.stop_string)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, finished)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

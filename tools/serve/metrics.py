@@ -13,6 +13,10 @@ seconds, ``_total`` counters):
 - ``kvforge_sequences_finished_total{reason}``: sequences ended, by finish reason (stop, length,
   cancelled: a client that left)
 - ``kvforge_prompt_tokens_total``, ``kvforge_generation_tokens_total``: tokens in and out
+- ``kvforge_ignored_fields_total{field}``: served requests that set an OpenAI field the server
+  ignores (:data:`kvforge.tools.serve.fields.IGNORED`), by field
+- ``kvforge_unknown_fields_total``: fields outside OpenAI's schema in served requests (ignored and
+  named in ``x-kvforge-ignored-fields``; no label: their names are the clients' choice)
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ class ServeMetrics:
         )
         self.prompt_tokens = Counter("kvforge_prompt_tokens", "prompt tokens submitted", registry=r)
         self.generation_tokens = Counter("kvforge_generation_tokens", "tokens generated", registry=r)
+        self.ignored_fields = Counter(
+            "kvforge_ignored_fields", "requests that set an OpenAI field the server ignores", ["field"], registry=r
+        )
+        self.unknown_fields = Counter(
+            "kvforge_unknown_fields", "fields outside OpenAI's schema, ignored (named in a header)", registry=r
+        )
         r.register(_SchedulerCollector(server))
 
     def render(self) -> tuple[bytes, str]:

@@ -2,10 +2,15 @@
 
 The shapes follow OpenAI's API reference (and vLLM's ``entrypoints/openai/protocol.py``) for the
 routes kvforge serves: ``/v1/completions``, ``/v1/chat/completions`` (whole and streamed),
-``/v1/models`` and the error object. Requests reject unknown fields (a typo should not be
-silently ignored); fields OpenAI defines that kvforge cannot honour (``logit_bias``, ``tools``,
-``suffix``, ...) are accepted by the schema and refused with a 400 naming them by the serving layer,
-so the message can say what to change.
+``/v1/models`` and the error object. The request models declare every field of the ``openai``
+package's ``completion_create_params`` (tests/tools/test_serve_fields.py derives the list from its
+TypedDicts, so a new client version's fields are noticed); the response models are field for field
+the package's ``Completion``, ``ChatCompletion`` and chunk types, plus vLLM's ``stop_reason`` and
+``max_model_len``.
+
+What the server does with each request field (implemented, ignored, refused unless a no-op value)
+is :mod:`kvforge.tools.serve.fields`'s job; fields outside the schema land in ``model_extra``,
+which that module reports (a warning and a response header) or refuses (``--strict-fields``).
 
 Nothing here knows about the engine: :mod:`kvforge.tools.serve.serving` maps these to the
 scheduler.
@@ -14,21 +19,42 @@ scheduler.
 from __future__ import annotations
 
 import time
+import typing
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 # ---------------------------------------------------------------------------------------- common
 
 
 class RequestModel(BaseModel):
-    """Request bodies: unknown fields are errors (``extra="forbid"``), and types are strict
-    (``strict=True``): an integer field refuses ``2.5``, ``2.0``, ``"2"`` and ``true``; token ids
-    must be JSON integers (``[1.0, 2.0]`` and ``[true]`` are refused, not read as ids 1, 2 and 1).
-    A float field still takes a JSON integer (``"temperature": 1``)."""
+    """Request bodies. Types are strict (``strict=True``): an integer field refuses ``2.5``,
+    ``2.0``, ``"2"`` and ``true``; token ids must be JSON integers (``[1.0, 2.0]`` and ``[true]``
+    are refused, not read as ids 1, 2 and 1). A float field still takes a JSON integer
+    (``"temperature": 1``). A JSON ``null`` for a field whose type here has no ``None`` means its
+    default (``"n": null`` is ``n = 1``: OpenAI's schema makes every such field nullable). Fields
+    outside the schema are kept in ``model_extra`` (``extra="allow"``) for :mod:`.fields` to report
+    or refuse."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        declared = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if not (v is None and k in declared and not declared[k].is_required() and not _nullable(declared[k]))
+        }
+
+
+def _nullable(field: FieldInfo) -> bool:
+    return type(None) in typing.get_args(field.annotation)
 
 
 class ResponseModel(BaseModel):
@@ -41,12 +67,22 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(RequestModel):
     include_usage: bool = False  # a last chunk with `usage` and no choices, before [DONE]
+    include_obfuscation: bool | None = None  # ignored: no obfuscation padding on a local server
+
+
+class CompletionTokensDetails(ResponseModel):
+    # Predicted outputs (chat's ``prediction``): draft tokens the verify step kept / dropped.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
 
 
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ErrorInfo(ResponseModel):
@@ -85,7 +121,7 @@ class CompletionRequest(RequestModel):
     best_of: int | None = None
     echo: bool = False
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     logprobs: int | None = None
     max_tokens: int | None = 16
     n: int = 1
@@ -97,7 +133,7 @@ class CompletionRequest(RequestModel):
     suffix: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    user: str | None = None
+    user: str | None = None  # ignored
 
 
 class CompletionLogProbs(ResponseModel):
@@ -147,29 +183,60 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class PredictionContent(RequestModel):
+    """Predicted outputs: text the answer is expected to repeat (e.g. the code being edited),
+    a draft the runtime may verify instead of generating token by token."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatCompletionRequest(RequestModel):
     # https://platform.openai.com/docs/api-reference/chat/create
+    # Fields the server ignores are typed loosely (str, not OpenAI's current enum), so a value
+    # added by a newer API version is still accepted.
     messages: list[ChatMessage]
     model: str
+    audio: dict[str, Any] | None = None  # refused: text output only
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    function_call: str | dict[str, Any] | None = None  # deprecated tools: "none" only
+    functions: list[dict[str, Any]] | None = None  # deprecated tools: [] only
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     logprobs: bool = False
     top_logprobs: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None  # ["text"] only
+    moderation: dict[str, Any] | None = None
     n: int = 1
+    parallel_tool_calls: bool | None = None
+    prediction: PredictionContent | None = None
     presence_penalty: float = 0.0
-    response_format: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    reasoning_effort: str | None = None
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only
+    safety_identifier: str | None = None
     seed: int | None = None
+    service_tier: str | None = None
     stop: str | list[str] | None = None
+    store: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None  # [] only
+    tool_choice: str | dict[str, Any] | None = None  # "none" only
     user: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class TopLogprob(ResponseModel):
@@ -190,8 +257,10 @@ class ChatCompletionLogProbs(ResponseModel):
 
 
 class ChatResponseMessage(ResponseModel):
-    role: str = "assistant"
+    role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(ResponseModel):

@@ -43,6 +43,7 @@ class ReplicaSettings:
     model_name: str | None = None
     max_queue: int = 64
     api_key: str | None = None
+    strict_fields: bool = False  # refuse fields outside OpenAI's schema (build_app's strict_fields)
 
 
 @serve.deployment(name="KvforgeServer")
@@ -51,13 +52,13 @@ class KvforgeDeployment:
     def __init__(self, settings: dict) -> None:
         s = ReplicaSettings(**settings)
         replica = serve.get_replica_context().replica_id.unique_id
-        self.api_key = s.api_key
+        self.api_key, self.strict_fields = s.api_key, s.strict_fields
         self.server = ModelServer.load(
             s.artifact, threads=s.threads, model_name=s.model_name, max_queue=s.max_queue, replica_id=replica
         )
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.server, api_key=self.api_key, owns_server=True)
+        return build_app(self.server, api_key=self.api_key, owns_server=True, strict_fields=self.strict_fields)
 
 
 def deploy(

@@ -55,9 +55,11 @@ def serve_local(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    strict_fields: bool = False,
 ) -> None:
-    """Serve ``server`` on ``host:port`` until a signal; closes it on the way out."""
-    app = build_app(server, api_key=api_key, owns_server=True)
+    """Serve ``server`` on ``host:port`` until a signal; closes it on the way out. ``strict_fields``:
+    see :func:`build_app`."""
+    app = build_app(server, api_key=api_key, owns_server=True, strict_fields=strict_fields)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
     try:
         DrainingServer(config, server).run()

@@ -27,9 +27,9 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from kvforge.runtime import Engine
 from kvforge.runtime.chat import ChatTemplate
 from kvforge.runtime.sampling import SamplingParams
 from kvforge.tools.serve.metrics import ServeMetrics
-from kvforge.tools.serve.protocol import UsageInfo
+from kvforge.tools.serve.protocol import CompletionTokensDetails, UsageInfo
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's chat API allows
 SSE_DONE = "data: [DONE]\n\n"
@@ -121,14 +121,18 @@ def sampling_params(
     frequency_penalty: float,
     seed: int | None,
     logprobs: int | None,
+    logit_bias: Mapping[str, float] | None,
+    vocab_size: int,
 ) -> SamplingParams:
     """The runtime's SamplingParams for OpenAI's fields; invalid values -> ServingError 400 naming
-    the field (the runtime's own message says what is accepted)."""
+    the field (the runtime's own message says what is accepted). ``logit_bias`` keys are token ids
+    as JSON strings; an id outside ``[0, vocab_size)`` is a 400 too."""
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ServingError(
             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs", code="invalid_value"
         )
-    fields = dict(
+    values = dict(
+        logit_bias=logit_bias,
         temperature=temperature,
         top_p=top_p,
         presence_penalty=presence_penalty,
@@ -137,11 +141,46 @@ def sampling_params(
         logprobs=logprobs,
     )
     try:
-        return SamplingParams(**fields)
+        params = SamplingParams(**values)
     except ValueError as e:
         message = str(e)
-        param = next((name for name in fields if name in message), None)
+        param = next((name for name in values if name in message), None)
         raise ServingError(message, param=param, code="invalid_value") from e
+    outside = sorted(t for t in params.logit_bias or {} if t >= vocab_size)
+    if outside:
+        raise ServingError(
+            f"logit_bias has token id {outside[0]} outside this model's vocabulary [0, {vocab_size}): use ids of "
+            "the served model's tokenizer",
+            param="logit_bias",
+            code="invalid_value",
+        )
+    return params
+
+
+# Predicted outputs. The server hands the tokenized prediction to the runtime as ONE field,
+# ``SamplingParams.prediction`` (a list of token ids: the draft the speculative verify step checks),
+# and reads the counts back from ``GenerationResult.accepted_prediction_tokens`` and
+# ``.rejected_prediction_tokens``. Where the runtime has neither yet, the draft is dropped and the
+# counts are 0: a prediction changes speed only, never the output.
+PREDICTION_FIELD = "prediction"
+
+
+def with_prediction(params: SamplingParams, draft: Sequence[int]) -> SamplingParams:
+    """``params`` carrying ``draft`` as ``SamplingParams.prediction`` (unchanged when the draft is
+    empty or the runtime has no such field)."""
+    if not draft or PREDICTION_FIELD not in {f.name for f in fields(SamplingParams)}:
+        return params
+    try:
+        return replace(params, **{PREDICTION_FIELD: list(draft)})
+    except ValueError as e:  # the runtime's own check of the draft
+        raise ServingError(str(e), param="prediction", code="invalid_value") from e
+
+
+def prediction_tokens(result: Any) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens of one GenerationResult; (0, 0) when it reports none."""
+    accepted = getattr(result, "accepted_prediction_tokens", None) or 0
+    rejected = getattr(result, "rejected_prediction_tokens", None) or 0
+    return int(accepted), int(rejected)
 
 
 def choices(req: Any, ids: list[int], max_tokens: int, base: SamplingParams) -> list[SeqRequest]:
@@ -165,24 +204,24 @@ async def final_results(flight: Flight) -> dict[int, Any]:
     return results
 
 
-def check_unsupported(values: dict[str, Any]) -> None:
-    """400 for OpenAI fields kvforge cannot honour, when set to anything but their no-op value."""
-    for name, value in values.items():
-        if value:
-            raise ServingError(
-                f"'{name}' is not supported by this server; remove it from the request", param=name, code="unsupported"
-            )
-
-
 def sse(body: BaseModel | dict[str, Any]) -> str:
     """One server-sent event carrying a JSON body."""
     text = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
     return f"data: {text}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, results: Sequence[Any]) -> UsageInfo:
+    """OpenAI's usage for the finished ``results`` (GenerationResults) of one request."""
+    completion = sum(len(r.token_ids) for r in results)
+    counts = [prediction_tokens(r) for r in results]
+    details = CompletionTokensDetails(
+        accepted_prediction_tokens=sum(a for a, _ in counts), rejected_prediction_tokens=sum(r for _, r in counts)
+    )
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        completion_tokens_details=details,
     )
 
 
