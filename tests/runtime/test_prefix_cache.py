@@ -103,9 +103,11 @@ def test_truncated_or_corrupted_file_refused(engine, tmp_path):
 def test_block_of_another_artifact_dtype_or_length_refused(engine, llama_onnx_artifact):
     engine.prefill_rows([PROMPT], [0], first=0)
     block = engine.export_kv(0, PROMPT)
-    with Engine.load(llama_onnx_artifact, prefix_cache=0) as other:
-        with pytest.raises(KVBlockError, match="another artifact .*lowering: block 'gqa', engine 'onnx'"):
-            other.import_kv(block, 0)
+    with (
+        Engine.load(llama_onnx_artifact, prefix_cache=0) as other,
+        pytest.raises(KVBlockError, match="another artifact .*lowering: block 'gqa', engine 'onnx'"),
+    ):
+        other.import_kv(block, 0)
     half = KVBlock({**block.fingerprint, "dtype": "float16"}, 0, block.token_ids, block.data.astype(np.float16))
     with pytest.raises(KVBlockError, match="dtype: block 'float16', engine 'float32'"):
         engine.import_kv(half, 1)
