@@ -450,6 +450,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per engine")
     p.add_argument(
+        "--prefix-cache",
+        default=None,
+        metavar="SIZE",
+        help="host memory for the automatic prefix cache, e.g. 512MiB, 2GB; 0 disables (default 512MiB on CPU)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the artifact dir's name)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -476,7 +482,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.ray:
         from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
 
-        settings = ReplicaSettings(args.artifact, args.threads, args.served_model_name, args.max_queue, args.api_key)
+        settings = ReplicaSettings(
+            args.artifact, args.threads, args.served_model_name, args.max_queue, args.api_key, args.prefix_cache
+        )
         serve_ray(
             settings,
             replicas=args.replicas,
@@ -488,7 +496,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         )
         return 0
     server = serving.ModelServer.load(
-        args.artifact, threads=args.threads, model_name=args.served_model_name, max_queue=args.max_queue
+        args.artifact,
+        threads=args.threads,
+        model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        prefix_cache=args.prefix_cache,
     )
     runner.serve_local(server, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
     return 0

@@ -184,6 +184,7 @@ def build_app(server: ModelServer, *, api_key: str | None = None, owns_server: b
             "queued": queued,
             "running": running,
             "capacity": server.capacity,
+            "prefix_cache": server.prefix_cache_stats(),
         }
         return JSONResponse(body, status_code=503 if server.draining else 200)
 

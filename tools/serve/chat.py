@@ -22,6 +22,7 @@ from kvforge.tools.serve.serving import (
     ModelServer,
     SeqRequest,
     ServingError,
+    cached_tokens,
     check_unsupported,
     choices,
     final_results,
@@ -123,8 +124,9 @@ async def full(
         for i in range(len(prep.sequences))
     ]
     completion = sum(len(r.token_ids) for r in results.values())
+    cached = cached_tokens(results, len(prep.sequences))
     return p.ChatCompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion, cached)
     )
 
 
@@ -141,7 +143,7 @@ async def stream(
         choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
         return sse(head.model_copy(update={"choices": [choice]}))
 
-    completion = 0
+    completion, results = 0, {}
     try:
         for index in range(len(prep.sequences)):
             yield chunk(index, p.DeltaMessage(role="assistant", content=""))
@@ -154,7 +156,7 @@ async def stream(
                     if piece.text or logprobs is not None:
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
-                    result = event.payload
+                    result = results[event.index] = event.payload
                     completion += len(result.token_ids)
                     yield chunk(
                         event.index,
@@ -163,7 +165,8 @@ async def stream(
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+            cached = cached_tokens(results, len(prep.sequences))
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion, cached)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

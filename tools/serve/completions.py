@@ -21,6 +21,7 @@ from kvforge.tools.serve.serving import (
     ModelServer,
     SeqRequest,
     ServingError,
+    cached_tokens,
     check_unsupported,
     choices,
     final_results,
@@ -114,8 +115,9 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
             )
         )
     completion = sum(len(r.token_ids) for r in results.values())
+    cached = cached_tokens(results, prep.n)
     return p.CompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion, cached)
     )
 
 
@@ -126,7 +128,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
         id=p.random_id("cmpl"), created=int(time.time()), model=server.model_name, choices=[]
     )
     offsets = [len(prep.prompt_texts[i // prep.n]) for i in range(len(prep.sequences))]
-    completion = 0
+    completion, results = 0, {}
 
     def chunk(index: int, text: str, **fields) -> str:
         return sse(head.model_copy(update={"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}))
@@ -148,11 +150,12 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
                     if piece.text or logprobs is not None:
                         yield chunk(index, piece.text, logprobs=logprobs)
                 else:
-                    result = event.payload
+                    result = results[index] = event.payload
                     completion += len(result.token_ids)
                     yield chunk(index, "", finish_reason=result.finish_reason, stop_reason=result.stop_string)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+            cached = cached_tokens(results, prep.n)
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion, cached)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

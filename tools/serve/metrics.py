@@ -13,6 +13,20 @@ seconds, ``_total`` counters):
 - ``kvforge_sequences_finished_total{reason}``: sequences ended, by finish reason (stop, length,
   cancelled: a client that left)
 - ``kvforge_prompt_tokens_total``, ``kvforge_generation_tokens_total``: tokens in and out
+- ``kvforge_prompt_tokens_cached_total``: prompt tokens of finished sequences taken from the prefix
+  cache instead of prefilled
+
+The prefix cache's own series (read from the engine's pool at scrape time; absent when it is off),
+with vLLM's meaning of queries and hits (tokens, not requests):
+
+- ``kvforge_prefix_cache_queries_total``: prompt tokens looked up (vLLM ``prefix_cache_queries``)
+- ``kvforge_prefix_cache_hits_total``: of those, found in the cache (vLLM ``prefix_cache_hits``);
+  the hit rate is hits / queries
+- ``kvforge_prefix_cache_requests_total``, ``kvforge_prefix_cache_hit_requests_total``: lookups,
+  and lookups that found at least one block
+- ``kvforge_prefix_cache_evictions_total``: blocks evicted to stay within the budget
+- ``kvforge_prefix_cache_bytes``, ``kvforge_prefix_cache_budget_bytes``,
+  ``kvforge_prefix_cache_blocks``: host memory in use, its budget, blocks held
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from kvforge.tools.serve.serving import ModelServer
@@ -47,6 +61,33 @@ class _SchedulerCollector:
             yield gauge
 
 
+class _PrefixCacheCollector:
+    """The prefix pool's statistics at scrape time (nothing when the engine has no pool)."""
+
+    def __init__(self, server: ModelServer) -> None:
+        self.server = server
+
+    def collect(self):
+        pool = self.server.engine.prefix_pool
+        if pool is None:
+            return
+        s = pool.stats()
+        for name, doc, value in (
+            ("kvforge_prefix_cache_queries", "prompt tokens looked up in the prefix cache", s.queries),
+            ("kvforge_prefix_cache_hits", "prompt tokens found in the prefix cache", s.hits),
+            ("kvforge_prefix_cache_requests", "prefix cache lookups", s.requests),
+            ("kvforge_prefix_cache_hit_requests", "prefix cache lookups that found a block", s.hit_requests),
+            ("kvforge_prefix_cache_evictions", "prefix cache blocks evicted", s.evictions),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("kvforge_prefix_cache_bytes", "host memory held by the prefix cache", s.bytes),
+            ("kvforge_prefix_cache_budget_bytes", "the prefix cache's byte budget", s.budget),
+            ("kvforge_prefix_cache_blocks", "blocks held by the prefix cache", s.blocks),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
 class ServeMetrics:
     def __init__(self, server: ModelServer) -> None:
         self.registry = CollectorRegistry()
@@ -65,7 +106,11 @@ class ServeMetrics:
         )
         self.prompt_tokens = Counter("kvforge_prompt_tokens", "prompt tokens submitted", registry=r)
         self.generation_tokens = Counter("kvforge_generation_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter(
+            "kvforge_prompt_tokens_cached", "prompt tokens taken from the prefix cache", registry=r
+        )
         r.register(_SchedulerCollector(server))
+        r.register(_PrefixCacheCollector(server))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -43,10 +43,15 @@ class StreamOptions(RequestModel):
     include_usage: bool = False  # a last chunk with `usage` and no choices, before [DONE]
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(ResponseModel):

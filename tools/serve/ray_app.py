@@ -43,6 +43,7 @@ class ReplicaSettings:
     model_name: str | None = None
     max_queue: int = 64
     api_key: str | None = None
+    prefix_cache: int | str | None = None  # each replica's own prefix cache (Engine.load's)
 
 
 @serve.deployment(name="KvforgeServer")
@@ -53,7 +54,12 @@ class KvforgeDeployment:
         replica = serve.get_replica_context().replica_id.unique_id
         self.api_key = s.api_key
         self.server = ModelServer.load(
-            s.artifact, threads=s.threads, model_name=s.model_name, max_queue=s.max_queue, replica_id=replica
+            s.artifact,
+            threads=s.threads,
+            model_name=s.model_name,
+            max_queue=s.max_queue,
+            replica_id=replica,
+            prefix_cache=s.prefix_cache,
         )
 
     def __serve_build_asgi_app__(self):
