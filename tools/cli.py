@@ -520,6 +520,13 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft", type=float, default=1000.0, metavar="MS", help="TTFT objective, ms (default 1000)")
     p.add_argument("--slo-tpot", type=float, default=100.0, metavar="MS", help="time per output token, ms (100)")
     p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="WORDS",
+        help="every prompt starts with the same WORDS words (a shared system prompt; default 0)",
+    )
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="bearer token, if the server needs one")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths (default 0)")
@@ -547,6 +554,7 @@ def _run_loadtest(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         seed=args.seed,
         timeout_s=args.timeout,
+        shared_prefix=args.shared_prefix,
     )
     result = loadtest.run_loadtest(args.url, options)
     print(loadtest.format_report(result))
