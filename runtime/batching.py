@@ -17,6 +17,15 @@ One :meth:`BatchLoop.step`:
    plain-greedy rows, the request's own sampler for the others) and emits its chunk;
 4. finished rows are retired at once and the rows compacted (below).
 
+Prefix cache (``engine.prefix_pool``, :mod:`kvforge.runtime.kv.prefix_pool`; None: off). A request
+that starts from an empty row looks up the longest cached prefix of its prompt when it is
+admitted; the blocks found are imported into its row (``Engine.import_kv``, one copy each) and only
+the rest of the prompt, at least its last token, is prefilled. Such a request is prefilled alone
+(the ``filling`` path, ``start > 0``: ORT's GroupQueryAttention continues one row at a time), a
+request without a hit joins the ragged group as before. When a request finishes, the positions its
+row holds (prompt and generated tokens fed back, not the last sampled one) are offered to the
+pool before the row is reused or overwritten by compaction.
+
 Compaction. The decoding requests always sit in the contiguous rows ``[first, first + n)`` (request
 ``i`` in row ``first + i``), the one being filled right after them. A decode step runs on exactly
 those ``n`` rows, so a finished request stops costing decode work at the next step. When a row in
@@ -61,6 +70,7 @@ class BatchLoop:
         self.decoding: list[Generation] = []  # decoding[i] is in cache row first + i
         self.filling: Generation | None = None  # in row first + len(decoding), prompt partly cached
         self._next = np.zeros(engine.max_batch, dtype=np.int64)
+        self.pool = engine.prefix_pool  # automatic prefix caching; None: off
 
     @property
     def idle(self) -> bool:
@@ -113,6 +123,7 @@ class BatchLoop:
             if self.waiting and len(self.decoding) < self.rows:
                 self.filling = self.waiting.popleft()
                 self.filling.admit()
+                self._import_prefix(self.filling, self.first + len(self.decoding))
         if self.filling is not None:
             self._prefill_chunk(self.filling)
 
@@ -123,14 +134,46 @@ class BatchLoop:
         group: list[Generation] = []
         longest = 0
         while self.waiting and len(group) < free:
+            if self._cached_prefix(self.waiting[0]):
+                break  # prefilled alone after its import (see the module docstring)
             need = self.waiting[0].remaining_prompt
             if max(longest, need) * (len(group) + 1) > self.chunk:
                 break
             longest = max(longest, need)
             group.append(self.waiting.popleft())
-        for g in group:
+        for j, g in enumerate(group):
             g.admit()
+            self._import_prefix(g, self.first + len(self.decoding) + j)  # a miss, counted (hits go alone)
         return group
+
+    def _cached_prefix(self, gen: Generation) -> int:
+        """Prompt tokens of ``gen`` the prefix pool holds now (0 when off, or for a session turn
+        that continues its own row)."""
+        if self.pool is None or gen.prefilled > 0:
+            return 0
+        return self.pool.match_length(gen.prompt_ids, limit=len(gen.prompt_ids) - 1)
+
+    def _import_prefix(self, gen: Generation, row: int) -> None:
+        """Import the longest cached prefix of ``gen``'s prompt into ``row`` (its blocks pinned
+        while they are copied); ``gen`` then prefills only the rest."""
+        if self.pool is None or gen.prefilled > 0:
+            return
+        hit = self.pool.acquire(gen.prompt_ids, limit=len(gen.prompt_ids) - 1)
+        try:
+            for block in hit.blocks:
+                self.engine.import_kv(block, row)
+        finally:
+            self.pool.release(hit)
+        gen.prefilled = gen.cached_tokens = hit.tokens
+
+    def _offer(self, gen: Generation, row: int) -> None:
+        """Offer the KV of a finished request's ``row`` to the prefix pool: the positions it
+        holds, prompt and the generated tokens fed back (the last sampled one never was)."""
+        if self.pool is None or gen.error is not None:
+            return
+        ids = [*gen.prompt_ids, *gen.token_ids]
+        ids = ids[: min(int(self.engine.lengths[row]), len(ids) - 1)]
+        self.pool.offer(ids, lambda start, stop: self.engine.export_kv(row, ids[start:stop], start=start))
 
     def _prefill_group(self, group: list[Generation]) -> None:
         first = self.first + len(self.decoding)
@@ -209,6 +252,9 @@ class BatchLoop:
         survivors = sum(not g.done for g in self.decoding)
         if survivors == n:
             return
+        for i, g in enumerate(self.decoding):
+            if g.done:
+                self._offer(g, self.first + i)  # before compaction overwrites the row
         holes = [i for i in range(survivors) if self.decoding[i].done]
         movers = [i for i in range(survivors, n) if not self.decoding[i].done]
         new = list(self.decoding)

@@ -67,6 +67,16 @@ class KVCache:
         if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
             self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
 
+    def read_positions(self, row: int, start: int, stop: int) -> np.ndarray:
+        """Positions ``[start, stop)`` of cache row ``row``, every layer's keys and values, as a new
+        C-contiguous array ``[L, 2, H_kv, stop - start, D]``: one strided copy (a KV block's data)."""
+        return np.ascontiguousarray(self.buffer[:, :, row, :, start:stop])
+
+    def write_positions(self, row: int, start: int, data: np.ndarray) -> None:
+        """Write ``data`` ``[L, 2, H_kv, n, D]`` into positions ``[start, start + n)`` of cache row
+        ``row``: one strided copy (the inverse of :meth:`read_positions`)."""
+        self.buffer[:, :, row, :, start : start + data.shape[3]] = data
+
 
 def zeroed_pages(shape: tuple[int, ...], dtype) -> np.ndarray:
     """A zero-filled C-contiguous array of ``shape`` and ``dtype`` in an anonymous private mapping of

@@ -65,6 +65,7 @@ from kvforge.graphs import manifest as mf
 from kvforge.runtime import backends, batching
 from kvforge.runtime import validate as check
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk, check_max_new_tokens
+from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool, fingerprint, parse_bytes
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
 from kvforge.runtime.stops import StopStrings
@@ -74,6 +75,11 @@ Prompt = str | Sequence[int]
 Sampling = SamplingParams | Mapping | None
 
 __all__ = ["Engine", "GenerationResult", "Prompt", "StreamChunk"]
+
+# The prefix pool's default budget on the CPU: 512 MiB of host memory holds ~11,600 tokens of a
+# 135M-parameter model (30 layers, 3 KV heads of 64, float32: 45 KiB a token), i.e. the system
+# prompt and recent turns of a few dozen conversations, for less memory than the model's weights.
+DEFAULT_PREFIX_CACHE = "512MiB"
 
 
 def _drop_chunk(chunk: StreamChunk | None) -> None:
@@ -119,6 +125,10 @@ class Engine:
         self._lock = threading.RLock()  # one step at a time, whichever thread runs it
         self._session_rows: set[int] = set()
         self._rows_owner: object | None = None  # the scheduler or stream that holds rows [0, k)
+        # KV blocks: what this artifact's KV must match to be imported; the prefix pool the batch
+        # loop reuses prompts from (set by load's prefix_cache; the engine itself never calls it).
+        self.kv_fingerprint = fingerprint(manifest)
+        self.prefix_pool: PrefixPool | None = None
 
     # ---------------------------------------------------------------- loading
 
@@ -136,6 +146,7 @@ class Engine:
         verify: bool = True,
         device: str = "cpu",
         backend: str = "ort",
+        prefix_cache: int | str | None = None,
     ) -> Engine:
         """Load an artifact on ONNX Runtime's CPU provider, or on a GPU.
 
@@ -151,7 +162,11 @@ class Engine:
         through the prefill graph's session, so generation holds one packed copy of the weights;
         ``False`` runs them on the decode graph in a session of its own (a second copy). The
         score graph's session is created on first use of :meth:`score`. ``verify`` checks every
-        file's sha256 against the manifest (sizes are always checked). Raises
+        file's sha256 against the manifest (sizes are always checked).
+
+        ``prefix_cache``: the byte budget of the automatic prefix cache (:mod:`kvforge.runtime.kv`),
+        an int or a string such as ``"512MiB"``; ``0`` disables it. ``None`` (the default) means
+        ``"512MiB"`` on the CPU and off on a GPU (the device caches have no KV export yet). Raises
         :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.
         """
@@ -172,6 +187,12 @@ class Engine:
                 "both must be strings (device 'cpu' or 'cuda', backend 'ort' or 'tensorrt')"
             )
         backends.check_choice(device, backend)
+        budget = parse_bytes(DEFAULT_PREFIX_CACHE if prefix_cache is None and device == "cpu" else prefix_cache or 0)
+        if budget and device == "cuda":
+            raise ValueError(
+                f"prefix_cache={prefix_cache!r}: the prefix cache needs KV export from the cache, which the GPU "
+                "backends do not have yet; pass prefix_cache=0 (or leave it unset) on device='cuda'"
+            )
         root = Path(artifact_dir)
         manifest = mf.read(root, verify=verify)
         if device == "cuda":
@@ -189,7 +210,9 @@ class Engine:
         shared = None if prepack else root / manifest.weights.file
         # Sessions are made on first use (each holds its own packed weights); prefill is used at once.
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=("decode", "score"))
-        return cls(root, manifest, backend, decode_graph="prefill" if one_session else "decode")
+        engine = cls(root, manifest, backend, decode_graph="prefill" if one_session else "decode")
+        engine.prefix_pool = PrefixPool(budget) if budget else None
+        return engine
 
     def _check_graph_io(self, graph: str) -> None:
         """The graph must have exactly the I/O the manifest and the KV contract name (checked once,
@@ -463,6 +486,60 @@ class Engine:
         self.cache.copy_row(src, dst, int(self.lengths[src]))
         self.lengths[dst] = self.lengths[src]
 
+    # ---------------------------------------------------------------- KV blocks
+
+    def export_kv(self, row: int, token_ids: Sequence[int], start: int = 0) -> KVBlock:
+        """Cache row ``row``'s positions ``[start, start + n)`` as a :class:`KVBlock` (``n =
+        len(token_ids)``, the tokens those positions hold, which the caller knows: the engine keeps
+        lengths, not tokens). One strided copy into the block's own contiguous buffer. ValueError
+        when the row does not hold those positions."""
+        ids = check.token_ids("token_ids", token_ids, vocab_size=self.vocab_size)
+        if not hasattr(self.cache, "read_positions"):
+            raise RuntimeError(f"the {self.backend.name} backend's cache has no KV export yet; use the CPU backend")
+        with self._lock:
+            if not (check.is_int(row) and 0 <= row < self.max_batch):
+                raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
+            held = int(self.lengths[row])
+            if start < 0 or start + len(ids) > held:
+                raise ValueError(
+                    f"positions [{start}, {start + len(ids)}) are not in cache row {row}, which holds [0, {held}): "
+                    "export at most the positions a prefill or decode wrote"
+                )
+            data = self.cache.read_positions(row, start, start + len(ids))
+        return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data)
+
+    def import_kv(self, block: KVBlock, row: int) -> None:
+        """Write ``block`` into cache row ``row`` at its positions ``[block.start, block.stop)``
+        (one strided copy) and make the row hold ``[0, block.stop)``. The caller owns the row (a
+        session's, or its batch loop's) and its positions before ``block.start``. Raises
+        :class:`~kvforge.runtime.kv.KVBlockError` for a block of another artifact or dtype, or one
+        that does not fit the row."""
+        block.check_compatible(self.kv_fingerprint)
+        m = self.manifest.model
+        want = (m.num_layers, 2, m.num_kv_heads, block.n, m.head_dim)
+        if block.data.shape != want or block.data.dtype != self.cache.buffer.dtype:
+            raise KVBlockError(
+                f"the KV block's data is {block.data.dtype} {block.data.shape}; this artifact's cache needs "
+                f"{self.cache.buffer.dtype} {want} ([layers, 2, kv heads, positions, head dim])"
+            )
+        if not hasattr(self.cache, "write_positions"):
+            raise RuntimeError(f"the {self.backend.name} backend's cache has no KV import yet; use the CPU backend")
+        with self._lock:
+            if not (check.is_int(row) and 0 <= row < self.max_batch):
+                raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
+            if block.stop > self.max_seq:
+                raise KVBlockError(
+                    f"the KV block holds positions [{block.start}, {block.stop}), longer than a cache row of this "
+                    f"artifact (max_seq={self.max_seq}); recompile with a larger --max-seq"
+                )
+            if block.start > self.lengths[row]:
+                raise ValueError(
+                    f"the KV block starts at position {block.start}, but cache row {row} holds only "
+                    f"[0, {int(self.lengths[row])}): import the blocks before it first"
+                )
+            self.cache.write_positions(row, block.start, block.data)
+            self.lengths[row] = block.stop
+
     @property
     def chunk_tokens(self) -> int:
         """Tokens per prefill call in generation, sessions and the scheduler: ``prefill_chunk``
@@ -668,12 +745,21 @@ class Engine:
         text = self._chat_template.render(list(messages), add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def session(self):
+    def session(self, restore: str | Path | None = None):
         """A :class:`~kvforge.runtime.session.Session`: one conversation kept in one reserved
-        cache row (the highest free one), until ``close()``."""
+        cache row (the highest free one), until ``close()``. ``restore``: a file written by
+        ``Session.save``; the conversation continues from it exactly as if it had never stopped
+        (its KV is imported, nothing is prefilled again)."""
         from kvforge.runtime.session import Session
 
-        return Session(self, self.reserve_row())
+        session = Session(self, self.reserve_row())
+        if restore is not None:
+            try:
+                session.restore(restore)
+            except BaseException:
+                session.close()
+                raise
+        return session
 
     def scheduler(self, prefill_chunk: int | None = None):
         """A :class:`~kvforge.runtime.scheduler.Scheduler` (in-flight batching on a background

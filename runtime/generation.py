@@ -75,6 +75,7 @@ class GenerationResult:
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"); None for eos
     logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
     timing: Timing | None = None
+    cached_tokens: int = 0  # prompt tokens imported from the prefix cache instead of prefilled
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -141,6 +142,7 @@ class Generation:
         self.eos_token_ids = eos_token_ids
         self.max_seq = max_seq
         self.prefilled = start  # prompt tokens already in the cache row
+        self.cached_tokens = 0  # of those, imported from the prefix cache (set by the batch loop)
         self.sink = sink
         self.state = "waiting"
         self.token_ids: list[int] = []
@@ -273,4 +275,5 @@ class Generation:
             stop_string=self.stop_string,
             logprobs=list(self.sampler.logprobs) if self.params.logprobs is not None else None,
             timing=timing,
+            cached_tokens=self.cached_tokens,
         )

@@ -19,11 +19,23 @@ so after ``generate`` the last token is not yet cached). A turn prefills ``token
 chunks of ``Engine.chunk_tokens`` (``start = cached``), which gives the same logits as prefilling
 the whole conversation at once. ``rewind(n)`` only shortens ``tokens`` (and ``cached``): cache
 positions past a row's length are masked and overwritten, never read.
+
+Saved sessions (llama.cpp's slot save/restore). ``save(path)`` writes the cached positions as a
+:class:`~kvforge.runtime.kv.KVBlock` file (one copy out of the row; checksummed) whose header also
+keeps the tokens not yet cached; ``engine.session(restore=path)`` imports it into a new row (one
+copy in) and the conversation continues exactly as if it had never stopped: same tokens, same
+cache contents, so the same logits and the same greedy (or seeded) continuation. A file from
+another artifact, or a truncated or corrupted one, is refused.
+
+Prefix cache. A session's first turn imports the longest cached prefix of its prompt from the
+engine's prefix pool (e.g. a shared system prompt); each turn offers the row's new whole blocks
+to the pool when it ends (see :mod:`kvforge.runtime.batching`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,6 +43,9 @@ import numpy as np
 from kvforge.runtime import validate
 from kvforge.runtime.batching import BatchLoop
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
+from kvforge.runtime.kv import KVBlock, KVBlockError
+
+SESSION_KIND = "kvforge-session"  # a saved session's KVBlock.meta["kind"]
 
 if TYPE_CHECKING:
     from kvforge.runtime.engine import Engine, Prompt, Sampling
@@ -159,6 +174,36 @@ class Session:
         (only what changed since the cached prefix is prefilled) and generate the reply."""
         self.sync(self.engine.chat_prompt(messages))
         return self.generate(max_new_tokens, sampling, stop)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the conversation to ``path``: the KV of its cached tokens and every token (see the
+        module docstring). Returns the path."""
+        self._check_open()
+        with self.engine._lock:
+            block = self.engine.export_kv(self.row, self._tokens[: self._cached])
+        meta = {"kind": SESSION_KIND, "pending_tokens": self._tokens[self._cached :]}
+        return KVBlock(block.fingerprint, 0, block.token_ids, block.data, meta).save(path)
+
+    def restore(self, path: str | Path) -> None:
+        """Replace the conversation with the one :meth:`save` wrote to ``path`` (its KV imported
+        into this session's row). KVBlockError for a file of another artifact, a truncated or
+        corrupted one, or a KV block that is not a saved session."""
+        self._check_open()
+        block = KVBlock.load(path)
+        if block.meta.get("kind") != SESSION_KIND or block.start != 0:
+            raise KVBlockError(
+                f"{path} is a KV block, not a saved session (write one with session.save); "
+                "import a plain block with engine.import_kv"
+            )
+        tokens = [*block.token_ids, *block.meta.get("pending_tokens", [])]
+        if len(tokens) > self.engine.max_seq:
+            raise KVBlockError(
+                f"the saved session holds {len(tokens)} tokens; a cache row of this artifact holds "
+                f"max_seq={self.engine.max_seq}"
+            )
+        with self.engine._lock:
+            self.engine.import_kv(block, self.row)
+        self._tokens, self._cached = tokens, block.n
 
     def close(self) -> None:
         """Give the cache row back to the engine. Idempotent."""

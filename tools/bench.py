@@ -23,6 +23,11 @@ bookkeeping. Each cell runs ``warmup`` untimed times, then ``repeat`` timed time
   the side runs on CUDA, else null;
 * ``kv_cache_bytes``: kvforge's one cache allocation (fixed by the artifact's limits); for
   transformers, the bytes of its cache tensors at the end of the run (B x (P + new_tokens - 1) positions).
+
+``prefix_cache`` (kvforge only; null when the engine's prefix cache is off): for each prompt
+length, one prompt through ``generate`` (one new token) with the cache emptied first (``cold_ttft_ms``)
+and then again (``warm_ttft_ms``: its prefix imported from the cache), the tokens the warm run took
+from the cache, and the pool's hit rate over these runs (prompt tokens found / looked up).
 """
 
 from __future__ import annotations
@@ -267,6 +272,8 @@ def _run_bench(
             ours[p, b], tokens["kvforge", p, b] = _measure(run, options, device, progress, _cell("kvforge", p, b))
             _add_rss_before(ours[p, b], rss_before)
         gpu = _gpu_figures(engine, manifest) if device == "cuda" else None
+        first_rows = [prompts[p, options.batch_sizes[0]][0].tolist() for p in options.prompt_lens]
+        prefix = _prefix_cache_figures(engine, first_rows)
     gc.collect()
 
     theirs: dict[tuple[int, int], dict[str, Any]] = {}
@@ -316,6 +323,35 @@ def _run_bench(
         "environment": {**_environment(device, load_before), "ort_threads": threads},
         "gpu": gpu,
         "cells": results,
+        "prefix_cache": prefix,
+    }
+
+
+def _prefix_cache_figures(engine: Engine, prompts: list[list[int]]) -> dict[str, Any] | None:
+    """TTFT of each prompt through ``generate`` without (cache emptied) and with its prefix cached."""
+    pool = engine.prefix_pool
+    if pool is None:
+        return None
+    before, rows = pool.stats(), []
+    for prompt in prompts:
+        pool.clear()
+        [cold] = engine.generate([prompt], max_new_tokens=1)
+        [warm] = engine.generate([prompt], max_new_tokens=1)
+        rows.append(
+            {
+                "prompt_len": len(prompt),
+                "cold_ttft_ms": cold.timing.ttft_s * 1e3,
+                "warm_ttft_ms": warm.timing.ttft_s * 1e3,
+                "cached_tokens": warm.cached_tokens,
+            }
+        )
+    after = pool.stats()
+    queries, hits = after.queries - before.queries, after.hits - before.hits
+    return {
+        "budget_bytes": after.budget,
+        "block_tokens": after.block_tokens,
+        "hit_rate": hits / queries if queries else None,
+        "rows": rows,
     }
 
 
@@ -420,6 +456,17 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{_fmt(r['e2e_ms'], '8.2f')}x{_fmt(r['rss_peak_bytes'], '12.2f')}x"
                 f"{_fmt(r['rss_added_bytes'], '10.2f')}x{_fmt(r['kv_cache_bytes'], '7.2f')}x"
             )
+    prefix = result.get("prefix_cache")
+    if prefix:
+        budget = _mib(prefix["budget_bytes"])
+        lines += ["", f"prefix cache (budget {budget} MiB, {prefix['block_tokens']}-token blocks):"]
+        for row in prefix["rows"]:
+            lines.append(
+                f"{row['prompt_len']:6d} tokens: TTFT {row['cold_ttft_ms']:.2f} ms cold, {row['warm_ttft_ms']:.2f} ms "
+                f"with {row['cached_tokens']} tokens cached"
+            )
+        rate = _fmt(prefix["hit_rate"], ".1%")
+        lines.append(f"  hit rate {rate} (prompt tokens found / looked up, over the cold and warm runs)")
     if result["reference"]:
         same = all(c.get("greedy_tokens_identical") for c in result["cells"])
         lines += [

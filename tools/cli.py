@@ -458,6 +458,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per engine")
     p.add_argument(
+        "--prefix-cache",
+        default=None,
+        metavar="SIZE",
+        help="host memory for the automatic prefix cache, e.g. 512MiB, 2GB; 0 disables (default 512MiB on CPU)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the artifact dir's name)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -491,7 +497,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
 
         settings = ReplicaSettings(
-            args.artifact, args.threads, args.served_model_name, args.max_queue, args.api_key, args.strict_fields
+            args.artifact,
+            args.threads,
+            args.served_model_name,
+            args.max_queue,
+            args.api_key,
+            args.strict_fields,
+            args.prefix_cache,
         )
         serve_ray(
             settings,
@@ -504,7 +516,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         )
         return 0
     server = serving.ModelServer.load(
-        args.artifact, threads=args.threads, model_name=args.served_model_name, max_queue=args.max_queue
+        args.artifact,
+        threads=args.threads,
+        model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        prefix_cache=args.prefix_cache,
     )
     runner.serve_local(
         server,
@@ -531,6 +547,13 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft", type=float, default=1000.0, metavar="MS", help="TTFT objective, ms (default 1000)")
     p.add_argument("--slo-tpot", type=float, default=100.0, metavar="MS", help="time per output token, ms (100)")
     p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="WORDS",
+        help="every prompt starts with the same WORDS words (a shared system prompt; default 0)",
+    )
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="bearer token, if the server needs one")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths (default 0)")
@@ -558,6 +581,7 @@ def _run_loadtest(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         seed=args.seed,
         timeout_s=args.timeout,
+        shared_prefix=args.shared_prefix,
     )
     result = loadtest.run_loadtest(args.url, options)
     print(loadtest.format_report(result))

@@ -7,7 +7,10 @@ throughput, TTFT / TPOT / end-to-end latency percentiles, errors by status, and 
 Each request is a streamed completion (``stream_options.include_usage``, so token counts are the
 server's own): a prompt of ``prompt_len`` words (drawn from ``prompt_lens``; the client does not
 know the server's tokenizer, the server's ``usage.prompt_tokens`` is reported) and ``max_tokens``
-drawn from ``output_lens``; greedy (``temperature: 0``). Arrivals are a Poisson process of mean
+drawn from ``output_lens``; greedy (``temperature: 0``). With ``shared_prefix`` > 0, every prompt
+starts with the same ``shared_prefix`` words (a system prompt many users share: what a prefix
+cache reuses), then its own words; the server's ``usage.prompt_tokens_details.cached_tokens`` is
+recorded per request and summed. Arrivals are a Poisson process of mean
 ``rate`` per second (exponential gaps, seeded): a request is sent at its arrival time whatever
 the others are doing (open loop), unless ``concurrency`` caps the requests in flight.
 
@@ -53,6 +56,7 @@ class LoadOptions:
     api_key: str | None = None
     seed: int = 0
     timeout_s: float = 300.0
+    shared_prefix: int = 0  # words every prompt starts with (a shared system prompt); 0: none
 
     def check(self) -> None:
         if not self.rate > 0:
@@ -61,6 +65,8 @@ class LoadOptions:
             raise ValueError(f"--requests must be at least 1, got {self.requests}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
+        if self.shared_prefix < 0:
+            raise ValueError(f"--shared-prefix must be >= 0 words, got {self.shared_prefix}")
         if min(self.prompt_lens) < 1 or min(self.output_lens) < 1:
             raise ValueError("--prompt-lens and --output-lens must be positive integers")
         for flag, value in (
@@ -82,9 +88,10 @@ def plan(options: LoadOptions) -> list[dict[str, Any]]:
     """The requests: arrival offset (s), prompt and max_tokens, drawn from ``seed``."""
     rng = random.Random(options.seed)
     t, out = 0.0, []
+    shared = [rng.choice(WORDS) for _ in range(options.shared_prefix)]
     for i in range(options.requests):
         words = rng.choice(options.prompt_lens)
-        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+        prompt = " ".join([*shared, *(rng.choice(WORDS) for _ in range(words))])
         out.append({"index": i, "arrival_s": t, "prompt_words": words, "prompt": prompt,
                     "max_tokens": rng.choice(options.output_lens)})  # fmt: skip
         if not math.isinf(options.rate):
@@ -103,7 +110,7 @@ async def _one(client, url: str, model: str, item: dict[str, Any], headers: dict
     }
     record: dict[str, Any] = {k: item[k] for k in ("index", "arrival_s", "prompt_words", "max_tokens")}
     record.update(status=None, ok=False, ttft_s=None, latency_s=None, tpot_s=None)
-    record.update(prompt_tokens=None, completion_tokens=None, finish_reason=None, error=None)
+    record.update(prompt_tokens=None, completion_tokens=None, cached_tokens=None, finish_reason=None, error=None)
     start = time.perf_counter()
     record["sent_s"] = start
     try:
@@ -136,6 +143,8 @@ async def _one(client, url: str, model: str, item: dict[str, Any], headers: dict
                 if event.get("usage"):
                     record["prompt_tokens"] = event["usage"]["prompt_tokens"]
                     record["completion_tokens"] = event["usage"]["completion_tokens"]
+                    details = event["usage"].get("prompt_tokens_details") or {}
+                    record["cached_tokens"] = details.get("cached_tokens")
             record["latency_s"] = time.perf_counter() - start
             if record["completion_tokens"] is None:  # a server without include_usage: count text chunks
                 record["completion_tokens"] = chunks
@@ -217,6 +226,8 @@ def summarize(records: list[dict[str, Any]], duration_s: float, options: LoadOpt
         "duration_s": duration_s,
         "throughput_rps": per_s(len(ok)),
         "output_tokens": out_tokens,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+        "cached_tokens": sum(r["cached_tokens"] or 0 for r in ok),  # usage.prompt_tokens_details, where given
         "output_tokens_per_s": per_s(out_tokens),
         "ttft_ms": _percentiles([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
         "tpot_ms": _percentiles([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
@@ -260,6 +271,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"{o['rate']}/s" + (f", concurrency <= {o['concurrency']}" if o["concurrency"] else ""),
             f"  completed {s['completed']}, failed {s['failed']} ({errors}) in {s['duration_s']:.2f} s",
             f"  throughput    {s['throughput_rps']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tokens/s",
+            f"  prompt tokens {s['prompt_tokens']}, of which cached by the server {s['cached_tokens']}"
+            + (f" (shared prefix of {o['shared_prefix']} words)" if o.get("shared_prefix") else ""),
             "  ms                 p50       p90       p99      mean",
             row("TTFT", s["ttft_ms"]),
             row("TPOT", s["tpot_ms"]),

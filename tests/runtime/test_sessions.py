@@ -24,6 +24,14 @@ def engine(llama_artifact):
 
 
 @pytest.fixture
+def no_prefix_cache(engine):
+    """The prefix cache off, for tests that count prefill calls (a cache hit makes fewer)."""
+    saved, engine.prefix_pool = engine.prefix_pool, None
+    yield
+    engine.prefix_pool = saved
+
+
+@pytest.fixture
 def small_chunks(engine):
     saved = engine.prefill_chunk
     engine.prefill_chunk = 4
@@ -90,7 +98,7 @@ def test_session_prefill_in_chunks_equals_one_shot(engine, small_chunks):
     assert got == expected
 
 
-def test_generate_and_stream_prefill_long_prompts_in_chunks(engine, small_chunks, monkeypatch):
+def test_generate_and_stream_prefill_long_prompts_in_chunks(engine, small_chunks, no_prefix_cache, monkeypatch):
     calls: list[int] = []
     original = engine.prefill_rows
 
@@ -186,7 +194,7 @@ def test_cache_is_never_reallocated_by_sessions(engine, small_chunks):
     assert engine.cache.buffer.ctypes.data == pointer
 
 
-def test_prompts_longer_than_max_prompt_are_prefilled_in_chunks(engine, monkeypatch):
+def test_prompts_longer_than_max_prompt_are_prefilled_in_chunks(engine, no_prefix_cache, monkeypatch):
     """An artifact whose prefill takes at most ``max_prompt`` tokens per call (a TensorRT profile)
     still takes prompts up to ``max_seq``: generation and sessions prefill them in max_prompt chunks."""
     import dataclasses

@@ -32,7 +32,17 @@ def test_bench_reports_both_sides_and_their_ratio(llama_artifact, llama_dir, tmp
     manifest = json.loads((llama_artifact / "manifest.json").read_text())
 
     assert result["kind"] == "kvforge.bench" and result["schema_version"] == 1
-    assert set(result) == {"kind", "schema_version", "artifact", "reference", "settings", "environment", "gpu", "cells"}
+    assert set(result) == {
+        "kind",
+        "schema_version",
+        "artifact",
+        "reference",
+        "settings",
+        "environment",
+        "gpu",
+        "cells",
+        "prefix_cache",
+    }
     assert result["gpu"] is None and result["settings"]["device"] == "cpu"  # GPU figures only with --device cuda
     assert result["reference"]["matches_source"] is True
     assert result["settings"]["prompt_lens"] == [PROMPT] and result["settings"]["batch_sizes"] == [1, 2]

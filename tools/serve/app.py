@@ -214,6 +214,7 @@ def build_app(
             "queued": queued,
             "running": running,
             "capacity": server.capacity,
+            "prefix_cache": server.prefix_cache_stats(),
         }
         return JSONResponse(body, status_code=503 if server.draining else 200)
 

@@ -26,6 +26,7 @@ from kvforge.tools.serve.serving import (
     ModelServer,
     SeqRequest,
     ServingError,
+    cached_tokens,
     choices,
     final_results,
     raise_on_error,
@@ -132,7 +133,9 @@ async def full(
         for i in range(len(prep.sequences))
     ]
     return p.ChatCompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, list(results.values()))
+        model=server.model_name,
+        choices=response_choices,
+        usage=usage(prep.prompt_tokens, list(results.values()), cached_tokens(results, len(prep.sequences))),
     )
 
 
@@ -149,7 +152,7 @@ async def stream(
         choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
         return sse(head.model_copy(update={"choices": [choice]}))
 
-    finished = []
+    results = {}
     try:
         for index in range(len(prep.sequences)):
             yield chunk(index, p.DeltaMessage(role="assistant", content=""))
@@ -162,8 +165,7 @@ async def stream(
                     if piece.text or logprobs is not None:
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
-                    result = event.payload
-                    finished.append(result)
+                    result = results[event.index] = event.payload
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
@@ -171,7 +173,8 @@ async def stream(
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, finished)}))
+            cached = cached_tokens(results, len(prep.sequences))
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, list(results.values()), cached)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

@@ -22,6 +22,7 @@ from kvforge.tools.serve.serving import (
     ModelServer,
     SeqRequest,
     ServingError,
+    cached_tokens,
     choices,
     final_results,
     raise_on_error,
@@ -116,7 +117,9 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
             )
         )
     return p.CompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, list(results.values()))
+        model=server.model_name,
+        choices=response_choices,
+        usage=usage(prep.prompt_tokens, list(results.values()), cached_tokens(results, prep.n)),
     )
 
 
@@ -127,7 +130,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
         id=p.random_id("cmpl"), created=int(time.time()), model=server.model_name, choices=[]
     )
     offsets = [len(prep.prompt_texts[i // prep.n]) for i in range(len(prep.sequences))]
-    finished = []
+    results = {}
 
     def chunk(index: int, text: str, **fields) -> str:
         return sse(head.model_copy(update={"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}))
@@ -149,11 +152,11 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
                     if piece.text or logprobs is not None:
                         yield chunk(index, piece.text, logprobs=logprobs)
                 else:
-                    result = event.payload
-                    finished.append(result)
+                    result = results[index] = event.payload
                     yield chunk(index, "", finish_reason=result.finish_reason, stop_reason=result.stop_string)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, finished)}))
+            cached = cached_tokens(results, prep.n)
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, list(results.values()), cached)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

@@ -17,6 +17,20 @@ seconds, ``_total`` counters):
   ignores (:data:`kvforge.tools.serve.fields.IGNORED`), by field
 - ``kvforge_unknown_fields_total``: fields outside OpenAI's schema in served requests (ignored and
   named in ``x-kvforge-ignored-fields``; no label: their names are the clients' choice)
+- ``kvforge_prompt_tokens_cached_total``: prompt tokens of finished sequences taken from the prefix
+  cache instead of prefilled
+
+The prefix cache's own series (read from the engine's pool at scrape time; absent when it is off),
+with vLLM's meaning of queries and hits (tokens, not requests):
+
+- ``kvforge_prefix_cache_queries_total``: prompt tokens looked up (vLLM ``prefix_cache_queries``)
+- ``kvforge_prefix_cache_hits_total``: of those, found in the cache (vLLM ``prefix_cache_hits``);
+  the hit rate is hits / queries
+- ``kvforge_prefix_cache_requests_total``, ``kvforge_prefix_cache_hit_requests_total``: lookups,
+  and lookups that found at least one block
+- ``kvforge_prefix_cache_evictions_total``: blocks evicted to stay within the budget
+- ``kvforge_prefix_cache_bytes``, ``kvforge_prefix_cache_budget_bytes``,
+  ``kvforge_prefix_cache_blocks``: host memory in use, its budget, blocks held
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from kvforge.tools.serve.serving import ModelServer
@@ -51,6 +65,33 @@ class _SchedulerCollector:
             yield gauge
 
 
+class _PrefixCacheCollector:
+    """The prefix pool's statistics at scrape time (nothing when the engine has no pool)."""
+
+    def __init__(self, server: ModelServer) -> None:
+        self.server = server
+
+    def collect(self):
+        pool = self.server.engine.prefix_pool
+        if pool is None:
+            return
+        s = pool.stats()
+        for name, doc, value in (
+            ("kvforge_prefix_cache_queries", "prompt tokens looked up in the prefix cache", s.queries),
+            ("kvforge_prefix_cache_hits", "prompt tokens found in the prefix cache", s.hits),
+            ("kvforge_prefix_cache_requests", "prefix cache lookups", s.requests),
+            ("kvforge_prefix_cache_hit_requests", "prefix cache lookups that found a block", s.hit_requests),
+            ("kvforge_prefix_cache_evictions", "prefix cache blocks evicted", s.evictions),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("kvforge_prefix_cache_bytes", "host memory held by the prefix cache", s.bytes),
+            ("kvforge_prefix_cache_budget_bytes", "the prefix cache's byte budget", s.budget),
+            ("kvforge_prefix_cache_blocks", "blocks held by the prefix cache", s.blocks),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
 class ServeMetrics:
     def __init__(self, server: ModelServer) -> None:
         self.registry = CollectorRegistry()
@@ -75,7 +116,11 @@ class ServeMetrics:
         self.unknown_fields = Counter(
             "kvforge_unknown_fields", "fields outside OpenAI's schema, ignored (named in a header)", registry=r
         )
+        self.cached_tokens = Counter(
+            "kvforge_prompt_tokens_cached", "prompt tokens taken from the prefix cache", registry=r
+        )
         r.register(_SchedulerCollector(server))
+        r.register(_PrefixCacheCollector(server))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -78,11 +78,16 @@ class CompletionTokensDetails(ResponseModel):
     audio_tokens: int = 0
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     completion_tokens_details: CompletionTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(ResponseModel):

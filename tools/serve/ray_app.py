@@ -44,6 +44,7 @@ class ReplicaSettings:
     max_queue: int = 64
     api_key: str | None = None
     strict_fields: bool = False  # refuse fields outside OpenAI's schema (build_app's strict_fields)
+    prefix_cache: int | str | None = None  # each replica's own prefix cache (Engine.load's)
 
 
 @serve.deployment(name="KvforgeServer")
@@ -54,7 +55,12 @@ class KvforgeDeployment:
         replica = serve.get_replica_context().replica_id.unique_id
         self.api_key, self.strict_fields = s.api_key, s.strict_fields
         self.server = ModelServer.load(
-            s.artifact, threads=s.threads, model_name=s.model_name, max_queue=s.max_queue, replica_id=replica
+            s.artifact,
+            threads=s.threads,
+            model_name=s.model_name,
+            max_queue=s.max_queue,
+            replica_id=replica,
+            prefix_cache=s.prefix_cache,
         )
 
     def __serve_build_asgi_app__(self):

@@ -39,7 +39,7 @@ from kvforge.runtime import Engine
 from kvforge.runtime.chat import ChatTemplate
 from kvforge.runtime.sampling import SamplingParams
 from kvforge.tools.serve.metrics import ServeMetrics
-from kvforge.tools.serve.protocol import CompletionTokensDetails, UsageInfo
+from kvforge.tools.serve.protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's chat API allows
 SSE_DONE = "data: [DONE]\n\n"
@@ -210,8 +210,9 @@ def sse(body: BaseModel | dict[str, Any]) -> str:
     return f"data: {text}\n\n"
 
 
-def usage(prompt_tokens: int, results: Sequence[Any]) -> UsageInfo:
-    """OpenAI's usage for the finished ``results`` (GenerationResults) of one request."""
+def usage(prompt_tokens: int, results: Sequence[Any], cached_tokens: int = 0) -> UsageInfo:
+    """OpenAI's usage for the finished ``results`` (GenerationResults) of one request; ``cached_tokens``:
+    its prompt tokens taken from the prefix cache (:func:`cached_tokens`)."""
     completion = sum(len(r.token_ids) for r in results)
     counts = [prediction_tokens(r) for r in results]
     details = CompletionTokensDetails(
@@ -222,7 +223,17 @@ def usage(prompt_tokens: int, results: Sequence[Any]) -> UsageInfo:
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
         completion_tokens_details=details,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
+
+
+def cached_tokens(results: dict[int, Any], n: int) -> int:
+    """Prompt tokens a request took from the prefix cache: sequences ``i`` with the same ``i // n``
+    are choices of one prompt, which counts once (its best choice), as ``prompt_tokens`` does."""
+    best: dict[int, int] = {}
+    for index, result in results.items():
+        best[index // n] = max(best.get(index // n, 0), result.cached_tokens)
+    return sum(best.values())
 
 
 def raise_on_error(event: Event) -> None:
@@ -277,8 +288,11 @@ class ModelServer:
         model_name: str | None = None,
         max_queue: int = 64,
         replica_id: str | None = None,
+        prefix_cache: int | str | None = None,
     ) -> ModelServer:
-        engine = Engine.load(artifact_dir, threads=threads)
+        """Load the artifact (``prefix_cache``: the engine's prefix-cache budget, see
+        ``Engine.load``) and serve it."""
+        engine = Engine.load(artifact_dir, threads=threads, prefix_cache=prefix_cache)
         try:
             return cls(engine, model_name=model_name, max_queue=max_queue, replica_id=replica_id)
         except BaseException:
@@ -299,6 +313,16 @@ class ModelServer:
         self.engine.close()
 
     # ------------------------------------------------------------------------------ scheduler state
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        """The prefix cache for ``/health``: hit rate (prompt tokens found / looked up), bytes in
+        use and budget; None when it is off."""
+        pool = self.engine.prefix_pool
+        if pool is None:
+            return None
+        s = pool.stats()
+        rate = None if s.hit_rate is None else round(s.hit_rate, 4)
+        return {"hit_rate": rate, "queries": s.queries, "hits": s.hits, "bytes": s.bytes, "budget_bytes": s.budget}
 
     def scheduler_stats(self) -> tuple[int, int]:
         """(sequences waiting for a cache row, rows generating) among this server's live requests,
@@ -427,6 +451,7 @@ class ModelServer:
             result = handle.result()
             tokens = len(result.token_ids)
             self.metrics.generation_tokens.inc(tokens)
+            self.metrics.cached_tokens.inc(result.cached_tokens)
             self.metrics.finished.labels(reason=result.finish_reason).inc()
             if first is not None and tokens > 1:
                 self.metrics.tpot.observe((time.perf_counter() - first) / (tokens - 1))

@@ -1,0 +1,9 @@
+"""The KV side of the runtime that lives above the cache: blocks of a sequence's KV as objects of
+their own (:mod:`.block`: format, artifact fingerprint, file round trip) and the prefix pool that
+reuses them between requests (:mod:`.prefix_pool`: token-block index, byte budget, LRU eviction,
+pinning). Neither imports the engine nor ONNX Runtime; the batch loop calls them."""
+
+from kvforge.runtime.kv.block import KVBlock, KVBlockError, fingerprint
+from kvforge.runtime.kv.prefix_pool import PrefixHit, PrefixPool, PrefixPoolStats, parse_bytes
+
+__all__ = ["KVBlock", "KVBlockError", "PrefixHit", "PrefixPool", "PrefixPoolStats", "fingerprint", "parse_bytes"]

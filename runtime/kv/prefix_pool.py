@@ -1,0 +1,248 @@
+"""The prefix pool: finished sequences' KV kept in host memory, found again by token ids.
+
+    pool = PrefixPool(parse_bytes("512MiB"))
+    hit = pool.acquire(prompt_ids, limit=len(prompt_ids) - 1)    # pins what it found
+    for block in hit.blocks: engine.import_kv(block, row)         # positions [0, hit.tokens)
+    pool.release(hit)
+    ... prefill prompt_ids[hit.tokens:], generate ...
+    pool.offer(written_ids, lambda a, b: engine.export_kv(row, written_ids[a:b], start=a))
+
+Index. Token ids are cut into blocks of ``block_tokens`` (16, as vLLM); block ``i`` is keyed by
+its tokens and its parent's key (a chain of block hashes, as vLLM's automatic prefix caching), so a
+key names a whole prefix, not a piece that happens to recur at another position (a block's keys
+are stored after RoPE and valid only where they came from). Keys are Python hashes; an entry also
+keeps its tokens and its parent's key and a lookup compares them, so a hash collision is a miss,
+never a wrong block. Only full blocks are stored; a request that matches all of its prompt still
+prefills its last token (its logits are needed), taken from the last block's positions.
+
+Budget and eviction. Each block is a :class:`~kvforge.runtime.kv.block.KVBlock` of its own (its
+bytes are freed when it is evicted); the pool holds at most ``budget_bytes`` of them. To make room
+it evicts the least recently used block that is a leaf (no cached block continues it: evicting a
+middle block would strand its descendants) and is not pinned. ``acquire`` pins what it returns
+until ``release``, so a block being imported is never evicted by another thread's offer.
+
+Statistics (:meth:`PrefixPool.stats`), named as vLLM's: ``queries`` (prompt tokens looked up),
+``hits`` (of those, found in the pool); per request ``requests``/``hit_requests``; ``evictions``,
+``blocks``, ``bytes``, ``budget``. The pool is thread-safe (one lock) and knows nothing of the
+engine: offers pass an ``export(start, stop)`` callable that returns the block of those positions.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvforge.runtime.kv.block import KVBlock
+
+BLOCK_TOKENS = 16
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20}
+_UNITS |= {"g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, name: str = "prefix_cache") -> int:
+    """A byte count from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"0"`` (0: off).
+    ValueError naming ``name`` for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{name}={value!r} is not accepted: give a size such as '512MiB', '2GB', or 0 to disable")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name}={value} is not accepted: a size in bytes must be >= 0 (0 disables)")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{name}={value!r} is not accepted: give a size such as '512MiB', '2GiB', '500MB' or a byte count "
+            "(0 disables)"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class _Entry:
+    key: int
+    parent: int | None
+    tokens: tuple[int, ...]
+    block: KVBlock
+    pins: int = 0
+    children: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What :meth:`PrefixPool.acquire` found: ``blocks`` (in position order, the last one cut to
+    ``tokens``; views of the pool's, read-only) covering positions ``[0, tokens)``. Pinned until
+    :meth:`PrefixPool.release`."""
+
+    tokens: int
+    blocks: tuple[KVBlock, ...]
+    _entries: tuple[_Entry, ...]
+
+
+MISS = PrefixHit(0, (), ())
+
+
+@dataclass(frozen=True)
+class PrefixPoolStats:
+    queries: int  # prompt tokens looked up (vLLM: prefix_cache_queries)
+    hits: int  # of those, found in the pool (vLLM: prefix_cache_hits)
+    requests: int  # lookups
+    hit_requests: int  # lookups that found at least one block
+    evictions: int  # blocks evicted to make room
+    blocks: int  # blocks held
+    bytes: int  # bytes held
+    budget: int  # budget_bytes
+    block_tokens: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of looked-up prompt tokens found in the pool (None before any lookup)."""
+        return self.hits / self.queries if self.queries else None
+
+
+class PrefixPool:
+    """See the module docstring. ``budget_bytes`` > 0; ``block_tokens``: tokens per block."""
+
+    def __init__(self, budget_bytes: int, block_tokens: int = BLOCK_TOKENS) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"a prefix pool needs a budget > 0 bytes, got {budget_bytes} (0 means: no pool)")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.budget = int(budget_bytes)
+        self.block_tokens = int(block_tokens)
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._queries = self._hits = self._requests = self._hit_requests = self._evictions = 0
+
+    # ------------------------------------------------------------------ lookups
+
+    def _chain(self, token_ids: Sequence[int], limit: int | None = None) -> list[_Entry]:
+        """The cached entries of the longest prefix of ``token_ids`` (whole blocks), in order."""
+        bt, found, parent = self.block_tokens, [], None
+        for start in range(0, len(token_ids) - bt + 1, bt):
+            if limit is not None and start >= limit:
+                break
+            tokens = tuple(int(t) for t in token_ids[start : start + bt])
+            entry = self._entries.get(hash((parent, tokens)))
+            if entry is None or entry.parent != parent or entry.tokens != tokens:
+                break
+            found.append(entry)
+            parent = entry.key
+        return found
+
+    def match_length(self, token_ids: Sequence[int], limit: int | None = None) -> int:
+        """How many leading tokens of ``token_ids`` (at most ``limit``) the pool holds now; a peek
+        (no pin, no statistics)."""
+        limit = len(token_ids) if limit is None else limit
+        with self._lock:
+            return min(len(self._chain(token_ids, limit)) * self.block_tokens, limit)
+
+    def acquire(self, token_ids: Sequence[int], limit: int | None = None) -> PrefixHit:
+        """The longest cached prefix of ``token_ids``, at most ``limit`` tokens (a request passes
+        ``len(prompt) - 1``: its last token must be prefilled), pinned until :meth:`release`;
+        counted in the statistics."""
+        limit = len(token_ids) if limit is None else limit
+        with self._lock:
+            chain = self._chain(token_ids, limit)
+            tokens = min(len(chain) * self.block_tokens, limit)
+            self._requests += 1
+            self._queries += limit
+            self._hits += tokens
+            if tokens == 0:
+                return MISS
+            self._hit_requests += 1
+            for entry in reversed(chain):  # the root ends most recent: leaves are evicted first
+                entry.pins += 1
+                self._entries.move_to_end(entry.key)
+        blocks = [e.block for e in chain]
+        if blocks[-1].stop > tokens:
+            blocks[-1] = blocks[-1].slice(blocks[-1].start, tokens)
+        return PrefixHit(tokens, tuple(blocks), tuple(chain))
+
+    def release(self, hit: PrefixHit) -> None:
+        """Unpin what :meth:`acquire` returned (idempotent per hit is not guaranteed: call once)."""
+        with self._lock:
+            for entry in hit._entries:
+                entry.pins -= 1
+
+    # ------------------------------------------------------------------ offers
+
+    def offer(self, token_ids: Sequence[int], export: Callable[[int, int], KVBlock]) -> int:
+        """Keep the KV of ``token_ids`` (the positions ``[0, len)`` of a sequence): for each whole
+        block not yet in the pool, ``export(start, stop)`` is called for that block's KV (one copy)
+        and stored, evicting least recently used blocks to stay within the budget. Stops at the
+        first block that does not fit. Returns how many blocks were added."""
+        bt, added, parent = self.block_tokens, 0, None
+        with self._lock:
+            touched = []
+            for start in range(0, len(token_ids) - bt + 1, bt):
+                tokens = tuple(int(t) for t in token_ids[start : start + bt])
+                key = hash((parent, tokens))
+                entry = self._entries.get(key)
+                if entry is not None:
+                    if entry.parent != parent or entry.tokens != tokens:
+                        break  # a hash collision with another prefix: keep what is there
+                    touched.append(entry)
+                    parent = key
+                    continue
+                block = export(start, start + bt)
+                if not self._make_room(block.nbytes, protect=parent):
+                    break
+                entry = self._entries[key] = _Entry(key, parent, tokens, block)
+                self._bytes += block.nbytes
+                if parent is not None:
+                    self._entries[parent].children += 1
+                touched.append(entry)
+                added += 1
+                parent = key
+            for entry in reversed(touched):  # leaves least recent, the root most recent
+                self._entries.move_to_end(entry.key)
+        return added
+
+    def _make_room(self, nbytes: int, protect: int | None) -> bool:
+        """Evict LRU unpinned leaves until ``nbytes`` more fit (never ``protect``, the parent of
+        the block being added). False when they cannot."""
+        if nbytes > self.budget:
+            return False
+        while self._bytes + nbytes > self.budget:
+            victim = next(
+                (e for e in self._entries.values() if e.pins == 0 and e.children == 0 and e.key != protect), None
+            )
+            if victim is None:
+                return False
+            self._drop(victim)
+            self._evictions += 1
+        return True
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[entry.key]
+        self._bytes -= entry.block.nbytes
+        if entry.parent is not None:
+            self._entries[entry.parent].children -= 1
+
+    # ------------------------------------------------------------------ state
+
+    def stats(self) -> PrefixPoolStats:
+        with self._lock:
+            return PrefixPoolStats(
+                queries=self._queries,
+                hits=self._hits,
+                requests=self._requests,
+                hit_requests=self._hit_requests,
+                evictions=self._evictions,
+                blocks=len(self._entries),
+                bytes=self._bytes,
+                budget=self.budget,
+                block_tokens=self.block_tokens,
+            )
+
+    def clear(self) -> None:
+        """Drop every unpinned block (pinned ones stay until released)."""
+        with self._lock:
+            while victims := [e for e in self._entries.values() if e.pins == 0 and e.children == 0]:
+                for entry in victims:
+                    self._drop(entry)
