@@ -242,7 +242,7 @@ class Engine:
         self._ver_ids = np.zeros(n, dtype=np.int64)
         self._ver_pos = np.zeros(n, dtype=np.int64)
         self._ver_write = np.zeros(self.max_batch, dtype=np.int64)
-        self._ver_picks = np.tile(np.arange(w, dtype=np.int64), self.max_batch)
+        self._ver_picks = np.zeros(n, dtype=np.int64)
         self._ver_offsets = np.arange(w, dtype=np.int64)
         self._ver_logits = np.zeros(n * self.vocab_size, dtype=self._logits.dtype)
 
@@ -499,15 +499,17 @@ class Engine:
         if int(lengths.max()) + width > self.max_seq:
             raise ValueError(f"verifying {width} tokens would write past max_seq={self.max_seq}")
         write, pos = self._ver_write[:batch], self._ver_pos[: batch * width].reshape(batch, width)
+        picks = self._ver_picks[: batch * width].reshape(batch, width)  # logits at every position
         np.copyto(write, lengths)
         np.add(write[:, None], self._ver_offsets[:width], out=pos)
+        picks[:] = self._ver_offsets[:width]
         binding = self._verify_bindings.get((first, batch, width))
         if binding is None:
             inputs = {
                 contract.INPUT_IDS: self.verify_ids(batch, width),
                 contract.POSITION_IDS: pos,
                 contract.WRITE_INDICES: write,
-                contract.LOGIT_INDICES: self._ver_picks[: batch * width].reshape(batch, width),
+                contract.LOGIT_INDICES: picks,
                 **self.cache.views(batch, first),
             }
             outputs = self._outputs(batch, first)

@@ -6,12 +6,13 @@ needs between calls and reads only the tokens it has not seen. :class:`RowDrafti
 request's drafter with the adaptive draft length and the counts a result reports.
 
 * :class:`NgramDrafter`: prompt lookup. The last ``n`` tokens (``ngram_max`` down to ``ngram_min``)
-  are looked up among the earlier tokens of prompt + output; the tokens that followed their latest
-  occurrence are proposed. An index of every n-gram's latest continuation is kept up to date as
-  tokens arrive (O(1) per token and per proposal, no scan of the text).
+  are looked up among the earlier tokens of prompt + output; the tokens that followed their first
+  occurrence are proposed (as transformers' prompt lookup does; the first occurrence also has the
+  longest continuation in a repeating run). An index of every n-gram's first continuation is kept
+  up to date as tokens arrive (O(1) per token and per proposal, no scan of the text).
 * :class:`PredictionDrafter`: an explicit prediction (OpenAI's "predicted outputs"): while the
   output follows the prediction, the prediction's next tokens; after a divergence, the prediction
-  is re-entered where the last ``n`` tokens occur in it.
+  is re-entered after the first occurrence of the last ``n`` tokens in it.
 * :class:`kvforge.runtime.speculative.draft_model.DraftModelDrafter`: a smaller model's greedy tokens.
 """
 
@@ -27,7 +28,7 @@ class NgramDrafter:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.tokens: list[int] = []
         self.prompt_len = len(prompt)
-        # (n-gram) -> the position right after its latest occurrence that has a known continuation.
+        # (n-gram) -> the position right after its first occurrence (which has a known continuation).
         self.index: dict[tuple[int, ...], int] = {}
         self._extend(prompt)
 
@@ -37,7 +38,7 @@ class NgramDrafter:
             i = len(tokens)  # t's position: the n-grams ending at i - 1 now have a continuation
             for n in range(self.ngram_min, self.ngram_max + 1):
                 if i >= n:
-                    index[tuple(tokens[i - n : i])] = i
+                    index.setdefault(tuple(tokens[i - n : i]), i)
             tokens.append(int(t))
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
@@ -72,7 +73,7 @@ class PredictionDrafter:
             self.at = self.at + 1 if self.at is not None and self.at < len(pred) and pred[self.at] == t else None
             self.last = [*self.last[-(self.lookup.ngram_max - 1) :], t] if self.lookup.ngram_max > 1 else [t]
         self.seen = len(generated)
-        if self.at is None:  # diverged: re-enter after the latest occurrence of the last n tokens
+        if self.at is None:  # diverged: re-enter after the first occurrence of the last n tokens
             for n in range(min(self.lookup.ngram_max, len(self.last)), self.lookup.ngram_min - 1, -1):
                 at = self.lookup.index.get(tuple(self.last[-n:]))
                 if at is not None:
