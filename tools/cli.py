@@ -248,6 +248,27 @@ def _sampling(args: argparse.Namespace):
     )
 
 
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram[:K]",
+        help="speculative decoding: 'ngram' / 'ngram:K' (prompt-lookup drafts, up to K per step), 'draft[:K]' "
+        "with --draft, 'prediction' (only requests' predictions); greedy output stays token-identical",
+    )
+    p.add_argument(
+        "--draft", default=None, metavar="DRAFT_OUT", help="a draft model: a kvforge artifact, same tokenizer"
+    )
+
+
+def _speculative(args: argparse.Namespace) -> dict:
+    """Engine.load's speculative/draft arguments (checked before the model loads)."""
+    from kvforge.runtime.speculative import parse_speculative
+
+    parse_speculative(args.speculative, args.draft)
+    return {"speculative": args.speculative, "draft": args.draft}
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a compiled artifact (streams one prompt)")
     p.add_argument("artifact", help="artifact directory written by kvforge compile")
@@ -255,6 +276,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     _add_sampling(p)
+    _add_speculative(p)
     p.set_defaults(run=_run_generate)
 
 
@@ -262,7 +284,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvforge.runtime import Engine
 
     sampling = _sampling(args)  # bad values fail before the model loads
-    with Engine.load(args.artifact, threads=args.threads) as engine:
+    with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
         if len(args.prompt) == 1:  # stream: prompt, then each chunk as it is produced
             chunks = engine.stream(args.prompt[0], args.max_new_tokens, sampling, args.stop)
             print(args.prompt[0], end="", flush=True)
@@ -284,6 +306,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     _add_sampling(p)
+    _add_speculative(p)
     p.set_defaults(run=_run_chat)
 
 
@@ -293,7 +316,7 @@ def _run_chat(args: argparse.Namespace) -> int:
 
     sampling = _sampling(args)
     ChatTemplate.require(args.artifact)  # a model without a template fails before reading stdin
-    with Engine.load(args.artifact, threads=args.threads) as engine:
+    with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
         chat_loop(engine, sys.stdin, sys.stdout, sys.stderr, args.system, args.max_new_tokens, sampling, args.stop)
     return 0
 
@@ -453,6 +476,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="the model name clients send (default: the artifact dir's name)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_speculative(p)
     ray = p.add_argument_group("Ray Serve (scale-out)")
     ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine (default 1)")
@@ -473,7 +497,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         from kvforge.tools.serve import runner, serving
     except ImportError as e:
         raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
+    speculative = _speculative(args)
     if args.ray:
+        if args.speculative or args.draft:
+            raise ValueError("--speculative/--draft run in the one-process server for now; drop --ray or them")
         from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
 
         settings = ReplicaSettings(args.artifact, args.threads, args.served_model_name, args.max_queue, args.api_key)
@@ -488,7 +515,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         )
         return 0
     server = serving.ModelServer.load(
-        args.artifact, threads=args.threads, model_name=args.served_model_name, max_queue=args.max_queue
+        args.artifact,
+        threads=args.threads,
+        model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        **speculative,
     )
     runner.serve_local(server, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
     return 0

@@ -93,7 +93,7 @@ def test_predictions_right_half_wrong(engines):
     prompt = [3, 17, 29, 41, 3, 17]
     want = _greedy(plain, prompt, 24).token_ids
     half = want[:12] + [(t + 1) % 384 for t in want[12:]]
-    wrong = [(t + 7) % 384 for t in want]
+    wrong = want[:1] + [(t + 7) % 384 for t in want[1:]]  # right first token: its drafts are proposed
     right = _greedy(spec, prompt, 24, prediction=want)
     assert right.token_ids == want
     # 24 tokens = the prefill's + 4 calls of 4 drafts + 1 + one call of 2 drafts + 1 (max_new_tokens)
@@ -153,7 +153,7 @@ def test_row_reaching_max_seq_mid_draft(engines):
     prompt = [(7 * i) % 300 + 2 for i in range(90)]  # max_seq 96: 6 positions left
     want = _greedy(plain, prompt, 20)
     assert want.finish_reason == "length" and len(want.token_ids) < 20
-    got = _greedy(spec, prompt, 20, prediction=want.token_ids + [4, 4, 4, 4])
+    got = _greedy(spec, prompt, 20, prediction=[*want.token_ids, 4, 4, 4, 4])
     assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
     assert got.accepted_tokens > 0
 
@@ -212,16 +212,20 @@ def _homogeneity_p(a: Counter, b: Counter) -> float:
 
 def test_sampling_keeps_the_target_distribution(llama_onnx_artifact):
     """Drafts of the plain greedy continuation (often, not always, what sampling picks) accepted or
-    rejected by the rule: the first three tokens keep their distribution (p > 0.001 each)."""
+    rejected by the rule: the first three tokens keep their distribution (p > 0.001 each; the seeds
+    of the two sides differ, so the samples are independent)."""
     prompt = [3, 17, 29, 41, 3, 17]
     n = 600
     config = SpeculativeConfig(method="prediction", prediction_k=2, adaptive=False)
     with Engine.load(llama_onnx_artifact) as plain, Engine.load(llama_onnx_artifact, speculative=config) as spec:
         greedy = _greedy(plain, prompt, 3).token_ids
         base = dict(temperature=1.5, top_k=6, repetition_penalty=1.2)
-        without = plain.generate([prompt] * n, 3, [SamplingParams(**base, seed=s) for s in range(n)])
+        without = plain.generate([prompt] * n, 4, [SamplingParams(**base, seed=s) for s in range(n)])
+        # Whatever the first token c, the prediction drafts the greedy run's next two tokens after it.
+        firsts = sorted({r.token_ids[0] for r in without})
+        prediction = [t for c in firsts for t in (c, *greedy[1:3])]
         with_drafts = spec.generate(
-            [prompt] * n, 3, [SamplingParams(**base, seed=s, prediction=greedy) for s in range(n)]
+            [prompt] * n, 4, [SamplingParams(**base, seed=s + n, prediction=prediction) for s in range(n)]
         )
     assert sum(r.drafted_tokens for r in with_drafts) > n  # every run verified drafts
     accepted = sum(r.accepted_tokens for r in with_drafts)
@@ -233,7 +237,7 @@ def test_sampling_keeps_the_target_distribution(llama_onnx_artifact):
         assert p > 1e-3, f"token {position}: p = {p:.2g}"
     again = spec_again = None
     with Engine.load(llama_onnx_artifact, speculative=config) as spec:
-        params = SamplingParams(**base, seed=3, prediction=greedy)
+        params = SamplingParams(**base, seed=3, prediction=prediction)
         again, spec_again = spec.generate([prompt, prompt], 8, [params, params])
     assert again.token_ids == spec_again.token_ids
 

@@ -13,6 +13,10 @@ seconds, ``_total`` counters):
 - ``kvforge_sequences_finished_total{reason}``: sequences ended, by finish reason (stop, length,
   cancelled: a client that left)
 - ``kvforge_prompt_tokens_total``, ``kvforge_generation_tokens_total``: tokens in and out
+- speculative decoding (vLLM's names): ``kvforge_spec_decode_num_drafts_total`` (verify calls with
+  drafts), ``kvforge_spec_decode_num_draft_tokens_total`` (tokens drafted),
+  ``kvforge_spec_decode_num_accepted_tokens_total`` (of them accepted). Acceptance rate = accepted /
+  draft tokens; tokens per target call of a drafting step = 1 + accepted / drafts
 """
 
 from __future__ import annotations
@@ -65,7 +69,21 @@ class ServeMetrics:
         )
         self.prompt_tokens = Counter("kvforge_prompt_tokens", "prompt tokens submitted", registry=r)
         self.generation_tokens = Counter("kvforge_generation_tokens", "tokens generated", registry=r)
+        self.spec_drafts = Counter("kvforge_spec_decode_num_drafts", "verify calls with drafted tokens", registry=r)
+        self.spec_draft_tokens = Counter(
+            "kvforge_spec_decode_num_draft_tokens", "tokens drafted and verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvforge_spec_decode_num_accepted_tokens", "drafted tokens accepted", registry=r
+        )
         r.register(_SchedulerCollector(server))
+
+    def observe_speculative(self, result) -> None:
+        """Count a finished request's drafting (a no-op without speculative decoding)."""
+        if result.drafted_tokens:
+            self.spec_drafts.inc(result.verify_steps)
+            self.spec_draft_tokens.inc(result.drafted_tokens)
+            self.spec_accepted_tokens.inc(result.accepted_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

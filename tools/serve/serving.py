@@ -238,8 +238,10 @@ class ModelServer:
         model_name: str | None = None,
         max_queue: int = 64,
         replica_id: str | None = None,
+        speculative: object = None,
+        draft: str | Path | None = None,
     ) -> ModelServer:
-        engine = Engine.load(artifact_dir, threads=threads)
+        engine = Engine.load(artifact_dir, threads=threads, speculative=speculative, draft=draft)
         try:
             return cls(engine, model_name=model_name, max_queue=max_queue, replica_id=replica_id)
         except BaseException:
@@ -388,6 +390,7 @@ class ModelServer:
             result = handle.result()
             tokens = len(result.token_ids)
             self.metrics.generation_tokens.inc(tokens)
+            self.metrics.observe_speculative(result)
             self.metrics.finished.labels(reason=result.finish_reason).inc()
             if first is not None and tokens > 1:
                 self.metrics.tpot.observe((time.perf_counter() - first) / (tokens - 1))
