@@ -411,6 +411,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the timings")
+    p.add_argument(
+        "--speculative", default=None, metavar="ngram[:K]", help="also time generation with these drafts (and without)"
+    )
     _add_device_flags(p)
     p.set_defaults(run=_run_bench)
 
@@ -430,6 +433,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "device": args.device,
         "backend": args.backend,
+        "speculative": args.speculative,
     }
     options = bench.BenchOptions(**{name: value for name, value in given.items() if value is not None})
     result = bench.run_bench(args.artifact, args.reference, options)

@@ -23,6 +23,7 @@ import json
 import math
 import shutil
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -271,3 +272,26 @@ def test_refusals(llama_onnx_artifact, family_artifacts, tmp_path):
         Engine.load(old, speculative="ngram")
     with Engine.load(old) as engine:  # a schema-1 artifact still runs without drafting
         assert len(engine.generate([[1, 2, 3]], max_new_tokens=3)[0].token_ids) == 3
+
+
+def test_bench_and_metrics_report_drafting(llama_onnx_artifact):
+    """``kvforge bench --speculative`` reports acceptance and tokens per call; the server's /metrics
+    counts drafted and accepted tokens (vLLM's names)."""
+    import httpx
+
+    from kvforge.tools import bench
+    from tests.tools.test_serve import KEY, MODEL, metric, post, running
+
+    options = bench.BenchOptions(prompt_lens=(16,), batch_sizes=(2,), new_tokens=8, repeat=1, warmup=0, threads=1)
+    report = bench.run_bench(llama_onnx_artifact, None, replace(options, speculative="ngram"))
+    [cell] = report["cells"]
+    sp = cell["speculative"]
+    assert sp["greedy_tokens_identical"] and sp["tokens_per_target_call"] >= 1.0
+    assert "speculative" in bench.format_report(report)
+    with running(llama_onnx_artifact, speculative="ngram") as (url, _):
+        body = {"model": MODEL, "prompt": REPEAT, "max_tokens": 30, "temperature": 0}
+        assert post(url, "/v1/completions", body).status_code == 200
+        text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    drafted = metric(text, "kvforge_spec_decode_num_draft_tokens_total")
+    accepted = metric(text, "kvforge_spec_decode_num_accepted_tokens_total")
+    assert drafted >= accepted > 0 and metric(text, "kvforge_spec_decode_num_drafts_total") > 0
