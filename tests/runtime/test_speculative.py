@@ -275,8 +275,8 @@ def test_refusals(llama_onnx_artifact, family_artifacts, tmp_path):
 
 
 def test_bench_and_metrics_report_drafting(llama_onnx_artifact):
-    """``kvforge bench --speculative`` reports acceptance and tokens per call; the server's /metrics
-    counts drafted and accepted tokens (vLLM's names)."""
+    """``kvforge bench --speculative`` reports acceptance and tokens per call; the server's usage
+    does too, and its /metrics counts drafted and accepted tokens (vLLM's names)."""
     import httpx
 
     from kvforge.tools import bench
@@ -290,7 +290,10 @@ def test_bench_and_metrics_report_drafting(llama_onnx_artifact):
     assert "speculative" in bench.format_report(report)
     with running(llama_onnx_artifact, speculative="ngram") as (url, _):
         body = {"model": MODEL, "prompt": REPEAT, "max_tokens": 30, "temperature": 0}
-        assert post(url, "/v1/completions", body).status_code == 200
+        answer = post(url, "/v1/completions", body)
+        assert answer.status_code == 200
+        spec_usage = answer.json()["usage"]["speculative"]
+        assert spec_usage["accepted_tokens"] > 0 and spec_usage["tokens_per_target_call"] > 1
         text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
     drafted = metric(text, "kvforge_spec_decode_num_draft_tokens_total")
     accepted = metric(text, "kvforge_spec_decode_num_accepted_tokens_total")

@@ -124,7 +124,7 @@ async def full(
     ]
     completion = sum(len(r.token_ids) for r in results.values())
     return p.ChatCompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion, results.values())
     )
 
 
@@ -142,6 +142,7 @@ async def stream(
         return sse(head.model_copy(update={"choices": [choice]}))
 
     completion = 0
+    finished = []  # the results, for usage
     try:
         for index in range(len(prep.sequences)):
             yield chunk(index, p.DeltaMessage(role="assistant", content=""))
@@ -156,6 +157,7 @@ async def stream(
                 else:
                     result = event.payload
                     completion += len(result.token_ids)
+                    finished.append(result)
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
@@ -163,7 +165,7 @@ async def stream(
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion, finished)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

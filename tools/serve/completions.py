@@ -115,7 +115,7 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
         )
     completion = sum(len(r.token_ids) for r in results.values())
     return p.CompletionResponse(
-        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
+        model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion, results.values())
     )
 
 
@@ -127,6 +127,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
     )
     offsets = [len(prep.prompt_texts[i // prep.n]) for i in range(len(prep.sequences))]
     completion = 0
+    finished = []  # the results, for usage
 
     def chunk(index: int, text: str, **fields) -> str:
         return sse(head.model_copy(update={"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}))
@@ -150,9 +151,10 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
                 else:
                     result = event.payload
                     completion += len(result.token_ids)
+                    finished.append(result)
                     yield chunk(index, "", finish_reason=result.finish_reason, stop_reason=result.stop_string)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion)}))
+            yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, completion, finished)}))
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE

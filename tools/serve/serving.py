@@ -180,9 +180,26 @@ def sse(body: BaseModel | dict[str, Any]) -> str:
     return f"data: {text}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, results=()) -> UsageInfo:
+    """OpenAI's usage; with speculative decoding also ``speculative`` (a kvforge extension):
+    ``drafted_tokens``, ``accepted_tokens``, ``acceptance_rate`` and ``tokens_per_target_call``
+    (decode tokens per engine call: each accepted draft saved one) over the request's results."""
+    extra = {}
+    drafted = sum(r.drafted_tokens for r in results)
+    if drafted:
+        accepted = sum(r.accepted_tokens for r in results)
+        decode = sum(max(len(r.token_ids) - 1, 0) for r in results)
+        extra["speculative"] = {
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 4),
+            "tokens_per_target_call": round(decode / (decode - accepted), 4) if decode > accepted else None,
+        }
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        **extra,
     )
 
 
