@@ -12,7 +12,11 @@ exactly :mod:`kvforge.graphs.contract`'s. The model is traced once; each graph i
   logits of each row's last real token;
 * **decode**: ``input_ids``/``position_ids`` become ``[batch, 1]``, ``logit_indices := zeros
   [batch, 1]`` (the one new token), ``logits := Squeeze(logits, [1])``;
-* **score**: ``logit_indices := [0, 1, ..., seq - 1]`` per row, ``logits [batch, seq, V]``.
+* **score**: ``logit_indices := [0, 1, ..., seq - 1]`` per row, ``logits [batch, seq, V]``;
+* **verify**: no rewrite: the general graph itself (``logit_indices [batch, positions]`` in,
+  ``logits [batch, positions, V]`` out). Prefill (the last real token), decode (index 0) and
+  speculative verification (every drafted position) are its cases, so the runtime's one session
+  runs all three on it when speculative decoding is on (schema 2).
 
 The replacement nodes are standard ONNX (``Sub``, ``Unsqueeze``/``Squeeze`` with constant axes,
 ``ConstantOfShape``, ``Range``, ``Expand``): all in TensorRT's ONNX parser table, so the ``onnx``
@@ -36,10 +40,12 @@ GRAPHS = contract.GRAPHS
 
 def derive(general: ir.Model, graph: str) -> ir.Model:
     """A new model: ``general`` rewritten into the contract graph ``graph`` ("prefill", "decode",
-    "score"). ``general`` is left unchanged; the two share their tensors."""
+    "score", "verify"). ``general`` is left unchanged; the two share their tensors."""
     if graph not in GRAPHS:
         raise ValueError(f"unknown graph {graph!r}; choose one of {', '.join(GRAPHS)}")
     model = general.clone()
+    if graph == "verify":
+        return model
     g = model.graph
     inputs = {v.name: v for v in g.inputs}
     if LOGIT_INDICES not in inputs:

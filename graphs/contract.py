@@ -23,8 +23,11 @@ INPUT_IDS = "input_ids"  # [B, S] int64
 POSITION_IDS = "position_ids"  # [B, S] int64
 WRITE_INDICES = "write_indices"  # [B] int64: cache index of each row's first new token
 INPUT_LENGTHS = "input_lengths"  # [B] int64, prefill only: real (unpadded) tokens per row
-LOGITS = "logits"  # [B, V]: logits of each row's last real token ([B, S, V] in the score graph)
-GRAPHS = ("prefill", "decode", "score")
+LOGIT_INDICES = "logit_indices"  # [B, P] int64, verify only: the positions of each row that get logits
+LOGITS = "logits"  # [B, V]: logits of each row's last real token ([B, S, V] score, [B, P, V] verify)
+# verify (schema 2): the traced general graph itself, logits at ``logit_indices``; prefill, decode and
+# speculative verification are all its cases, so the runtime's one session can serve them all.
+GRAPHS = ("prefill", "decode", "score", "verify")
 
 
 def past_key_name(layer: int) -> str:
@@ -61,8 +64,14 @@ def decode_input_names(num_layers: int) -> list[str]:
     return [INPUT_IDS, POSITION_IDS, WRITE_INDICES, *past_names(num_layers)]
 
 
+def verify_input_names(num_layers: int) -> list[str]:
+    return [INPUT_IDS, POSITION_IDS, WRITE_INDICES, LOGIT_INDICES, *past_names(num_layers)]
+
+
 def input_names(graph: str, num_layers: int) -> list[str]:
-    """Input names of ``graph`` ("prefill", "decode" or "score"), in graph order."""
+    """Input names of ``graph`` ("prefill", "decode", "score" or "verify"), in graph order."""
+    if graph == "verify":
+        return verify_input_names(num_layers)
     return prefill_input_names(num_layers) if graph == "prefill" else decode_input_names(num_layers)
 
 

@@ -14,7 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Schemas this kvforge reads. 2 added graphs.verify (the general graph, logits at logit_indices) and
+# changed nothing else: a schema-1 artifact still runs, without speculative decoding.
+READABLE_SCHEMAS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 
 
@@ -93,9 +96,10 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMAS:
             raise ArtifactError(
-                f"manifest schema_version is {version!r}; this kvforge reads schema {SCHEMA_VERSION} "
+                f"manifest schema_version is {version!r}; this kvforge reads schemas "
+                f"{', '.join(map(str, READABLE_SCHEMAS))} "
                 "(recompile the model with this kvforge version: kvforge compile MODEL_DIR -o OUT)"
             )
         check_schema(data)

@@ -14,7 +14,9 @@ One :meth:`BatchLoop.step`:
    over the following steps. So a joining request delays the running rows by one chunk per step,
    never by its whole prompt;
 3. one decode step over the decoding rows, then each row picks its token (a batched argmax for the
-   plain-greedy rows, the request's own sampler for the others) and emits its chunk;
+   plain-greedy rows, the request's own sampler for the others) and emits its chunk; with
+   speculative decoding, rows that draft are verified in that same one call, several tokens each
+   (:mod:`kvforge.runtime.speculative.verify`);
 4. finished rows are retired at once and the rows compacted (below).
 
 Prefix cache (``engine.prefix_pool``, :mod:`kvforge.runtime.kv.prefix_pool`; None: off). A request
@@ -49,6 +51,7 @@ import numpy as np
 
 from kvforge.runtime import validate
 from kvforge.runtime.generation import Generation
+from kvforge.runtime.speculative.verify import Verifier
 
 if TYPE_CHECKING:
     from kvforge.runtime.engine import Engine
@@ -71,6 +74,7 @@ class BatchLoop:
         self.filling: Generation | None = None  # in row first + len(decoding), prompt partly cached
         self._next = np.zeros(engine.max_batch, dtype=np.int64)
         self.pool = engine.prefix_pool  # automatic prefix caching; None: off
+        self._verifier: Verifier | None = None  # made when a request drafts (speculative decoding)
 
     @property
     def idle(self) -> bool:
@@ -206,6 +210,12 @@ class BatchLoop:
             self._pick(logits, [gen], len(self.decoding) - 1)
 
     def _decode(self) -> None:
+        if any(g.drafting is not None for g in self.decoding):  # speculative: drafts verified in one call
+            if self._verifier is None:
+                self._verifier = Verifier(self.engine)
+            if self._verifier.step(self.decoding, self.first):
+                self._retire()
+                return
         n = len(self.decoding)
         ids = self.engine.decode_ids(n)
         for i, g in enumerate(self.decoding):

@@ -68,6 +68,8 @@ from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool, fingerprint, parse_bytes
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
+from kvforge.runtime.speculative import RowDrafting, parse_speculative
+from kvforge.runtime.speculative.drafters import NgramDrafter, PredictionDrafter
 from kvforge.runtime.stops import StopStrings
 from kvforge.runtime.tokenizer import Tokenizer
 
@@ -96,8 +98,11 @@ class Engine:
         self.tokenizer = _load_tokenizer(artifact_dir) if manifest.tokenizer.get("has_tokenizer") else None
         self.eos_token_ids = frozenset(manifest.generation.get("eos_token_ids", []))
         self.decode_graph = decode_graph
+        # The graph of prefill steps: the prefill graph, or with speculative decoding the verify graph
+        # (logits at logit_indices), which then serves prefill, decode and verify in one session.
+        self.step_graph = "verify" if decode_graph == "verify" else "prefill"
         self._checked: set[str] = set()
-        self._check_graph_io("prefill")
+        self._check_graph_io(self.step_graph)
 
         limits, vocab = manifest.limits, manifest.model.vocab_size
         self.max_batch, self.max_seq, self.vocab_size = limits.max_batch, limits.max_seq, vocab
@@ -113,6 +118,14 @@ class Engine:
         self._dec_write = np.zeros(b, dtype=np.int64)
         self._dec_lengths = np.ones(b, dtype=np.int64)  # a decode step through the prefill graph
         self._logits = np.zeros(b * vocab, dtype=self.cache.buffer.dtype)
+        # The verify graph's one logit position per row: each row's last real token (prefill), 0 (decode).
+        self._pre_picks = np.zeros(b, dtype=np.int64)
+        self._dec_picks = np.zeros(b, dtype=np.int64)
+        # Speculative decoding (set by load): its config, the draft model, the verify call's buffers.
+        self.speculative = None
+        self.draft_model = None
+        self.verify_width = 1
+        self._verify_bindings: dict[tuple[int, int, int], object] = {}
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
         self._batch_thread: int | None = None  # the thread whose prefill/score made the batch
@@ -147,6 +160,8 @@ class Engine:
         device: str = "cpu",
         backend: str = "ort",
         prefix_cache: int | str | None = None,
+        speculative: object = None,
+        draft: str | Path | None = None,
     ) -> Engine:
         """Load an artifact on ONNX Runtime's CPU provider, or on a GPU.
 
@@ -169,6 +184,13 @@ class Engine:
         ``"512MiB"`` on the CPU and off on a GPU (the device caches have no KV export yet). Raises
         :class:`kvforge.graphs.manifest.ArtifactError` for a missing, foreign, corrupted or
         incompatible artifact.
+
+        ``speculative``: ``"ngram"`` / ``"ngram:K"`` (prompt-lookup drafts), ``"draft"`` with
+        ``draft=DRAFT_OUT`` (a draft model: another kvforge artifact with the same tokenizer, loaded
+        with the same settings), ``"prediction"`` (only requests' ``SamplingParams(prediction=...)``)
+        or a :class:`~kvforge.runtime.speculative.SpeculativeConfig`; see
+        :mod:`kvforge.runtime.speculative`. The one session then runs the artifact's verify graph
+        (schema 2) for every step; greedy output is token-identical to plain decoding.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
@@ -193,8 +215,11 @@ class Engine:
                 f"prefix_cache={prefix_cache!r}: the prefix cache needs KV export from the cache, which the GPU "
                 "backends do not have yet; pass prefix_cache=0 (or leave it unset) on device='cuda'"
             )
+        spec = parse_speculative(speculative, draft)
         root = Path(artifact_dir)
         manifest = mf.read(root, verify=verify)
+        if spec is not None:
+            _check_speculative(manifest, device, one_session)
         if device == "cuda":
             return cls(root, manifest, backends.open_gpu_backend(root, manifest, backend))
         if manifest.dtype == "bfloat16":
@@ -208,11 +233,40 @@ class Engine:
         # Without prepacking, every session reads the weights as they are: map them once for all.
         # With it, ORT packs its own copies and frees what it read, so sharing would only add.
         shared = None if prepack else root / manifest.weights.file
-        # Sessions are made on first use (each holds its own packed weights); prefill is used at once.
-        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=("decode", "score"))
-        engine = cls(root, manifest, backend, decode_graph="prefill" if one_session else "decode")
+        # Sessions are made on first use (each holds its own packed weights); the step graph is used at once.
+        step = "verify" if spec is not None else "prefill"
+        lazy = tuple(name for name in graph_files if name != step)
+        backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
+        engine = cls(root, manifest, backend, decode_graph=step if one_session else "decode")
         engine.prefix_pool = PrefixPool(budget) if budget else None
+        if spec is not None:
+            try:
+                drafter = None
+                if draft is not None:
+                    drafter = cls.load(draft, threads=threads, spin=spin, prepack=prepack, optimized=optimized)
+                engine.enable_speculative(spec, drafter)
+            except BaseException:
+                engine.close()
+                raise
         return engine
+
+    def enable_speculative(self, config, draft_engine: Engine | None = None) -> None:
+        """Turn on drafting (called by :meth:`load`): the verify call's buffers (``max_batch ×
+        config.max_width`` positions of logits), and the draft model, whose tokenizer must be
+        this artifact's."""
+        from kvforge.runtime.speculative.draft_model import DraftModel
+
+        if draft_engine is not None:
+            self.draft_model = DraftModel(draft_engine, self)
+        self.speculative = config
+        self.verify_width = w = config.max_width
+        n = self.max_batch * w
+        self._ver_ids = np.zeros(n, dtype=np.int64)
+        self._ver_pos = np.zeros(n, dtype=np.int64)
+        self._ver_write = np.zeros(self.max_batch, dtype=np.int64)
+        self._ver_picks = np.zeros(n, dtype=np.int64)
+        self._ver_offsets = np.arange(w, dtype=np.int64)
+        self._ver_logits = np.zeros(n * self.vocab_size, dtype=self._logits.dtype)
 
     def _check_graph_io(self, graph: str) -> None:
         """The graph must have exactly the I/O the manifest and the KV contract name (checked once,
@@ -258,7 +312,10 @@ class Engine:
 
         if isinstance(self._rows_owner, Scheduler):
             self._rows_owner.close(cancel=True)
+        if self.draft_model is not None:
+            self.draft_model.close()
         self._decode_bindings.clear()
+        self._verify_bindings.clear()
         self.last_bindings.clear()
         self.backend.close()
 
@@ -301,10 +358,16 @@ class Engine:
         last token's logits per row, ``[B, V]``, a view of the logits buffer."""
         batch = len(rows)
         inputs = self._fill_inputs(rows, list(start), max(len(r) for r in rows), first)
-        binding = self.backend.bind("prefill", inputs, self._outputs(batch, first))
+        outputs = self._outputs(batch, first)
+        if self.step_graph == "verify":  # logits at each row's last real token, [B, 1, V]
+            picks = self._pre_picks[:batch]
+            np.subtract(inputs.pop(contract.INPUT_LENGTHS), 1, out=picks)
+            inputs[contract.LOGIT_INDICES] = picks.reshape(batch, 1)
+            outputs[contract.LOGITS] = outputs[contract.LOGITS].reshape(batch, 1, self.vocab_size)
+        binding = self.backend.bind(self.step_graph, inputs, outputs)
         self.backend.run(binding)
         self.last_bindings["prefill"] = binding
-        return binding.tensors[contract.LOGITS]
+        return self._logits[: batch * self.vocab_size].reshape(batch, self.vocab_size)
 
     def score(self, rows: Sequence[Sequence[int]], start: Sequence[int] | None = None) -> np.ndarray:
         """Like :meth:`prefill`, but returns the logits of every position, ``[B, S, V]`` (a new
@@ -428,6 +491,57 @@ class Engine:
         self.backend.run(binding)
         self.lengths[first : first + batch] += 1
         self.last_bindings["decode"] = binding
+        return self._logits[: batch * self.vocab_size].reshape(batch, self.vocab_size)
+
+    @property
+    def verify_together(self) -> bool:
+        """Whether several rows can verify in one call: not in the gqa lowering (ONNX Runtime's
+        GroupQueryAttention takes several tokens per row only for one row)."""
+        return self.manifest.lowering != "gqa"
+
+    def verify_ids(self, batch: int, width: int) -> np.ndarray:
+        """The bound token-id input of the next :meth:`verify_rows` call, ``[batch, width]`` int64
+        (a view of the engine's buffer: write each row's last token and its drafts into it)."""
+        return self._ver_ids[: batch * width].reshape(batch, width)
+
+    def verify_rows(self, batch: int, width: int, first: int = 0) -> np.ndarray:
+        """Speculative verification: ``width`` tokens per row (already in :meth:`verify_ids`) written
+        at each row's length in cache rows ``[first, first + batch)``, with logits at every one of
+        them: returns ``[batch, width, V]`` (a view of the engine's verify logits, valid until the
+        next call). Every row's length grows by ``width``; the caller sets each row's length back to
+        the tokens it accepted (positions past a row's length are stale and never attended).
+        The binding of each ``(first, batch, width)`` is made once and reused."""
+        if self.speculative is None:
+            raise RuntimeError("verify_rows needs speculative decoding: load the engine with speculative=...")
+        if not 1 <= width <= self.verify_width:
+            raise ValueError(f"verify width {width} is outside 1..{self.verify_width} (the speculative config's)")
+        if batch > 1 and width > 1 and not self.verify_together:
+            raise ValueError("the gqa lowering verifies one row per call; compile with --lowering onnx for batches")
+        lengths = self.lengths[first : first + batch]
+        if int(lengths.max()) + width > self.max_seq:
+            raise ValueError(f"verifying {width} tokens would write past max_seq={self.max_seq}")
+        write, pos = self._ver_write[:batch], self._ver_pos[: batch * width].reshape(batch, width)
+        picks = self._ver_picks[: batch * width].reshape(batch, width)  # logits at every position
+        np.copyto(write, lengths)
+        np.add(write[:, None], self._ver_offsets[:width], out=pos)
+        picks[:] = self._ver_offsets[:width]
+        binding = self._verify_bindings.get((first, batch, width))
+        if binding is None:
+            inputs = {
+                contract.INPUT_IDS: self.verify_ids(batch, width),
+                contract.POSITION_IDS: pos,
+                contract.WRITE_INDICES: write,
+                contract.LOGIT_INDICES: picks,
+                **self.cache.views(batch, first),
+            }
+            outputs = self._outputs(batch, first)
+            outputs[contract.LOGITS] = self._ver_logits[: batch * width * self.vocab_size].reshape(
+                batch, width, self.vocab_size
+            )
+            binding = self._verify_bindings[(first, batch, width)] = self.backend.bind("verify", inputs, outputs)
+        self.backend.run(binding)
+        lengths += width
+        self.last_bindings["verify"] = binding
         return binding.tensors[contract.LOGITS]
 
     @property
@@ -469,9 +583,12 @@ class Engine:
                 contract.WRITE_INDICES: self._dec_write[:batch],
                 **self.cache.views(batch, first),
             }
+            outputs = self._outputs(batch, first)
             if graph == "prefill":
                 inputs[contract.INPUT_LENGTHS] = self._dec_lengths[:batch]
-            outputs = self._outputs(batch, first)
+            elif graph == "verify":  # logits at index 0, the one new token: [B, 1, V]
+                inputs[contract.LOGIT_INDICES] = self._dec_picks[:batch].reshape(batch, 1)
+                outputs[contract.LOGITS] = outputs[contract.LOGITS].reshape(batch, 1, self.vocab_size)
             binding = self._decode_bindings[(first, batch)] = self.backend.bind(graph, inputs, outputs)
         return binding
 
@@ -642,7 +759,7 @@ class Engine:
         if not stops.empty and self.tokenizer is None:
             raise ValueError("stop strings need the artifact's tokenizer; this artifact has none (pass stop=None)")
         self._check_rows([prompt_ids], [0], first_index=index)
-        return Generation(
+        gen = Generation(
             prompt_ids,
             max_new_tokens,
             params,
@@ -653,6 +770,23 @@ class Engine:
             max_seq=self.max_seq,
             start=start,
         )
+        gen.drafting = self._drafting(gen, params)
+        return gen
+
+    def _drafting(self, gen: Generation, params: SamplingParams) -> RowDrafting | None:
+        """The request's drafter: its prediction, else the engine's method; None when it does not draft."""
+        spec = self.speculative
+        if params.prediction is not None and spec is not None:  # without drafting a prediction changes nothing
+            bad = [t for t in params.prediction if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"prediction has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            if params.speculative:
+                return RowDrafting(PredictionDrafter(params.prediction), spec.prediction_k, spec.adaptive, True)
+        if spec is None or not params.speculative or spec.method == "prediction":
+            return None
+        if spec.method == "draft":
+            return RowDrafting(self.draft_model.drafter(gen.prompt_ids, lambda: gen.done), spec.k, spec.adaptive)
+        return RowDrafting(NgramDrafter(gen.prompt_ids, spec.ngram_max, spec.ngram_min), spec.k, spec.adaptive)
 
     def generate(
         self,
@@ -768,6 +902,20 @@ class Engine:
         from kvforge.runtime.scheduler import Scheduler
 
         return Scheduler(self, prefill_chunk)
+
+
+def _check_speculative(manifest: mf.Manifest, device: str, one_session: bool) -> None:
+    """Speculative decoding needs the verify graph (schema 2), the CPU backend and one session."""
+    if "verify" not in manifest.graphs:
+        raise mf.ArtifactError(
+            f"this artifact (manifest schema {manifest.schema_version}) has no verify graph, which speculative "
+            "decoding runs on; recompile the model with this kvforge (kvforge compile MODEL_DIR -o OUT), or load "
+            "it without speculative"
+        )
+    if device != "cpu":
+        raise ValueError("speculative decoding runs on ONNX Runtime's CPU provider for now; load with device='cpu'")
+    if not one_session:
+        raise ValueError("speculative decoding runs every step through one session; load with one_session=True")
 
 
 def _load_tokenizer(artifact_dir: Path) -> Tokenizer:

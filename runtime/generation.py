@@ -76,6 +76,18 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
     timing: Timing | None = None
     cached_tokens: int = 0  # prompt tokens imported from the prefix cache instead of prefilled
+    # Speculative decoding (0 without it): tokens drafted and verified, of them accepted, verify calls
+    # with drafts; of which from the request's explicit prediction (SamplingParams.prediction).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -144,6 +156,7 @@ class Generation:
         self.prefilled = start  # prompt tokens already in the cache row
         self.cached_tokens = 0  # of those, imported from the prefix cache (set by the batch loop)
         self.sink = sink
+        self.drafting = None  # a speculative.RowDrafting when this request drafts
         self.state = "waiting"
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -267,6 +280,12 @@ class Generation:
         if self.state != "done":
             raise RuntimeError("the request has not finished")
         timing = Timing(self.submitted, self.admitted, self.first_token, self.finished)
+        d = self.drafting
+        spec = {}
+        if d is not None:
+            spec = dict(drafted_tokens=d.drafted, accepted_tokens=d.accepted, verify_steps=d.steps)
+            if d.prediction:
+                spec.update(prediction_accepted=d.accepted, prediction_rejected=d.drafted - d.accepted)
         return GenerationResult(
             token_ids=list(self.token_ids),
             text="".join(self.text_parts) if self.detok is not None else None,
@@ -276,4 +295,5 @@ class Generation:
             logprobs=list(self.sampler.logprobs) if self.params.logprobs is not None else None,
             timing=timing,
             cached_tokens=self.cached_tokens,
+            **spec,
         )

@@ -182,6 +182,8 @@ class SamplingParams:
     # {token id: bias in [-100, 100]} added to the logits before any other processor; None or {}: off.
     # Ids are checked against the vocabulary by Sampler (the params do not know its size).
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    speculative: bool = True  # False: this request never drafts (on an engine loaded with speculative=...)
+    prediction: tuple[int, ...] | None = None  # token ids the output is expected to repeat: drafted first
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -235,6 +237,20 @@ class SamplingParams:
                 ),
             )
         put("logit_bias", _logit_bias(self.logit_bias))
+
+        if not isinstance(self.speculative, bool):
+            raise ValueError(
+                f"speculative={_short(self.speculative)} is not accepted: speculative must be True or False"
+            )
+        if self.prediction is not None:
+            ids = self.prediction
+            listed = isinstance(ids, Sequence) and not isinstance(ids, (str, bytes))
+            if not listed or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(
+                    f"prediction={_short(ids)} is not accepted: prediction must be a list of token ids "
+                    "(ints >= 0; encode a predicted text with the tokenizer first) or None"
+                )
+            put("prediction", tuple(int(t) for t in ids))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> SamplingParams:
@@ -390,6 +406,44 @@ class Sampler:
             cdf = np.cumsum(p, out=p)
             j = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
             token = int(idx[min(j, len(idx) - 1)])
+        if k is not None:
+            self.logprobs.append(TokenLogprob(token, float(np.float32(logits[token])) - lse, top))
+        self.record(token)
+        return token
+
+    def verify(self, logits: np.ndarray, draft: int) -> int:
+        """The token at a drafted position: ``draft`` when accepted, else a replacement; recorded
+        (with its logprob) as :meth:`__call__` records its token.
+
+        The speculative-sampling rule with a point-mass draft (every kvforge drafter proposes one
+        token, deterministically): accept ``draft`` with probability ``p(draft)`` under this
+        request's processed distribution ``p`` (penalties, temperature, top-k/p, min-p applied);
+        on rejection draw from ``p`` without ``draft``, renormalised (``norm(max(0, p - q))``). The
+        token is then distributed exactly as ``p``. Greedy: accepted iff it is the argmax."""
+        self._check(logits)
+        if self._plain:
+            token = int(np.argmax(logits))
+            self.record(token)
+            return token
+        k = self.params.logprobs
+        if k is not None:
+            lse = self._log_normalizer(logits)
+            top = self._top_logprobs(logits, k, lse)
+        idx, vals = self._process(logits)
+        if idx is None:
+            token = int(np.argmax(vals))
+        else:
+            p = self._softmax(vals)
+            j = int(np.searchsorted(idx, draft))
+            p_draft = float(p[j]) if j < len(idx) and idx[j] == draft else 0.0
+            if self.rng.random() < p_draft:
+                token = int(draft)
+            else:
+                if p_draft > 0.0:
+                    p[j] = 0.0
+                cdf = np.cumsum(p, out=p)
+                j = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+                token = int(idx[min(j, len(idx) - 1)])
         if k is not None:
             self.logprobs.append(TokenLogprob(token, float(np.float32(logits[token])) - lse, top))
         self.record(token)

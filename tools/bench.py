@@ -28,6 +28,13 @@ bookkeeping. Each cell runs ``warmup`` untimed times, then ``repeat`` timed time
 length, one prompt through ``generate`` (one new token) with the cache emptied first (``cold_ttft_ms``)
 and then again (``warm_ttft_ms``: its prefix imported from the cache), the tokens the warm run took
 from the cache, and the pool's hit rate over these runs (prompt tokens found / looked up).
+``speculative`` (``--speculative ngram[:K]``): each cell's prompts also run through generation
+(in-flight batching, greedy) with and without drafts, alternating, ``repeat`` times each:
+``tokens_per_s`` of both (wall, prefill included; best run), ``acceptance_rate`` (accepted /
+drafted tokens), ``tokens_per_target_call`` (decode tokens per engine call after the first token:
+each accepted draft saves a call) and ``greedy_tokens_identical``. Random prompts give drafts
+little to copy: this row shows the cost of drafting where it cannot help; real prompts are in
+``benchmarks/speculative.py``.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ class BenchOptions:
     seed: int = 0
     device: str = "cpu"  # Engine.load(device=...): "cpu" | "cuda"
     backend: str = "ort"  # Engine.load(backend=...): "ort" | "tensorrt"
+    speculative: str | None = None  # Engine.load(speculative=...): also time generation with drafts
 
     def resolve(self, max_batch: int, max_seq: int) -> BenchOptions:
         """These options with the default cells filled in for an artifact, and checked: a default
@@ -274,6 +282,11 @@ def _run_bench(
         gpu = _gpu_figures(engine, manifest) if device == "cuda" else None
         first_rows = [prompts[p, options.batch_sizes[0]][0].tolist() for p in options.prompt_lens]
         prefix = _prefix_cache_figures(engine, first_rows)
+        speculative = {}
+        if options.speculative:
+            with Engine.load(artifact, threads=threads, speculative=options.speculative) as spec:
+                for p, b in cells:
+                    speculative[p, b] = _speculative_cell(engine, spec, prompts[p, b].tolist(), options)
     gc.collect()
 
     theirs: dict[tuple[int, int], dict[str, Any]] = {}
@@ -297,6 +310,8 @@ def _run_bench(
     for p, b in cells:
         mine, ref = ours[p, b], theirs.get((p, b))
         cell = {"prompt_len": p, "batch_size": b, "kvforge": mine, "transformers": ref, "ratio": None}
+        if speculative:
+            cell["speculative"] = speculative[p, b]
         if ref is not None:
             cell["ratio"] = {k: _ratio(mine[k], ref[k]) for k in RATIO_KEYS}
             cell["greedy_tokens_identical"] = tokens["kvforge", p, b] == tokens["transformers", p, b]
@@ -352,6 +367,37 @@ def _prefix_cache_figures(engine: Engine, prompts: list[list[int]]) -> dict[str,
         "block_tokens": after.block_tokens,
         "hit_rate": hits / queries if queries else None,
         "rows": rows,
+    }
+
+
+def _speculative_cell(plain: Engine, spec: Engine, rows: list[list[int]], options: BenchOptions) -> dict[str, Any]:
+    """Generation with and without drafts on one cell's prompts (see the module docstring)."""
+    from kvforge.runtime import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    best: dict[str, tuple[float, list]] = {}
+    for _ in range(options.repeat):
+        for side, engine in (("plain", plain), ("speculative", spec)):
+            start = time.perf_counter()
+            results = engine.generate(rows, max_new_tokens=options.new_tokens, sampling=greedy)
+            tok_s = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+            if side not in best or tok_s > best[side][0]:
+                best[side] = (tok_s, results)
+    results = best["speculative"][1]
+    drafted = sum(r.drafted_tokens for r in results)
+    accepted = sum(r.accepted_tokens for r in results)
+    decode_tokens = sum(len(r.token_ids) - 1 for r in results)
+    calls = decode_tokens - accepted  # each accepted draft saved one call of its row
+    return {
+        "method": options.speculative,
+        "plain_tokens_per_s": best["plain"][0],
+        "tokens_per_s": best["speculative"][0],
+        "ratio": best["speculative"][0] / best["plain"][0],
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_target_call": decode_tokens / calls if calls else None,
+        "greedy_tokens_identical": [r.token_ids for r in results] == [r.token_ids for r in best["plain"][1]],
     }
 
 
@@ -447,6 +493,14 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{_fmt(m['decode_ms_per_token_p90'], '8.3f')}{_fmt(m['decode_tokens_per_s'], '9.1f')}"
                 f"{_fmt(m['e2e_ms'], '9.1f')}{_mib(m['rss_peak_bytes']):>13}{_mib(m['rss_added_bytes']):>11}"
                 f"{_mib(m['kv_cache_bytes']):>8}"
+            )
+        sp = cell.get("speculative")
+        if sp:
+            lines.append(
+                f"{'':12}  {'speculative':14}{sp['method']}: {_fmt(sp['tokens_per_s'], '.1f')} vs "
+                f"{_fmt(sp['plain_tokens_per_s'], '.1f')} tok/s ({_fmt(sp['ratio'], '.2f')}x), acceptance "
+                f"{_fmt(sp['acceptance_rate'], '.2f')}, {_fmt(sp['tokens_per_target_call'], '.2f')} tokens per "
+                f"target call, identical {sp['greedy_tokens_identical']}"
             )
         if cell["ratio"]:
             r = cell["ratio"]

@@ -256,6 +256,27 @@ def _sampling(args: argparse.Namespace):
     )
 
 
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram[:K]",
+        help="speculative decoding: 'ngram' / 'ngram:K' (prompt-lookup drafts, up to K per step), 'draft[:K]' "
+        "with --draft, 'prediction' (only requests' predictions); greedy output stays token-identical",
+    )
+    p.add_argument(
+        "--draft", default=None, metavar="DRAFT_OUT", help="a draft model: a kvforge artifact, same tokenizer"
+    )
+
+
+def _speculative(args: argparse.Namespace) -> dict:
+    """Engine.load's speculative/draft arguments (checked before the model loads)."""
+    from kvforge.runtime.speculative import parse_speculative
+
+    parse_speculative(args.speculative, args.draft)
+    return {"speculative": args.speculative, "draft": args.draft}
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a compiled artifact (streams one prompt)")
     p.add_argument("artifact", help="artifact directory written by kvforge compile")
@@ -263,6 +284,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     _add_sampling(p)
+    _add_speculative(p)
     p.set_defaults(run=_run_generate)
 
 
@@ -270,7 +292,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvforge.runtime import Engine
 
     sampling = _sampling(args)  # bad values fail before the model loads
-    with Engine.load(args.artifact, threads=args.threads) as engine:
+    with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
         if len(args.prompt) == 1:  # stream: prompt, then each chunk as it is produced
             chunks = engine.stream(args.prompt[0], args.max_new_tokens, sampling, args.stop)
             print(args.prompt[0], end="", flush=True)
@@ -292,6 +314,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     _add_sampling(p)
+    _add_speculative(p)
     p.set_defaults(run=_run_chat)
 
 
@@ -301,7 +324,7 @@ def _run_chat(args: argparse.Namespace) -> int:
 
     sampling = _sampling(args)
     ChatTemplate.require(args.artifact)  # a model without a template fails before reading stdin
-    with Engine.load(args.artifact, threads=args.threads) as engine:
+    with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
         chat_loop(engine, sys.stdin, sys.stdout, sys.stderr, args.system, args.max_new_tokens, sampling, args.stop)
     return 0
 
@@ -396,6 +419,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the timings")
+    p.add_argument(
+        "--speculative", default=None, metavar="ngram[:K]", help="also time generation with these drafts (and without)"
+    )
     _add_device_flags(p)
     p.set_defaults(run=_run_bench)
 
@@ -415,6 +441,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "device": args.device,
         "backend": args.backend,
+        "speculative": args.speculative,
     }
     options = bench.BenchOptions(**{name: value for name, value in given.items() if value is not None})
     result = bench.run_bench(args.artifact, args.reference, options)
@@ -473,6 +500,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="refuse request fields outside OpenAI's schema with HTTP 400 (default: ignore them, log a warning "
         "and name them in the x-kvforge-ignored-fields response header)",
     )
+    _add_speculative(p)
     ray = p.add_argument_group("Ray Serve (scale-out)")
     ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine (default 1)")
@@ -493,7 +521,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         from kvforge.tools.serve import runner, serving
     except ImportError as e:
         raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
+    speculative = _speculative(args)
     if args.ray:
+        if args.speculative or args.draft:
+            raise ValueError("--speculative/--draft run in the one-process server for now; drop --ray or them")
         from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
 
         settings = ReplicaSettings(
@@ -521,6 +552,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         max_queue=args.max_queue,
         prefix_cache=args.prefix_cache,
+        **speculative,
     )
     runner.serve_local(
         server,

@@ -31,6 +31,10 @@ with vLLM's meaning of queries and hits (tokens, not requests):
 - ``kvforge_prefix_cache_evictions_total``: blocks evicted to stay within the budget
 - ``kvforge_prefix_cache_bytes``, ``kvforge_prefix_cache_budget_bytes``,
   ``kvforge_prefix_cache_blocks``: host memory in use, its budget, blocks held
+- speculative decoding (vLLM's names): ``kvforge_spec_decode_num_drafts_total`` (verify calls with
+  drafts), ``kvforge_spec_decode_num_draft_tokens_total`` (tokens drafted),
+  ``kvforge_spec_decode_num_accepted_tokens_total`` (of them accepted). Acceptance rate = accepted /
+  draft tokens; tokens per target call of a drafting step = 1 + accepted / drafts
 """
 
 from __future__ import annotations
@@ -119,8 +123,22 @@ class ServeMetrics:
         self.cached_tokens = Counter(
             "kvforge_prompt_tokens_cached", "prompt tokens taken from the prefix cache", registry=r
         )
+        self.spec_drafts = Counter("kvforge_spec_decode_num_drafts", "verify calls with drafted tokens", registry=r)
+        self.spec_draft_tokens = Counter(
+            "kvforge_spec_decode_num_draft_tokens", "tokens drafted and verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvforge_spec_decode_num_accepted_tokens", "drafted tokens accepted", registry=r
+        )
         r.register(_SchedulerCollector(server))
         r.register(_PrefixCacheCollector(server))
+
+    def observe_speculative(self, result) -> None:
+        """Count a finished request's drafting (a no-op without speculative decoding)."""
+        if result.drafted_tokens:
+            self.spec_drafts.inc(result.verify_steps)
+            self.spec_draft_tokens.inc(result.drafted_tokens)
+            self.spec_accepted_tokens.inc(result.accepted_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -29,7 +29,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -157,30 +157,22 @@ def sampling_params(
     return params
 
 
-# Predicted outputs. The server hands the tokenized prediction to the runtime as ONE field,
-# ``SamplingParams.prediction`` (a list of token ids: the draft the speculative verify step checks),
-# and reads the counts back from ``GenerationResult.accepted_prediction_tokens`` and
-# ``.rejected_prediction_tokens``. Where the runtime has neither yet, the draft is dropped and the
-# counts are 0: a prediction changes speed only, never the output.
-PREDICTION_FIELD = "prediction"
-
-
 def with_prediction(params: SamplingParams, draft: Sequence[int]) -> SamplingParams:
-    """``params`` carrying ``draft`` as ``SamplingParams.prediction`` (unchanged when the draft is
-    empty or the runtime has no such field)."""
-    if not draft or PREDICTION_FIELD not in {f.name for f in fields(SamplingParams)}:
+    """``params`` carrying ``draft`` (a tokenized predicted output) as ``SamplingParams.prediction``,
+    the draft the speculative verify step checks first (unchanged when the draft is empty). A
+    prediction changes speed only, never the output."""
+    if not draft:
         return params
     try:
-        return replace(params, **{PREDICTION_FIELD: list(draft)})
+        return replace(params, prediction=list(draft))
     except ValueError as e:  # the runtime's own check of the draft
         raise ServingError(str(e), param="prediction", code="invalid_value") from e
 
 
 def prediction_tokens(result: Any) -> tuple[int, int]:
-    """(accepted, rejected) prediction tokens of one GenerationResult; (0, 0) when it reports none."""
-    accepted = getattr(result, "accepted_prediction_tokens", None) or 0
-    rejected = getattr(result, "rejected_prediction_tokens", None) or 0
-    return int(accepted), int(rejected)
+    """(accepted, rejected) prediction tokens of one GenerationResult (its request's
+    ``SamplingParams.prediction`` drafted and verified)."""
+    return result.prediction_accepted, result.prediction_rejected
 
 
 def choices(req: Any, ids: list[int], max_tokens: int, base: SamplingParams) -> list[SeqRequest]:
@@ -212,9 +204,23 @@ def sse(body: BaseModel | dict[str, Any]) -> str:
 
 def usage(prompt_tokens: int, results: Sequence[Any], cached_tokens: int = 0) -> UsageInfo:
     """OpenAI's usage for the finished ``results`` (GenerationResults) of one request; ``cached_tokens``:
-    its prompt tokens taken from the prefix cache (:func:`cached_tokens`)."""
+    its prompt tokens taken from the prefix cache (:func:`cached_tokens`). With speculative decoding
+    also ``speculative`` (a kvforge extension): ``drafted_tokens``, ``accepted_tokens``,
+    ``acceptance_rate`` and ``tokens_per_target_call`` (decode tokens per engine call: each accepted
+    draft saved one) over the request's results."""
     completion = sum(len(r.token_ids) for r in results)
     counts = [prediction_tokens(r) for r in results]
+    extra = {}
+    drafted = sum(r.drafted_tokens for r in results)
+    if drafted:
+        accepted = sum(r.accepted_tokens for r in results)
+        decode = sum(max(len(r.token_ids) - 1, 0) for r in results)
+        extra["speculative"] = {
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 4),
+            "tokens_per_target_call": round(decode / (decode - accepted), 4) if decode > accepted else None,
+        }
     details = CompletionTokensDetails(
         accepted_prediction_tokens=sum(a for a, _ in counts), rejected_prediction_tokens=sum(r for _, r in counts)
     )
@@ -224,6 +230,7 @@ def usage(prompt_tokens: int, results: Sequence[Any], cached_tokens: int = 0) ->
         total_tokens=prompt_tokens + completion,
         completion_tokens_details=details,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        **extra,
     )
 
 
@@ -289,10 +296,14 @@ class ModelServer:
         max_queue: int = 64,
         replica_id: str | None = None,
         prefix_cache: int | str | None = None,
+        speculative: object = None,
+        draft: str | Path | None = None,
     ) -> ModelServer:
-        """Load the artifact (``prefix_cache``: the engine's prefix-cache budget, see
-        ``Engine.load``) and serve it."""
-        engine = Engine.load(artifact_dir, threads=threads, prefix_cache=prefix_cache)
+        """Load the artifact (``prefix_cache``: the engine's prefix-cache budget; ``speculative``,
+        ``draft``: drafting; see ``Engine.load``) and serve it."""
+        engine = Engine.load(
+            artifact_dir, threads=threads, prefix_cache=prefix_cache, speculative=speculative, draft=draft
+        )
         try:
             return cls(engine, model_name=model_name, max_queue=max_queue, replica_id=replica_id)
         except BaseException:
@@ -452,6 +463,7 @@ class ModelServer:
             tokens = len(result.token_ids)
             self.metrics.generation_tokens.inc(tokens)
             self.metrics.cached_tokens.inc(result.cached_tokens)
+            self.metrics.observe_speculative(result)
             self.metrics.finished.labels(reason=result.finish_reason).inc()
             if first is not None and tokens > 1:
                 self.metrics.tpot.observe((time.perf_counter() - first) / (tokens - 1))

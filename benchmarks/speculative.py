@@ -1,0 +1,178 @@
+"""Speculative decoding (issue 23): tokens/s with and without drafts, one run, alternating.
+
+    .venv/bin/python benchmarks/speculative.py OUT [OUT_INT4 ...] --threads 2 --new-tokens 128 \
+        [--batch 4] [--draft DRAFT_OUT] [--json results.json]
+
+Per artifact: two engines loaded side by side (plain, and ``--speculative``, default ``ngram:4``;
+``--draft`` measures a draft-model pair), the same threads. Each prompt is a chat turn (the model's
+template) run greedily by both, alternating over ``--rounds``; the tokens must be identical (the
+script fails otherwise). Reported per prompt: decode tokens/s (after the first token) of each side,
+their ratio, the acceptance rate and tokens per target call (``(n - 1) / (n - 1 - accepted)``: each
+accepted draft saves one call). Input-grounded prompts (summarize, extract, rewrite a ~400-token
+passage; edit a code snippet) and open-ended prompts. ``--batch 4``: the prompts in groups of four
+through one in-flight batch (``Engine.generate``), wall tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from kvforge.runtime import Engine, SamplingParams
+
+PASSAGE = (
+    "The city of Aldmoor sits where two rivers meet, the Venn from the northern hills and the slower, "
+    "wider Oss from the marshes in the west. For most of its history the city lived from the rivers: "
+    "mills on the Venn ground grain from the valley farms, and barges on the Oss carried wool, salt and "
+    "timber down to the coast. In 1842 the council approved a railway line along the Oss, and within "
+    "twenty years the barge trade had almost vanished. The mills survived longer, because the railway "
+    "brought more grain to grind, but the last of them closed in 1931 when an electric mill opened near "
+    "the station. Today the old mill buildings hold a library, a school of music and forty apartments. "
+    "The council's 2019 plan for the riverside set three goals: to reopen the towpath along the Oss as a "
+    "walking and cycling route, to restore the Venn weir so that fish can pass it again, and to build "
+    "no new housing within fifty metres of either river, because both flood every few winters. The "
+    "towpath reopened in 2022 and is used by about three thousand people a day in summer. The weir work "
+    "began in 2023 and is expected to finish in 2026, two years late, at a cost of 4.1 million pounds "
+    "instead of the planned 2.6 million. Critics of the plan, led by the Riverside Traders Association, "
+    "argue that the housing rule pushes young families out of the centre and that the money spent on "
+    "the weir would have been better spent on the bus network, which has lost a third of its routes "
+    "since 2010. Supporters answer that the floods of 2015 damaged more than two hundred homes near the "
+    "rivers and that the towpath has brought new cafes and shops to streets that had been empty."
+)
+CODE = """def load_scores(path):
+    scores = {}
+    with open(path) as f:
+        for line in f:
+            name, score = line.strip().split(",")
+            if name in scores:
+                scores[name].append(int(score))
+            else:
+                scores[name] = [int(score)]
+    result = []
+    for name in scores:
+        total = 0
+        for s in scores[name]:
+            total = total + s
+        result.append((name, total / len(scores[name])))
+    result.sort(key=lambda x: x[1], reverse=True)
+    return result
+"""
+GROUNDED = {
+    "summarize": f"Summarize the following text in a few sentences.\n\n{PASSAGE}",
+    "extract": f"List every year and every amount of money mentioned in this text, each with what it refers "
+    f"to, quoting the text.\n\n{PASSAGE}",
+    "rewrite": f"Rewrite the following text in simpler English, keeping every fact.\n\n{PASSAGE}",
+    "code-edit": f"Rename the function load_scores to read_average_scores and the variable result to "
+    f"averages in this Python code. Return the whole code.\n\n```python\n{CODE}```",
+}
+OPEN = {
+    "story": "Write a short story about a lighthouse keeper who finds a strange message in a bottle.",
+    "ideas": "Give me some ideas for a weekend trip with children in autumn, and explain why each is fun.",
+}
+
+
+def _run(engine: Engine, prompt: list[int], new_tokens: int):
+    t = time.perf_counter()
+    [r] = engine.generate([prompt], max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0))
+    return r, time.perf_counter() - t
+
+
+def measure(artifact: str, args) -> list[dict]:
+    spec_kw = {"speculative": args.speculative, "draft": args.draft}
+    rows = []
+    with (
+        Engine.load(artifact, threads=args.threads) as plain,
+        Engine.load(artifact, threads=args.threads, **spec_kw) as spec,
+    ):
+        prompts = {
+            **{("grounded", k): v for k, v in GROUNDED.items()},
+            **{("open", k): v for k, v in OPEN.items()},
+        }
+        ids = {k: plain.chat_prompt([{"role": "user", "content": v}]) for k, v in prompts.items()}
+        for (kind, name), prompt in ids.items():
+            best = {}
+            for _ in range(args.rounds):
+                for side, engine in (("plain", plain), ("spec", spec)):
+                    r, _ = _run(engine, prompt, args.new_tokens)
+                    if side not in best or (r.tokens_per_s or 0) > (best[side].tokens_per_s or 0):
+                        best[side] = r
+            a, b = best["plain"], best["spec"]
+            if a.token_ids != b.token_ids:
+                raise SystemExit(f"{name}: speculative tokens differ from plain decoding")
+            n = len(b.token_ids)
+            calls = (n - 1) - b.accepted_tokens
+            rows.append(
+                dict(
+                    artifact=artifact,
+                    kind=kind,
+                    prompt=name,
+                    prompt_tokens=len(prompt),
+                    new_tokens=n,
+                    plain_tok_s=a.tokens_per_s,
+                    spec_tok_s=b.tokens_per_s,
+                    ratio=b.tokens_per_s / a.tokens_per_s,
+                    acceptance=b.acceptance_rate,
+                    tokens_per_call=(n - 1) / calls if calls else None,
+                )
+            )
+            r = rows[-1]
+            print(
+                f"{os.path.basename(artifact):8s} {kind:8s} {name:10s} p={len(prompt):4d} n={n:3d} "
+                f"plain {r['plain_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} tok/s  x{r['ratio']:.2f}  "
+                f"accept {r['acceptance'] or 0:.2f}  tok/call {r['tokens_per_call'] or 1:.2f}",
+                flush=True,
+            )
+        if args.batch > 1:
+            group = [ids["grounded", k] for k in GROUNDED][: args.batch]
+            sampling = SamplingParams(temperature=0)
+            best = {}
+            for _ in range(args.rounds):
+                for side, engine in (("plain", plain), ("spec", spec)):
+                    t = time.perf_counter()
+                    res = engine.generate(group, max_new_tokens=args.new_tokens, sampling=sampling)
+                    tok_s = sum(len(x.token_ids) for x in res) / (time.perf_counter() - t)
+                    best[side] = max(best.get(side, (0, None)), (tok_s, res), key=lambda x: x[0])
+            same = [x.token_ids for x in best["plain"][1]] == [x.token_ids for x in best["spec"][1]]
+            ratio = best["spec"][0] / best["plain"][0]
+            rows.append(
+                dict(
+                    artifact=artifact,
+                    kind=f"batch{args.batch}",
+                    plain_tok_s=best["plain"][0],
+                    spec_tok_s=best["spec"][0],
+                    ratio=ratio,
+                    identical=same,
+                )
+            )
+            print(
+                f"{os.path.basename(artifact):8s} batch {args.batch} grounded (wall, prefill incl.): plain "
+                f"{best['plain'][0]:.1f} tok/s  spec {best['spec'][0]:.1f} tok/s  x{ratio:.2f}  identical={same}"
+            )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("artifacts", nargs="+")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--speculative", default=None, help="default: ngram:4, or draft:4 with --draft")
+    p.add_argument("--draft", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.speculative is None:
+        args.speculative = "draft:4" if args.draft else "ngram:4"
+    print(f"load: {os.getloadavg()}", flush=True)
+    rows = [row for artifact in args.artifacts for row in measure(artifact, args)]
+    print(f"load: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

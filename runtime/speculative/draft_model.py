@@ -1,0 +1,106 @@
+"""A draft model: a second kvforge artifact, with the target's tokenizer, proposing greedily.
+
+:class:`DraftModel` holds the draft engine (its own weights, session and KV cache) and hands each
+request a :class:`DraftModelDrafter`, which takes a cache row of the draft engine the first time it
+proposes (rows of finished requests are taken back then; a request finding none free does not
+draft). A proposal brings the draft row up to date with the request's tokens (the draft cache keeps
+the longest prefix it shares with them: a rejection shortens it, as in the target) by one prefill
+of the missing tokens, then runs ``k - 1`` greedy decode steps: ``k`` tokens for ``k`` calls of a
+model much cheaper than the target. The draft engine's step API is used below its ownership layer:
+the target's batch loop, under the target's lock, is its only caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvforge.graphs.manifest import ArtifactError
+
+
+def _tokenizer_digest(engine) -> str | None:
+    path = engine.artifact_dir / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+class DraftModel:
+    """The draft engine of a target engine; refuses a draft whose tokenizer is not the target's."""
+
+    def __init__(self, draft_engine, target_engine) -> None:
+        ours, theirs = _tokenizer_digest(target_engine), _tokenizer_digest(draft_engine)
+        if ours != theirs or (ours is None and draft_engine.vocab_size != target_engine.vocab_size):
+            draft_engine.close()
+            raise ArtifactError(
+                f"the draft model {draft_engine.artifact_dir} does not share the target's tokenizer "
+                f"(tokenizer.json sha256 {str(theirs)[:12]} vs {str(ours)[:12]}): its token ids would mean other "
+                "text. Use a draft compiled from a model with the same tokenizer (e.g. a smaller model of the "
+                "same family)"
+            )
+        self.engine = draft_engine
+        self.target_vocab = target_engine.vocab_size
+        self.rows: list[DraftModelDrafter | None] = [None] * draft_engine.max_batch
+
+    def drafter(self, prompt: Sequence[int], done: Callable[[], bool]) -> DraftModelDrafter:
+        """A request's drafter; ``done()`` says when the request has finished (its row is free then)."""
+        return DraftModelDrafter(self, prompt, done)
+
+    def take_row(self, drafter: DraftModelDrafter) -> int | None:
+        for r, holder in enumerate(self.rows):
+            if holder is None or holder.finished():
+                if holder is not None:
+                    holder.row = None
+                self.rows[r] = drafter
+                return r
+        return None
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class DraftModelDrafter:
+    """One request's proposals from the draft model (greedy, on the draft engine's row ``row``)."""
+
+    def __init__(self, model: DraftModel, prompt: Sequence[int], done: Callable[[], bool]) -> None:
+        self.model = model
+        self.finished = done  # the request proposes no more: its row may be taken
+        self.prompt = [int(t) for t in prompt]
+        self.row: int | None = None
+        self.cached: list[int] = []  # the tokens in the draft row, in order
+
+    def propose(self, generated: Sequence[int], k: int) -> list[int]:
+        model = self.model
+        engine = model.engine
+        if self.row is None:
+            self.row = model.take_row(self)
+            if self.row is None:
+                return []
+        tokens = self.prompt + [int(t) for t in generated]
+        if len(tokens) + k > engine.max_seq:
+            k = engine.max_seq - len(tokens)
+            if k < 1:
+                return []
+        # The longest prefix the draft row shares with the tokens; the rest is prefilled.
+        same = 0
+        for a, b in zip(self.cached, tokens):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(tokens) - 1)  # at least the last token goes in, for its logits
+        row = self.row
+        step = engine.chunk_tokens
+        for at in range(same, len(tokens), step):
+            logits = engine.prefill_rows([tokens[at : at + step]], [at], row)
+        out = [int(np.argmax(logits[0]))]
+        ids = engine.decode_ids(1)
+        for _ in range(k - 1):
+            ids[0] = out[-1]
+            logits = engine.decode_rows(1, row)
+            out.append(int(np.argmax(logits[0])))
+        self.cached = tokens + out[:-1]
+        # The target cannot take ids beyond its vocabulary: a draft stops before the first such id.
+        for j, t in enumerate(out):
+            if t >= model.target_vocab:
+                return out[:j]
+        return out

@@ -1,0 +1,131 @@
+"""Drafters: what a request proposes for the target model to verify, and how many tokens.
+
+A drafter has one verb, ``propose(generated, k) -> list[int]``: up to ``k`` tokens that may follow
+the prompt (given at construction) and ``generated`` (the request's output so far). It keeps what it
+needs between calls and reads only the tokens it has not seen. :class:`RowDrafting` wraps one
+request's drafter with the adaptive draft length and the counts a result reports.
+
+* :class:`NgramDrafter`: prompt lookup. The last ``n`` tokens (``ngram_max`` down to ``ngram_min``)
+  are looked up among the earlier tokens of prompt + output; the tokens that followed their first
+  occurrence are proposed (as transformers' prompt lookup does; the first occurrence also has the
+  longest continuation in a repeating run). An index of every n-gram's first continuation is kept
+  up to date as tokens arrive (O(1) per token and per proposal, no scan of the text).
+* :class:`PredictionDrafter`: an explicit prediction (OpenAI's "predicted outputs"): while the
+  output follows the prediction, the prediction's next tokens; after a divergence, the prediction
+  is re-entered after the first occurrence of the last ``n`` tokens in it.
+* :class:`kvforge.runtime.speculative.draft_model.DraftModelDrafter`: a smaller model's greedy tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramDrafter:
+    """Prompt lookup over ``prompt`` + the generated tokens."""
+
+    def __init__(self, prompt: Sequence[int], ngram_max: int = 3, ngram_min: int = 2) -> None:
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.tokens: list[int] = []
+        self.prompt_len = len(prompt)
+        # (n-gram) -> the position right after its first occurrence (which has a known continuation).
+        self.index: dict[tuple[int, ...], int] = {}
+        self._extend(prompt)
+
+    def _extend(self, new: Sequence[int]) -> None:
+        tokens, index = self.tokens, self.index
+        for t in new:
+            i = len(tokens)  # t's position: the n-grams ending at i - 1 now have a continuation
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if i >= n:
+                    index.setdefault(tuple(tokens[i - n : i]), i)
+            tokens.append(int(t))
+
+    def propose(self, generated: Sequence[int], k: int) -> list[int]:
+        seen = len(self.tokens) - self.prompt_len
+        if len(generated) > seen:
+            self._extend(generated[seen:])
+        tokens = self.tokens
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if len(tokens) <= n:
+                continue
+            at = self.index.get(tuple(tokens[-n:]))
+            if at is not None:
+                return tokens[at : at + k]
+        return []
+
+
+class PredictionDrafter:
+    """Proposes an explicit ``prediction`` (token ids the output is expected to repeat)."""
+
+    def __init__(self, prediction: Sequence[int], ngram_max: int = 3, ngram_min: int = 1) -> None:
+        self.prediction = [int(t) for t in prediction]
+        self.at = 0  # the prediction's next token, while the output follows it
+        self.seen = 0
+        self.lookup = NgramDrafter([], ngram_max, ngram_min)  # re-entry after a divergence
+        self.lookup._extend(self.prediction)
+        self.last: list[int] = []  # the latest ngram_max generated tokens
+
+    def propose(self, generated: Sequence[int], k: int) -> list[int]:
+        pred = self.prediction
+        for t in generated[self.seen :]:
+            t = int(t)
+            self.at = self.at + 1 if self.at is not None and self.at < len(pred) and pred[self.at] == t else None
+            self.last = [*self.last[-(self.lookup.ngram_max - 1) :], t] if self.lookup.ngram_max > 1 else [t]
+        self.seen = len(generated)
+        if self.at is None:  # diverged: re-enter after the first occurrence of the last n tokens
+            for n in range(min(self.lookup.ngram_max, len(self.last)), self.lookup.ngram_min - 1, -1):
+                at = self.lookup.index.get(tuple(self.last[-n:]))
+                if at is not None:
+                    self.at = at
+                    break
+            else:
+                return []
+        return pred[self.at : self.at + k]
+
+
+class RowDrafting:
+    """One request's drafting: its drafter, the draft length and what it proposed and got accepted.
+
+    Adaptive length (``adaptive=True``): a step whose drafts are all accepted doubles the length (up
+    to ``k``); a partial acceptance sets it to the accepted count + 1; a step with nothing accepted
+    also pauses drafting for 1, 2, 4, ... 16 steps (reset by the next acceptance), so a row whose
+    text offers nothing to copy decodes plainly."""
+
+    def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False) -> None:
+        self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
+        self.prediction = prediction  # the drafter is the request's explicit prediction
+        self.k = k
+        self.pause = 0
+        self.misses = 0
+        self.drafted = 0  # tokens proposed and verified
+        self.accepted = 0  # of them, tokens accepted
+        self.steps = 0  # verify calls with at least one drafted token
+
+    def propose(self, generated: Sequence[int], room: int) -> list[int]:
+        """Up to ``min(k, room)`` tokens to verify after ``generated`` (empty: a plain step)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return []
+        k = min(self.k, room)
+        return self.drafter.propose(generated, k)[:k] if k > 0 else []
+
+    def learn(self, proposed: int, accepted: int) -> None:
+        """``accepted`` of ``proposed`` drafted tokens were the target's."""
+        if proposed == 0:
+            return
+        self.steps += 1
+        self.drafted += proposed
+        self.accepted += accepted
+        if not self.adaptive:
+            return
+        if accepted == proposed:
+            self.k = min(self.k_max, 2 * self.k)
+            self.misses = 0
+        elif accepted > 0:
+            self.k = accepted + 1
+            self.misses = 0
+        else:
+            self.k = 1
+            self.pause = min(1 << self.misses, 16)
+            self.misses += 1

@@ -1,0 +1,117 @@
+"""The batch loop's verify step: each decoding row's drafts checked in ONE engine call.
+
+Input: the decoding requests of a batch loop (request ``i`` in cache row ``first + i``), each with
+its :class:`~kvforge.runtime.speculative.drafters.RowDrafting` or none. Output: every row's
+accepted tokens fed to its :class:`~kvforge.runtime.generation.Generation`, the cache rows'
+lengths set to what they now hold. One step:
+
+1. each drafting row proposes up to ``k`` tokens (fewer near ``max_seq`` or ``max_new_tokens``);
+   no proposal anywhere -> ``False``, and the loop takes its plain decode step;
+2. one engine call of ``width = 1 + longest draft`` tokens per row (the row's last token, its
+   drafts, padding for shorter rows) with logits at every position, ``[n, width, V]``. A row
+   without drafts takes its plain step in the same call (its logits at position 0);
+3. per row, position by position: the token is the draft when accepted (greedy: it is the argmax;
+   sampling: ``Sampler.verify``'s rule, which keeps the target distribution), else the
+   replacement, which ends the row's run; after the last draft, one more token from the last
+   position's logits (the "bonus"). Each token goes through ``Generation.accept`` as in plain
+   decoding, so eos, stop strings, ``max_new_tokens``, logprobs and streaming behave alike: a stop
+   inside an accepted run ends the request there and the tokens after it are dropped;
+4. the row's cache length is set to its old length + 1 + accepted drafts: the rejected positions
+   hold stale keys and values that no query attends (they lie past the row's length) and the next
+   call overwrites them.
+
+The gqa lowering verifies one row per call (ONNX Runtime's GroupQueryAttention refuses several
+tokens per row for more than one row: "batch_size must be 1 when sequence_length > 1 and past
+context is given"); with more decoding rows this step declines and the loop decodes plainly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NO_DRAFT: list[int] = []
+
+
+class Verifier:
+    """One batch loop's verify step; owns the scratch row of argmaxes ``[max_batch, max_width]``."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.width = engine.verify_width
+        self._greedy = np.zeros(engine.max_batch * self.width, dtype=np.int64)
+        self._drafts: list[list[int]] = []
+
+    def step(self, gens: list, first: int) -> bool:
+        """Draft, verify and accept for ``gens`` (in rows ``first, first + 1, ...``). Returns False,
+        having run nothing, when no row proposed a token or the rows cannot verify together."""
+        engine, n = self.engine, len(gens)
+        if n > 1 and not engine.verify_together:
+            return False
+        lengths, max_seq = engine.lengths, engine.max_seq
+        drafts = self._drafts
+        drafts.clear()
+        longest = 0
+        least_room = max_seq
+        for i, g in enumerate(gens):
+            room = max_seq - int(lengths[first + i])  # positions this row can still write
+            least_room = min(least_room, room)
+            d = g.drafting
+            if d is None:
+                drafts.append(NO_DRAFT)
+                continue
+            fit = min(self.width, room, g.max_new_tokens - len(g.token_ids)) - 1
+            p = d.propose(g.token_ids, fit) if fit > 0 else NO_DRAFT
+            drafts.append(p)
+            longest = max(longest, len(p))
+        width = min(1 + longest, least_room)  # every row writes `width` positions
+        if width < 2:
+            return False
+        ids = engine.verify_ids(n, width)  # [n, width]
+        for i, (g, p) in enumerate(zip(gens, drafts)):
+            if len(p) >= width:
+                drafts[i] = p = p[: width - 1]
+            ids[i, 0] = g.token_ids[-1]
+            ids[i, 1 : 1 + len(p)] = p
+            ids[i, 1 + len(p) :] = 0  # padding: written past the row's length, never attended
+        base = [int(lengths[first + i]) for i in range(n)]
+        try:
+            logits = engine.verify_rows(n, width, first)  # [n, width, V]
+        except Exception as error:  # the engine call failed: its requests fail, the loop goes on
+            for g in gens:
+                g.fail(error)
+            return True
+        greedy = None
+        if any(g.sampler.plain_greedy for g in gens):
+            greedy = self._greedy[: n * width].reshape(n, width)
+            np.argmax(logits, axis=-1, out=greedy)
+        for i, (g, p) in enumerate(zip(gens, drafts)):
+            accepted = 0
+            try:
+                accepted = _accept_row(g, p, logits[i], None if greedy is None else greedy[i], base[i], max_seq)
+            except Exception as error:  # this request alone fails
+                g.fail(error)
+            lengths[first + i] = base[i] + 1 + accepted
+            if p and g.drafting is not None:
+                g.drafting.learn(len(p), accepted)
+        return True
+
+
+def _accept_row(g, draft: list[int], logits: np.ndarray, greedy: np.ndarray | None, base: int, max_seq: int) -> int:
+    """Feed row ``g`` its tokens from ``logits [width, V]``; returns how many drafts were accepted."""
+    plain = g.sampler.plain_greedy
+    accepted = 0
+    for j in range(len(draft) + 1):
+        if j < len(draft):
+            if plain:
+                token = int(greedy[j])
+                g.sampler.record(token)
+            else:
+                token = g.sampler.verify(logits[j], draft[j])
+        else:
+            token = g.pick(logits[j], None if greedy is None else int(greedy[j]))
+        hit = j < len(draft) and token == draft[j]
+        accepted += hit
+        g.accept(token, room=base + 1 + j < max_seq)
+        if g.done or not hit:
+            break
+    return accepted
