@@ -123,29 +123,26 @@ class GGUFBlocks:
     :meth:`match` can return rows of."""
 
     def __init__(self, path: str | Path) -> None:
-        gguf = _import_gguf()
         self.path = Path(path)
-        try:
-            reader = gguf.GGUFReader(str(self.path))
-        except (ValueError, OSError) as e:
-            raise GGUFError(f"{str(self.path)!r} is not a readable GGUF file ({e})") from e
-        self.types: dict[str, str] = {t.name: t.tensor_type.name for t in reader.tensors}
+        self.types: dict[str, str] = {}
         self._names: list[str] = []
         self._qtypes: list[str] = []
         self._blocks: list[np.ndarray] = []  # [N, K/32, bytes per block] views of the mapped file
         self._index: dict[tuple[int, int], tuple[int, int]] = {}  # (K, fingerprint) -> (tensor, row)
-        for t in reader.tensors:
-            qtype = t.tensor_type.name
-            if qtype not in EXACT_TYPES or t.data.ndim != 2:
+        data = np.memmap(self.path, np.uint8, mode="r")
+        for name, qtype, shape, offset in read_tensor_infos(self.path):
+            self.types[name] = qtype
+            if qtype not in EXACT_TYPES or len(shape) != 2:
                 continue
-            blocks = t.data.reshape(t.data.shape[0], -1, EXACT_TYPES[qtype][1])
+            k, n = shape  # GGUF lists dims innermost first
+            size = n * (k // BLOCK) * EXACT_TYPES[qtype][1]
+            blocks = data[offset : offset + size].reshape(n, k // BLOCK, EXACT_TYPES[qtype][1])
             which = len(self._names)
-            self._names.append(t.name)
+            self._names.append(name)
             self._qtypes.append(qtype)
             self._blocks.append(blocks)
-            rows = dequantize(blocks, qtype)
-            for row, fingerprint in enumerate(_fingerprints(rows).tolist()):
-                self._index.setdefault((rows.shape[1], fingerprint), (which, row))
+            for row, fingerprint in enumerate(_fingerprints(dequantize(blocks, qtype)).tolist()):
+                self._index.setdefault((k, fingerprint), (which, row))
 
     @property
     def exact(self) -> list[str]:
@@ -176,6 +173,65 @@ class GGUFBlocks:
         return BlockRows(qtype, blocks, tuple(order))
 
 
+# GGUF metadata value types (the format's spec): fixed sizes; 8 is a string, 9 an array
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def read_tensor_infos(path: Path) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """``(name, GGUF type name, dims innermost first, absolute byte offset)`` of every tensor of a
+    GGUF file (version 2 or 3, little-endian), from its header alone. ``gguf.GGUFReader`` builds
+    numpy views of every metadata field (SmolLM2's 49k-token vocabulary: ~10 s); this reads only the
+    lengths it must skip."""
+    import mmap
+    import struct
+
+    gguf = _import_gguf()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise GGUFError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
+        version, tensors, kvs = struct.unpack_from("<IQQ", m, 4)
+        if version not in (2, 3):
+            raise GGUFError(f"{str(path)!r} is GGUF version {version}; kvforge reads versions 2 and 3")
+        pos, alignment = 24, 32
+
+        def string(at: int) -> tuple[str, int]:
+            (length,) = struct.unpack_from("<Q", m, at)
+            return m[at + 8 : at + 8 + length].decode("utf-8", "replace"), at + 8 + length
+
+        def skip(kind: int, at: int) -> int:
+            if kind in _SCALARS:
+                return at + _SCALARS[kind]
+            if kind == _STRING:
+                return at + 8 + struct.unpack_from("<Q", m, at)[0]
+            if kind == _ARRAY:
+                item, count = struct.unpack_from("<IQ", m, at)
+                at += 12
+                if item in _SCALARS:
+                    return at + count * _SCALARS[item]
+                for _ in range(count):
+                    at = skip(item, at)
+                return at
+            raise GGUFError(f"{str(path)!r}: unknown GGUF metadata type {kind}; the file is corrupted")
+
+        for _ in range(kvs):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            if key == "general.alignment" and kind == 4:
+                (alignment,) = struct.unpack_from("<I", m, pos + 4)
+            pos = skip(kind, pos + 4)
+        infos = []
+        for _ in range(tensors):
+            name, pos = string(pos)
+            (dims,) = struct.unpack_from("<I", m, pos)
+            shape = struct.unpack_from(f"<{dims}Q", m, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * dims)
+            pos += 4 + 8 * dims + 12
+            infos.append((name, gguf.GGMLQuantizationType(kind).name, tuple(shape), offset))
+        start = pos + (-pos % alignment)
+    return [(name, kind, shape, start + offset) for name, kind, shape, offset in infos]
+
+
 _COEFFICIENTS = np.random.default_rng(20261201).integers(1, 2**63, size=1 << 16, dtype=np.uint64) | np.uint64(1)
 
 
@@ -197,7 +253,17 @@ def _fingerprints(rows: np.ndarray, chunk: int = 4096) -> np.ndarray:
 
 
 def dequantize(blocks: np.ndarray, qtype: str) -> np.ndarray:
-    """``[N, K/32, bytes per block]`` blocks -> ``[N, K]`` float32, by the ``gguf`` package itself."""
-    gguf = _import_gguf()
-    n = blocks.shape[0]
-    return gguf.quants.dequantize(np.ascontiguousarray(blocks).reshape(n, -1), gguf.GGMLQuantizationType[qtype])
+    """``[N, K/32, bytes per block]`` blocks of an exact type -> ``[N, K]`` float32: the ``gguf``
+    package's formulas (``d·(q − 8)``, ``d·q``, ``d·q + m``, in float32, in its order of
+    operations), over whole tensors at once; equal to ``gguf.quants.dequantize`` bit for bit
+    (tests/compile/test_gguf.py), several times faster."""
+    n, nb, _ = blocks.shape
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, nb, 1]
+    if qtype == "Q8_0":
+        return (blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(n, nb * BLOCK)
+    qs = blocks[..., 2:] if qtype == "Q4_0" else blocks[..., 4:]  # byte j: weights j (low), j + 16 (high)
+    q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+    if qtype == "Q4_0":
+        return (d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(n, nb * BLOCK)
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    return ((d * q.astype(np.float32)) + m).reshape(n, nb * BLOCK)

@@ -91,12 +91,13 @@ def _matmulnbits_weight(q: np.ndarray, scales: np.ndarray, zero_points: np.ndarr
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_1"])
-def test_repacked_blocks_equal_gguf_dequantize(qtype):
+def test_dequantize_and_repacked_blocks_equal_gguf_dequantize(qtype):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((24, 96), dtype=np.float32)
     kind = gguf.GGMLQuantizationType[qtype]
     raw = gguf.quants.quantize(w, kind)
     expected = gguf.quants.dequantize(raw, kind)
+    np.testing.assert_array_equal(gguf_stage.dequantize(raw.reshape(24, 3, -1), qtype), expected)  # bit for bit
     found = gguf_stage.BlockRows(qtype, raw.reshape(24, 3, -1), ("t",))
     q, scales, zero_points, mins = gguf_exact.repack(found)
     got = _matmulnbits_weight(q, scales, zero_points, gguf_stage.EXACT_TYPES[qtype][0])
