@@ -18,7 +18,10 @@ in roughly a quarter of an hour.
 
 Usage::
 
-    python -m kvforge.tools.train_default --out models/kvforge-tiny
+    python scripts/train_default.py --out models/kvforge-tiny
+
+It lives outside the installed package (it is how the bundled model was made, not part of
+kvforge) and imports nothing from kvforge: torch, transformers and tokenizers are enough.
 
 Tokenizer convention: encoding never inserts special tokens automatically.
 ``<|endoftext|>`` (id 0) is bos, eos and pad at once; during training every
@@ -477,7 +480,7 @@ def write_model_card(
     rope = getattr(c, "rope_parameters", None) or {}
     rope_theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
     argv: list[str] = info["argv"]  # type: ignore[assignment]
-    cmd = " ".join(["python -m kvforge.tools.train_default", *map(shlex.quote, argv)])
+    cmd = " ".join(["python scripts/train_default.py", *map(shlex.quote, argv)])
     curve = "\n".join(
         f"| {int(h['step'])} | {h['loss']:.3f} | " + (f"{h['heldout_loss']:.3f} |" if "heldout_loss" in h else " |")
         for h in history
@@ -598,9 +601,8 @@ legitimately diverge after a near tie.
 
 ## Reproduce
 
-From the repository root (with kvforge installed; the script imports nothing
-from kvforge, so `python tools/train_default.py` with the same arguments is
-equivalent):
+From the repository root of kvforge (the script imports nothing from kvforge;
+torch, transformers and tokenizers are enough):
 
 ```bash
 {cmd}
@@ -622,7 +624,7 @@ CPUs, thread counts or library versions are not guaranteed.
 
 def parse_args(argv: Sequence[str] | None) -> TrainArgs:
     p = argparse.ArgumentParser(
-        prog="python -m kvforge.tools.train_default",
+        prog="python scripts/train_default.py",
         description="Train the bundled kvforge-tiny Llama model offline on CPython's documentation.",
     )
     p.add_argument("--out", default="models/kvforge-tiny", help="output model directory")
