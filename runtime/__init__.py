@@ -5,6 +5,7 @@ from kvforge.runtime.chat import ChatTemplate, ChatTemplateError
 from kvforge.runtime.detokenize import IncrementalDetokenizer
 from kvforge.runtime.engine import Engine
 from kvforge.runtime.generation import GenerationResult, StreamChunk, Timing
+from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool
 from kvforge.runtime.sampling import GenerationDefaults, Sampler, SamplingParams, TokenLogprob
 from kvforge.runtime.scheduler import RequestHandle, Scheduler
 from kvforge.runtime.session import Session
@@ -19,6 +20,9 @@ __all__ = [
     "GenerationDefaults",
     "GenerationResult",
     "IncrementalDetokenizer",
+    "KVBlock",
+    "KVBlockError",
+    "PrefixPool",
     "RequestHandle",
     "Sampler",
     "SamplingParams",

@@ -6,9 +6,10 @@ another artifact (lowering), another dtype, or longer than a row is refused, and
 or corrupted file; through ``generate`` and the scheduler, a hit, a miss and a partial hit import
 exactly the cached whole blocks (``cached_tokens``), prefill the rest and give the same greedy
 tokens and first-token logprobs (1e-5) as an engine without the cache; two requests sharing a
-prefix in one batch are both correct; a small budget evicts least recently used leaves and never
-a pinned block; a saved session restored (in another row or another engine) continues exactly as
-the uninterrupted one; the pool's statistics count queries and hits as vLLM's do."""
+prefix in one batch are both correct; rows offered before compaction moves them hold their own
+KV; a small budget evicts least recently used leaves and never a pinned block; a saved session
+restored (in another row or another engine) continues exactly as the uninterrupted one; the
+pool's statistics count queries and hits as vLLM's do."""
 
 from __future__ import annotations
 
@@ -165,6 +166,20 @@ def test_two_requests_sharing_a_prefix_in_one_batch(engine, plain, pool):
         warm = [h.result(timeout=60) for h in handles]
     assert [r.token_ids for r in warm] == ref
     assert [r.cached_tokens for r in warm] == [23, 20, 20]  # the first prompt itself was cached whole
+
+
+def test_rows_offered_before_compaction_moves_them(engine, plain, pool):
+    """The first request finishes first and the last one moves into its row: what the pool holds
+    for each is its own KV (follow-ups that extend each reply hit and match the uncached engine)."""
+    prompts = [[0, *range(70, 84)], [0, *range(90, 104)], [0, *range(140, 154)]]
+    with engine.scheduler() as sched:
+        handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(prompts, [2, 12, 12])]
+        results = [h.result(timeout=60) for h in handles]
+    for prompt, result in zip(prompts, results):
+        follow = [*prompt, *result.token_ids, 3, 4]
+        [again] = engine.generate([follow], 5)
+        assert again.cached_tokens == (len(prompt) + len(result.token_ids) - 1) // BT * BT
+        assert again.token_ids == plain.generate([follow], 5)[0].token_ids
 
 
 def test_eviction_under_a_small_budget(engine, plain, pool):
