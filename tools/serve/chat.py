@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvforge.runtime.chat import ChatTemplateError
 from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve import structured
 from kvforge.tools.serve.serving import (
     SSE_DONE,
     Flight,
@@ -36,6 +37,7 @@ from kvforge.tools.serve.serving import (
 class Prepared:
     sequences: list[SeqRequest]
     prompt_tokens: int
+    plan: structured.Plan
 
 
 def _content(message: p.ChatMessage, index: int) -> str:
@@ -56,13 +58,8 @@ def _content(message: p.ChatMessage, index: int) -> str:
 
 def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     server.check_model(req.model)
-    check_unsupported({"logit_bias": req.logit_bias, "tools": req.tools})
-    if req.tool_choice not in (None, "none"):
-        raise ServingError("tool_choice is not supported (this server has no tools); remove it", param="tool_choice")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise ServingError(
-            "response_format other than {'type': 'text'} is not supported; remove it", param="response_format"
-        )
+    check_unsupported({"logit_bias": req.logit_bias})
+    plan = structured.plan(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls)
     if not req.messages:
         raise ServingError("messages is empty; send at least one message", param="messages")
     if server.chat_template is None:
@@ -76,8 +73,9 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         raise ServingError("top_logprobs needs logprobs: true; set both or neither", param="top_logprobs")
     server.check_n(req.n)
     messages = [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(req.messages)]
+    messages, tools = structured.chat_messages(messages, req.messages, plan, server.chat_template)
     try:
-        text = server.chat_template.render(messages, add_generation_prompt=True)
+        text = server.chat_template.render(messages, add_generation_prompt=True, tools=tools)
     except ChatTemplateError as e:
         raise ServingError(f"the chat template rejected the messages: {e}", param="messages") from e
     ids = server.encode(text, special=False)
@@ -91,7 +89,8 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         seed=req.seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
-    return Prepared(choices(req, ids, max_tokens, base), len(ids))
+    base = structured.constrain(base, plan)
+    return Prepared(choices(req, ids, max_tokens, base), len(ids), plan)
 
 
 def chat_logprobs(server: ModelServer, logprobs) -> p.ChatCompletionLogProbs:
@@ -112,16 +111,18 @@ async def full(
     server: ModelServer, req: p.ChatCompletionRequest, prep: Prepared, flight: Flight
 ) -> p.ChatCompletionResponse:
     results = await final_results(flight)
-    response_choices = [
-        p.ChatCompletionResponseChoice(
-            index=i,
-            message=p.ChatResponseMessage(content=results[i].text),
-            logprobs=chat_logprobs(server, results[i].logprobs) if req.logprobs else None,
-            finish_reason=results[i].finish_reason,
-            stop_reason=results[i].stop_string,
+    response_choices = []
+    for i in range(len(prep.sequences)):
+        content, calls = structured.parse_output(results[i].text) if prep.plan.parse_calls else (results[i].text, [])
+        response_choices.append(
+            p.ChatCompletionResponseChoice(
+                index=i,
+                message=p.ChatResponseMessage(content=content, tool_calls=calls or None),
+                logprobs=chat_logprobs(server, results[i].logprobs) if req.logprobs else None,
+                finish_reason=_finish_reason(results[i].finish_reason, calls),
+                stop_reason=results[i].stop_string,
+            )
         )
-        for i in range(len(prep.sequences))
-    ]
     completion = sum(len(r.token_ids) for r in results.values())
     return p.ChatCompletionResponse(
         model=server.model_name, choices=response_choices, usage=usage(prep.prompt_tokens, completion)
@@ -141,6 +142,23 @@ async def stream(
         choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
         return sse(head.model_copy(update={"choices": [choice]}))
 
+    def deltas(index: int, events: list, logprobs=None) -> list[str]:
+        """Content and tool-call deltas of one choice's parsed text (logprobs ride on the first)."""
+        out = []
+        for e in events:
+            if isinstance(e, str):
+                out.append(chunk(index, p.DeltaMessage(content=e), logprobs=logprobs))
+            else:
+                call = p.DeltaToolCall(index=calls[index], id=e["id"], type="function", function=e["function"])
+                calls[index] += 1
+                out.append(chunk(index, p.DeltaMessage(tool_calls=[call]), logprobs=logprobs))
+            logprobs = None
+        if logprobs is not None:
+            out.append(chunk(index, p.DeltaMessage(content=""), logprobs=logprobs))
+        return out
+
+    parsers = [structured.CallStream() if prep.plan.parse_calls else None for _ in prep.sequences]
+    calls = [0] * len(prep.sequences)
     completion = 0
     try:
         for index in range(len(prep.sequences)):
@@ -148,18 +166,25 @@ async def stream(
         async with contextlib.aclosing(flight.events()) as events:
             async for event in events:
                 raise_on_error(event)
+                parser = parsers[event.index]
                 if event.kind == "chunk":
                     piece = event.payload
                     logprobs = chat_logprobs(server, piece.logprobs) if req.logprobs and piece.logprobs else None
-                    if piece.text or logprobs is not None:
+                    if parser is not None:
+                        for line in deltas(event.index, parser.feed(piece.text), logprobs):
+                            yield line
+                    elif piece.text or logprobs is not None:
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
                     result = event.payload
                     completion += len(result.token_ids)
+                    if parser is not None:
+                        for line in deltas(event.index, parser.finish()):
+                            yield line
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
-                        finish_reason=result.finish_reason,
+                        finish_reason=_finish_reason(result.finish_reason, [None] * calls[event.index]),
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
@@ -167,3 +192,8 @@ async def stream(
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE
+
+
+def _finish_reason(reason: str, calls: list) -> str:
+    """OpenAI's ``tool_calls`` when the model ended (``stop``) after calling tools."""
+    return "tool_calls" if calls and reason == "stop" else reason

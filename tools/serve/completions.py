@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve import structured
 from kvforge.tools.serve.serving import (
     SSE_DONE,
     Flight,
@@ -71,6 +72,7 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
         seed=req.seed,
         logprobs=req.logprobs,
     )
+    base = structured.constrain(base, structured.Plan(structured.response_format_fields(req.response_format)))
     sequences = []
     for i, (ids, _) in enumerate(prompts):
         bad = [t for t in ids if not 0 <= t < vocab]
