@@ -312,18 +312,17 @@ class CallStream:
         rest = (OPEN if self.in_call else "") + self.buf
         self.buf, self.in_call = "", False
         self._content(rest, out)
-        if self.blank and not self.calls:
+        if self.blank and not self.calls:  # a reply of blanks alone stays what it was
             out.append(self.blank)
         self.blank = ""
         return out
 
     def _content(self, text: str, out: list, before_call: bool = False) -> None:
-        if not text:
-            return
-        if not text.strip():
-            self.blank += text
-            if before_call:
-                self.blank = ""
-            return
-        out.append(self.blank + text)
-        self.blank = ""
+        """Emit ``text``, holding its trailing whitespace until more text comes (dropped at a call)."""
+        body = text.rstrip()
+        if body:
+            out.append(self.blank + body)
+            self.blank = ""
+        self.blank += text[len(body) :]
+        if before_call:
+            self.blank = ""
