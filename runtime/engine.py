@@ -64,6 +64,7 @@ from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import backends, batching
 from kvforge.runtime import validate as check
+from kvforge.runtime.constraints import GrammarFactory
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk, check_max_new_tokens
 from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool, fingerprint, parse_bytes
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
@@ -135,6 +136,8 @@ class Engine:
         self.generation_defaults = GenerationDefaults.from_artifact(artifact_dir)
         self.prefill_chunk = limits.max_prompt  # tokens per prefill call in generation; see chunk_tokens
         self._chat_template: object = None  # loaded on first use of chat
+        tokenizer_json = artifact_dir / "tokenizer.json" if self.tokenizer is not None else None
+        self.grammars = GrammarFactory(tokenizer_json, vocab, self.eos_token_ids)  # structured output
         self._lock = threading.RLock()  # one step at a time, whichever thread runs it
         self._session_rows: set[int] = set()
         self._rows_owner: object | None = None  # the scheduler or stream that holds rows [0, k)
@@ -759,6 +762,7 @@ class Engine:
         if not stops.empty and self.tokenizer is None:
             raise ValueError("stop strings need the artifact's tokenizer; this artifact has none (pass stop=None)")
         self._check_rows([prompt_ids], [0], first_index=index)
+        constraint = params.constraint and self.grammars.new(*params.constraint)
         gen = Generation(
             prompt_ids,
             max_new_tokens,
@@ -769,8 +773,10 @@ class Engine:
             vocab_size=self.vocab_size,
             max_seq=self.max_seq,
             start=start,
+            constraint=constraint,
         )
-        gen.drafting = self._drafting(gen, params)
+        # A constrained row does not draft: its grammar would have to check every drafted position.
+        gen.drafting = None if constraint else self._drafting(gen, params)
         return gen
 
     def _drafting(self, gen: Generation, params: SamplingParams) -> RowDrafting | None:

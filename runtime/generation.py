@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from kvforge.runtime.detokenize import IncrementalDetokenizer
 from kvforge.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from kvforge.runtime.stops import StopStrings
 from kvforge.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvforge.runtime.constraints import GrammarConstraint
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -70,7 +74,7 @@ class Timing:
 class GenerationResult:
     token_ids: list[int]  # generated ids only (the prompt excluded); an eos that stopped it is the last
     text: str | None  # decoded token_ids (special tokens skipped, stop string cut); None without a tokenizer
-    finish_reason: str  # "stop" (eos id or stop string) | "length" | "cancelled"
+    finish_reason: str  # "stop" (eos id, stop string or the output's grammar complete) | "length" | "cancelled"
     prompt_tokens: int
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"); None for eos
     logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
@@ -144,6 +148,7 @@ class Generation:
         max_seq: int,
         start: int = 0,
         sink: Callable[[StreamChunk], None] | None = None,
+        constraint: GrammarConstraint | None = None,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.max_new_tokens = int(max_new_tokens)
@@ -157,6 +162,7 @@ class Generation:
         self.cached_tokens = 0  # of those, imported from the prefix cache (set by the batch loop)
         self.sink = sink
         self.drafting = None  # a speculative.RowDrafting when this request drafts
+        self.constraint = constraint  # the output's grammar (kvforge.runtime.constraints), None when free
         self.state = "waiting"
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -186,7 +192,11 @@ class Generation:
     def pick(self, logits: np.ndarray, greedy: int | None) -> int:
         """The next token from this request's logits row ``[V]`` (a view of the engine's buffer,
         read only). ``greedy``: the row's argmax when the loop computed it for the batch; used
-        when the sampler is plain greedy (same token as the sampler's own argmax)."""
+        when the sampler is plain greedy (same token as the sampler's own argmax). A constraint
+        masks the row first (then penalties, temperature, top-k/p: vLLM's order); its sampler is
+        never plain greedy."""
+        if self.constraint is not None:
+            return int(self.sampler(self.constraint.mask(logits)))
         if greedy is not None and self.sampler.plain_greedy:
             self.sampler.record(greedy)
             return greedy
@@ -194,16 +204,19 @@ class Generation:
 
     def accept(self, token: int, room: bool) -> None:
         """Record ``token`` and emit its chunk; finish on eos, a stop string, ``max_new_tokens``
-        or ``room=False`` (the cache row cannot hold the token for another step)."""
+        or ``room=False`` (the cache row cannot hold the token for another step), or when the
+        output's grammar is complete (``stop``)."""
         if self.first_token is None:
             self.first_token = time.perf_counter()
         self.state = "decoding"
         self.token_ids.append(token)
+        if self.constraint is not None and not self.constraint.accept([token]):
+            raise RuntimeError(f"token {token} broke the output's grammar: {self.constraint.error}")
         text = self.detok.add(token) if self.detok is not None else ""
         text, matched = self.stops.feed(text) if text else ("", None)
         if matched is not None:
             self._finish("stop", text, [token], stop_string=matched)
-        elif token in self.eos_token_ids:
+        elif token in self.eos_token_ids or (self.constraint is not None and self.constraint.is_terminated):
             self._finish("stop", text, [token])
         elif len(self.token_ids) >= self.max_new_tokens or not room:
             self._finish("length", text, [token])

@@ -184,10 +184,18 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
     speculative: bool = True  # False: this request never drafts (on an engine loaded with speculative=...)
     prediction: tuple[int, ...] | None = None  # token ids the output is expected to repeat: drafted first
+    # Structured output (at most one; kvforge.runtime.constraints, the `structured` extra): a JSON Schema
+    # (dict or JSON text), a regex the whole output matches, a Lark grammar (llguidance's syntax), any JSON object.
+    json_schema: Mapping | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
+
+        self._check_constraint(put)
 
         if self.temperature is not None:
             put(
@@ -251,6 +259,29 @@ class SamplingParams:
                     "(ints >= 0; encode a predicted text with the tokenizer first) or None"
                 )
             put("prediction", tuple(int(t) for t in ids))
+
+    def _check_constraint(self, put) -> None:
+        from kvforge.runtime import constraints
+
+        given = [k for k in constraints.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are all set; a request takes at most one output constraint")
+        for name in constraints.KINDS:
+            value = getattr(self, name)
+            if value is not None:
+                put(name, constraints.check_field(name, value))
+        if given:  # compiled now, so a bad schema, regex or grammar fails before anything runs
+            constraints.compile_checked(given[0], getattr(self, given[0]))
+
+    @property
+    def constraint(self) -> tuple[str, object] | None:
+        """``(kind, value)`` of the output constraint (kind one of json_schema, regex, grammar,
+        json_object), or None."""
+        for name in ("json_schema", "regex", "grammar", "json_object"):
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                return name, value
+        return None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> SamplingParams:
@@ -338,6 +369,7 @@ class Sampler:
                 "use ids of this model's tokenizer"
             )
         self._plain = self._greedy and not self._rep and not self._pen and not bias and params.logprobs is None
+        self._plain = self._plain and params.constraint is None  # a constrained row argmaxes its masked copy
         if self._plain:
             return  # nothing to count, nothing to scratch: the engine's argmax is the whole job
         # logit_bias as a dense row, built once: one in-place add per step, no allocation.

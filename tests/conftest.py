@@ -126,3 +126,17 @@ def pytest_runtest_setup(item) -> None:
         reason = environment.ort_cuda_provider()
         if reason:
             pytest.skip(f"needs ORT's CUDA provider: {reason}")
+
+
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "kvforge-tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory) -> Path:
+    """The bundled trained model (models/kvforge-tiny, vocab 4096, eos id 0) compiled with max_batch 8,
+    max_seq 512, no score graph: structured output's tests run on it."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "kvforge-tiny"
+    compile_model(BUNDLED_MODEL, out, max_batch=8, max_seq=512, score_graph=False, progress=None)
+    return out

@@ -57,13 +57,17 @@ IMPLEMENTED = {
         "max_completion_tokens",
         "max_tokens",
         "n",
+        "parallel_tool_calls",
         "prediction",
         "presence_penalty",
+        "response_format",
         "seed",
         "stop",
         "stream",
         "stream_options",
         "temperature",
+        "tool_choice",
+        "tools",
         "top_logprobs",
         "top_p",
     },
@@ -88,7 +92,7 @@ IMPLEMENTED = {
 }
 # Fields refused with a 400 unless set to their no-op value.
 REFUSED = {
-    "chat": {"audio", "function_call", "functions", "response_format", "tool_choice", "tools"},
+    "chat": {"audio", "function_call", "functions"},
     "completions": {"suffix"},
 }
 
@@ -386,17 +390,11 @@ def test_cli_strict_fields_flag(llama_chat_artifact):
 REFUSALS = [
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "['audio']"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
-    (
-        "/v1/chat/completions",
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        "tools",
-        "type function",
-    ),
-    ("/v1/chat/completions", {"tools": [{"type": "custom", "custom": {"name": "g"}}]}, "tools", "type custom"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", 'tool_choice: "none"'),
+    ("/v1/chat/completions", {"tools": [{"type": "custom", "custom": {"name": "g"}}]}, "tools[0]", "'function'"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "functions: []"),
-    ("/v1/chat/completions", {"function_call": "auto"}, "function_call", "not supported by this server yet"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", '{"type": "text"}'),
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call", "deprecated"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", ""),
     ("/v1/chat/completions", {"prediction": {"type": "draft", "content": "x"}}, "prediction", "'content'"),
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction", ""),
     ("/v1/completions", {"suffix": "}"}, "suffix", "fill-in-the-middle"),

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvforge.runtime.chat import ChatTemplateError
-from kvforge.tools.serve import fields
+from kvforge.tools.serve import fields, structured
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import (
     SSE_DONE,
@@ -41,6 +41,7 @@ from kvforge.tools.serve.serving import (
 class Prepared:
     sequences: list[SeqRequest]
     prompt_tokens: int
+    plan: structured.Plan
 
 
 def _content(message: p.ChatMessage, index: int) -> str:
@@ -70,6 +71,7 @@ def _prediction_text(prediction: p.PredictionContent | None) -> str:
 def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     server.check_model(req.model)
     fields.check_refused(req)
+    plan = structured.plan(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls)
     if not req.messages:
         raise ServingError("messages is empty; send at least one message", param="messages")
     if server.chat_template is None:
@@ -83,8 +85,9 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         raise ServingError("top_logprobs needs logprobs: true; set both or neither", param="top_logprobs")
     server.check_n(req.n)
     messages = [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(req.messages)]
+    messages, tools = structured.chat_messages(messages, req.messages, plan, server.chat_template)
     try:
-        text = server.chat_template.render(messages, add_generation_prompt=True)
+        text = server.chat_template.render(messages, add_generation_prompt=True, tools=tools)
     except ChatTemplateError as e:
         raise ServingError(f"the chat template rejected the messages: {e}", param="messages") from e
     ids = server.encode(text, special=False)
@@ -101,7 +104,8 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         vocab_size=server.engine.vocab_size,
     )
     base = with_prediction(base, server.encode(_prediction_text(req.prediction), special=False))
-    return Prepared(choices(req, ids, max_tokens, base), len(ids))
+    base = structured.constrain(base, plan)
+    return Prepared(choices(req, ids, max_tokens, base), len(ids), plan)
 
 
 def chat_logprobs(server: ModelServer, logprobs) -> p.ChatCompletionLogProbs:
@@ -122,16 +126,18 @@ async def full(
     server: ModelServer, req: p.ChatCompletionRequest, prep: Prepared, flight: Flight
 ) -> p.ChatCompletionResponse:
     results = await final_results(flight)
-    response_choices = [
-        p.ChatCompletionResponseChoice(
-            index=i,
-            message=p.ChatResponseMessage(content=results[i].text),
-            logprobs=chat_logprobs(server, results[i].logprobs) if req.logprobs else None,
-            finish_reason=results[i].finish_reason,
-            stop_reason=results[i].stop_string,
+    response_choices = []
+    for i in range(len(prep.sequences)):
+        content, calls = structured.parse_output(results[i].text) if prep.plan.parse_calls else (results[i].text, [])
+        response_choices.append(
+            p.ChatCompletionResponseChoice(
+                index=i,
+                message=p.ChatResponseMessage(content=content, tool_calls=calls or None),
+                logprobs=chat_logprobs(server, results[i].logprobs) if req.logprobs else None,
+                finish_reason=_finish_reason(results[i].finish_reason, calls),
+                stop_reason=results[i].stop_string,
+            )
         )
-        for i in range(len(prep.sequences))
-    ]
     return p.ChatCompletionResponse(
         model=server.model_name,
         choices=response_choices,
@@ -152,6 +158,23 @@ async def stream(
         choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
         return sse(head.model_copy(update={"choices": [choice]}))
 
+    def deltas(index: int, events: list, logprobs=None) -> list[str]:
+        """Content and tool-call deltas of one choice's parsed text (logprobs ride on the first)."""
+        out = []
+        for e in events:
+            if isinstance(e, str):
+                out.append(chunk(index, p.DeltaMessage(content=e), logprobs=logprobs))
+            else:
+                call = p.DeltaToolCall(index=calls[index], id=e["id"], type="function", function=e["function"])
+                calls[index] += 1
+                out.append(chunk(index, p.DeltaMessage(tool_calls=[call]), logprobs=logprobs))
+            logprobs = None
+        if logprobs is not None:
+            out.append(chunk(index, p.DeltaMessage(content=""), logprobs=logprobs))
+        return out
+
+    parsers = [structured.CallStream() if prep.plan.parse_calls else None for _ in prep.sequences]
+    calls = [0] * len(prep.sequences)
     results = {}
     try:
         for index in range(len(prep.sequences)):
@@ -159,17 +182,24 @@ async def stream(
         async with contextlib.aclosing(flight.events()) as events:
             async for event in events:
                 raise_on_error(event)
+                parser = parsers[event.index]
                 if event.kind == "chunk":
                     piece = event.payload
                     logprobs = chat_logprobs(server, piece.logprobs) if req.logprobs and piece.logprobs else None
-                    if piece.text or logprobs is not None:
+                    if parser is not None:
+                        for line in deltas(event.index, parser.feed(piece.text), logprobs):
+                            yield line
+                    elif piece.text or logprobs is not None:
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
                     result = results[event.index] = event.payload
+                    if parser is not None:
+                        for line in deltas(event.index, parser.finish()):
+                            yield line
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
-                        finish_reason=result.finish_reason,
+                        finish_reason=_finish_reason(result.finish_reason, [None] * calls[event.index]),
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
@@ -178,3 +208,8 @@ async def stream(
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE
+
+
+def _finish_reason(reason: str, calls: list) -> str:
+    """OpenAI's ``tool_calls`` when the model ended (``stop``) after calling tools."""
+    return "tool_calls" if calls and reason == "stop" else reason

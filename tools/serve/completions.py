@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvforge.tools.serve import fields
+from kvforge.tools.serve import fields, structured
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import (
     SSE_DONE,
@@ -77,6 +77,7 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
         logit_bias=req.logit_bias,
         vocab_size=vocab,
     )
+    base = structured.constrain(base, structured.Plan(structured.response_format_fields(req.response_format)))
     sequences = []
     for i, (ids, _) in enumerate(prompts):
         what = f"prompt {i}" if len(prompts) > 1 else "the prompt"

@@ -6,13 +6,14 @@ declared in :mod:`.protocol`; each is in exactly one of three groups (tests/tool
 checks this against the ``openai`` package's TypedDicts):
 
 - **implemented**: changes generation (sampling, stop rules, lengths, logprobs, ``logit_bias``,
-  ``prediction``, ...); handled by :mod:`.chat` and :mod:`.completions`;
+  ``prediction``, ``response_format``, ``tools``/``tool_choice``/``parallel_tool_calls``, ...);
+  handled by :mod:`.chat`, :mod:`.completions` and :mod:`.structured`;
 - **ignored** (:data:`IGNORED`): meaningless for a local server; accepted, counted in
   ``kvforge_ignored_fields_total{field}`` and listed in the README with what the server does;
 - **refused unless a no-op** (:func:`check_refused`): a value kvforge cannot honour (audio output,
-  tools, a JSON response format, ``suffix``) is a 400 naming the field; the no-op values
-  (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type": "text"}``,
-  ``modalities: ["text"]``, ...) pass.
+  the deprecated ``functions``/``function_call``, ``suffix``) is a 400 naming the field; the no-op
+  values (``functions: []``, ``function_call: "none"``, ``modalities: ["text"]``, ...) pass. A tool
+  type other than ``function`` is refused by :mod:`.structured`.
 
 Fields outside the schema (:func:`unknown_fields`) are ignored with a warning in the log and named
 in the response header ``x-kvforge-ignored-fields`` (as vLLM ignores and logs them), or refused
@@ -42,7 +43,6 @@ IGNORED: dict[str, str] = {
     "verbosity": "nothing: the answer's length is the model's (use max_tokens to bound it)",
     "web_search_options": "nothing: no web search is run",
     "moderation": "nothing: no moderation model is run",
-    "parallel_tool_calls": "nothing: no tool calls are made (tools are not supported yet)",
     "modalities": 'nothing for ["text"] (text is the only output); any other modality is a 400',
     "stream_options.include_obfuscation": "nothing: stream chunks carry no obfuscation padding",
 }
@@ -86,11 +86,11 @@ def _unsupported(name: str, message: str) -> ServingError:
     return ServingError(message, param=name, code="unsupported")
 
 
-def _not_yet(name: str, value: Any, no_op: str) -> ServingError:
+def _deprecated(name: str, value: Any, no_op: str) -> ServingError:
     return _unsupported(
         name,
-        f"'{name}' is not supported by this server yet (no tool calls or structured output); remove it, or send "
-        f"{no_op} (got {str(value)[:80]})",
+        f"'{name}' (OpenAI's deprecated form of tools) is not supported by this server; send 'tools' and "
+        f"'tool_choice' instead, or {no_op} (got {str(value)[:80]})",
     )
 
 
@@ -113,14 +113,7 @@ def check_refused(req: p.RequestModel) -> None:
             "modalities",
             f"modalities {other} cannot be produced: this server generates text only; send ['text'] or leave it out",
         )
-    if req.tools:
-        kinds = sorted({str(t.get("type")) for t in req.tools})
-        raise _not_yet("tools", f"tools of type {', '.join(kinds)}", "tools: [] (no tools)")
     if req.functions:
-        raise _not_yet("functions", f"{len(req.functions)} function(s)", "functions: [] (no functions)")
-    if req.tool_choice not in (None, "none"):
-        raise _not_yet("tool_choice", req.tool_choice, 'tool_choice: "none"')
+        raise _deprecated("functions", f"{len(req.functions)} function(s)", "functions: [] (no functions)")
     if req.function_call not in (None, "none"):
-        raise _not_yet("function_call", req.function_call, 'function_call: "none"')
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise _not_yet("response_format", req.response_format, 'response_format: {"type": "text"}')
+        raise _deprecated("function_call", req.function_call, 'function_call: "none"')

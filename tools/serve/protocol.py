@@ -135,6 +135,7 @@ class CompletionRequest(RequestModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None  # as chat's (vLLM accepts it here too); tools/serve/structured.py
     suffix: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -261,11 +262,35 @@ class ChatCompletionLogProbs(ResponseModel):
     content: list[ChatCompletionLogProb] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    index: int  # the call's position among the choice's calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
     annotations: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(ResponseModel):
@@ -289,6 +314,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(ResponseModel):
