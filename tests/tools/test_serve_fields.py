@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import typing
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -150,7 +151,7 @@ CHAT_EVERYTHING = {
 COMPLETION_EVERYTHING = {
     "model": MODEL,
     "prompt": PROMPTS[0],
-    "best_of": 2,
+    "best_of": 3,
     "echo": True,
     "frequency_penalty": 0.3,
     "logit_bias": {"7": 2.5, "11": -100},
@@ -278,20 +279,34 @@ def test_completions_with_every_field_answers_as_without_the_ignored_ones(client
     assert_no_lost_fields(r)
     ref = client.completions.create(**without(COMPLETION_EVERYTHING, {"user", "stream_options", "suffix"}))
     assert [c.text for c in r.choices] == [c.text for c in ref.choices]
-    [expected] = engine.generate(
-        PROMPTS[:1],
-        max_new_tokens=10,
-        sampling=SamplingParams(
-            temperature=0.8,
-            top_p=0.95,
-            seed=11,
-            presence_penalty=0.2,
-            frequency_penalty=0.3,
-            logit_bias={7: 2.5, 11: -100},
-        ),
-        stop=["\n\n\n"],
+    params = SamplingParams(
+        temperature=0.8, top_p=0.95, presence_penalty=0.2, frequency_penalty=0.3, logit_bias={7: 2.5, 11: -100}
     )
-    assert r.choices[0].text == PROMPTS[0] + expected.text  # echo
+    best, candidates = best_of(engine, PROMPTS[0], params, seed=11, k=3, n=2, max_new_tokens=10, stop=["\n\n\n"])
+    assert [c.text for c in r.choices] == [PROMPTS[0] + b.text for b in best]  # echo
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)
+
+
+def best_of(engine, prompt, params, *, seed, k, n, **kw):
+    """The runtime's k seeded candidates (seed + j) and the n with the highest mean logprob."""
+    candidates = [
+        engine.generate([prompt], sampling=replace(params, seed=seed + j, logprobs=0), **kw)[0] for j in range(k)
+    ]
+    mean = [sum(lp.logprob for lp in c.logprobs) / len(c.logprobs) for c in candidates]
+    order = sorted(range(k), key=lambda j: (-mean[j], j))
+    return [candidates[j] for j in order[:n]], candidates
+
+
+def test_best_of_returns_the_n_best_candidates(client, engine):
+    params = SamplingParams(temperature=1.2)
+    best, candidates = best_of(engine, PROMPTS[1], params, seed=3, k=4, n=2, max_new_tokens=8)
+    assert len({c.text for c in candidates}) > 2  # the ranking has something to choose from
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.2, seed=3, best_of=4, n=2, logprobs=1
+    )
+    assert [c.text for c in r.choices] == [b.text for b in best] and [c.index for c in r.choices] == [0, 1]
+    assert [c.logprobs.token_logprobs for c in r.choices] == [[lp.logprob for lp in b.logprobs] for b in best]
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)
 
 
 def test_every_ignored_field_is_counted(served):
@@ -401,7 +416,8 @@ REFUSALS = [
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction", ""),
     ("/v1/completions", {"suffix": "}"}, "suffix", "fill-in-the-middle"),
     ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
-    ("/v1/completions", {"best_of": 3}, "best_of", "best_of = n"),
+    ("/v1/completions", {"best_of": 1, "n": 2}, "best_of", "best_of=1 is less than n=2"),
+    ("/v1/completions", {"best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
 ]
 
 
