@@ -34,7 +34,11 @@ import httpx
 import openai
 import pytest
 from openai.types import completion_create_params as completion_params
-from openai.types.chat import ChatCompletionStreamOptionsParam
+from openai.types.chat import (
+    ChatCompletionMessageParam,
+    ChatCompletionPredictionContentParam,
+    ChatCompletionStreamOptionsParam,
+)
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel
 
@@ -223,6 +227,17 @@ def test_request_models_declare_every_openai_field(route):
     everything = CHAT_EVERYTHING if route == "chat" else COMPLETION_EVERYTHING
     assert set(everything) == theirs, "the every-field request must set every field"
     assert set(typing.get_type_hints(ChatCompletionStreamOptionsParam)) <= set(p.StreamOptions.model_fields)
+    assert set(typing.get_type_hints(ChatCompletionPredictionContentParam)) <= set(p.PredictionContent.model_fields)
+
+
+def test_every_message_role_of_the_client_is_accepted():
+    ours = set(typing.get_args(p.ChatMessage.model_fields["role"].annotation))
+    for message in typing.get_args(ChatCompletionMessageParam):
+        [role] = typing.get_args(typing.get_type_hints(message)["role"])
+        assert role in ours, f"{message.__name__}: role {role!r} refused"
+        fields_of = set(typing.get_type_hints(message))
+        msg = p.ChatMessage.model_validate({k: None for k in fields_of} | {"role": role, "content": "x"})
+        assert set(msg.model_dump()) >= fields_of  # every key kept (extra keys allowed), none refused
 
 
 def test_each_ignored_field_is_in_the_readme_table():
