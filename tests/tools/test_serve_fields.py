@@ -27,13 +27,18 @@ import subprocess
 import sys
 import time
 import typing
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from openai.types import completion_create_params as completion_params
-from openai.types.chat import ChatCompletionStreamOptionsParam
+from openai.types.chat import (
+    ChatCompletionMessageParam,
+    ChatCompletionPredictionContentParam,
+    ChatCompletionStreamOptionsParam,
+)
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel
 
@@ -156,7 +161,7 @@ CHAT_EVERYTHING = {
 COMPLETION_EVERYTHING = {
     "model": MODEL,
     "prompt": PROMPTS[0],
-    "best_of": 2,
+    "best_of": 3,
     "echo": True,
     "frequency_penalty": 0.3,
     "logit_bias": {"7": 2.5, "11": -100},
@@ -229,6 +234,17 @@ def test_request_models_declare_every_openai_field(route):
     everything = CHAT_EVERYTHING if route == "chat" else COMPLETION_EVERYTHING
     assert set(everything) == theirs, "the every-field request must set every field"
     assert set(typing.get_type_hints(ChatCompletionStreamOptionsParam)) <= set(p.StreamOptions.model_fields)
+    assert set(typing.get_type_hints(ChatCompletionPredictionContentParam)) <= set(p.PredictionContent.model_fields)
+
+
+def test_every_message_role_of_the_client_is_accepted():
+    ours = set(typing.get_args(p.ChatMessage.model_fields["role"].annotation))
+    for message in typing.get_args(ChatCompletionMessageParam):
+        [role] = typing.get_args(typing.get_type_hints(message)["role"])
+        assert role in ours, f"{message.__name__}: role {role!r} refused"
+        fields_of = set(typing.get_type_hints(message))
+        msg = p.ChatMessage.model_validate({k: None for k in fields_of} | {"role": role, "content": "x"})
+        assert set(msg.model_dump()) >= fields_of  # every key kept (extra keys allowed), none refused
 
 
 def test_each_ignored_field_is_in_the_readme_table():
@@ -285,20 +301,34 @@ def test_completions_with_every_field_answers_as_without_the_ignored_ones(client
     assert_no_lost_fields(r)
     ref = client.completions.create(**without(COMPLETION_EVERYTHING, {"user", "stream_options", "suffix"}))
     assert [c.text for c in r.choices] == [c.text for c in ref.choices]
-    [expected] = engine.generate(
-        PROMPTS[:1],
-        max_new_tokens=10,
-        sampling=SamplingParams(
-            temperature=0.8,
-            top_p=0.95,
-            seed=11,
-            presence_penalty=0.2,
-            frequency_penalty=0.3,
-            logit_bias={7: 2.5, 11: -100},
-        ),
-        stop=["\n\n\n"],
+    params = SamplingParams(
+        temperature=0.8, top_p=0.95, presence_penalty=0.2, frequency_penalty=0.3, logit_bias={7: 2.5, 11: -100}
     )
-    assert r.choices[0].text == PROMPTS[0] + expected.text  # echo
+    best, candidates = best_of(engine, PROMPTS[0], params, seed=11, k=3, n=2, max_new_tokens=10, stop=["\n\n\n"])
+    assert [c.text for c in r.choices] == [PROMPTS[0] + b.text for b in best]  # echo
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)
+
+
+def best_of(engine, prompt, params, *, seed, k, n, **kw):
+    """The runtime's k seeded candidates (seed + j) and the n with the highest mean logprob."""
+    candidates = [
+        engine.generate([prompt], sampling=replace(params, seed=seed + j, logprobs=0), **kw)[0] for j in range(k)
+    ]
+    mean = [sum(lp.logprob for lp in c.logprobs) / len(c.logprobs) for c in candidates]
+    order = sorted(range(k), key=lambda j: (-mean[j], j))
+    return [candidates[j] for j in order[:n]], candidates
+
+
+def test_best_of_returns_the_n_best_candidates(client, engine):
+    params = SamplingParams(temperature=1.2)
+    best, candidates = best_of(engine, PROMPTS[1], params, seed=3, k=4, n=2, max_new_tokens=8)
+    assert len({c.text for c in candidates}) > 2  # the ranking has something to choose from
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.2, seed=3, best_of=4, n=2, logprobs=1
+    )
+    assert [c.text for c in r.choices] == [b.text for b in best] and [c.index for c in r.choices] == [0, 1]
+    assert [c.logprobs.token_logprobs for c in r.choices] == [[lp.logprob for lp in b.logprobs] for b in best]
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)
 
 
 def test_every_ignored_field_is_counted(served):
@@ -402,7 +432,8 @@ REFUSALS = [
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction", ""),
     ("/v1/completions", {"suffix": "}"}, "suffix", "fill-in-the-middle"),
     ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
-    ("/v1/completions", {"best_of": 3}, "best_of", "best_of = n"),
+    ("/v1/completions", {"best_of": 1, "n": 2}, "best_of", "best_of=1 is less than n=2"),
+    ("/v1/completions", {"best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
 ]
 
 

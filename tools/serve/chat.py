@@ -60,9 +60,7 @@ def _content(message: p.ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def _prediction_text(prediction: p.PredictionContent | None) -> str:
-    if prediction is None:
-        return ""
+def _prediction_text(prediction: p.PredictionContent) -> str:
     if isinstance(prediction.content, str):
         return prediction.content
     return "".join(part.text for part in prediction.content)
@@ -103,7 +101,8 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         logit_bias=req.logit_bias,
         vocab_size=server.engine.vocab_size,
     )
-    base = with_prediction(base, server.encode(_prediction_text(req.prediction), special=False))
+    if req.prediction is not None:  # the draft, tokenized as the answer would be (no special tokens)
+        base = with_prediction(base, server.encode(_prediction_text(req.prediction), special=False))
     base = structured.constrain(base, plan)
     return Prepared(choices(req, ids, max_tokens, base), len(ids), plan)
 

@@ -5,6 +5,11 @@ gets ``n`` choices, numbered ``prompt_index * n + j`` (OpenAI's and vLLM's order
 seeded request samples with ``seed + j``, so the ``n`` choices differ and each is reproducible.
 ``usage.prompt_tokens`` counts each prompt once; ``completion_tokens`` counts every generated id
 (an eos included, as the runtime reports it).
+
+``best_of = k > n``: each prompt gets k candidates (candidate ``j`` seeded ``seed + j``) and the
+answer holds the n with the highest log-probability per token (the mean of the chosen tokens'
+raw logprobs, as OpenAI defines "best"; ties: the earlier candidate), best first; ``usage``
+counts the tokens of all k. It cannot stream (the best are known only at the end).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvforge.tools.serve import fields, structured
 from kvforge.tools.serve import protocol as p
@@ -34,10 +40,11 @@ from kvforge.tools.serve.serving import (
 
 @dataclass
 class Prepared:
-    sequences: list[SeqRequest]
+    sequences: list[SeqRequest]  # ``candidates`` per prompt, prompt by prompt
     prompt_texts: list[str]  # for echo
     prompt_tokens: int  # usage: each prompt once
-    n: int
+    n: int  # choices per prompt in the answer
+    candidates: int  # sequences per prompt: best_of (>= n)
 
 
 def _prompts(server: ModelServer, prompt) -> list[tuple[list[int], str]]:
@@ -60,20 +67,35 @@ def _prompts(server: ModelServer, prompt) -> list[tuple[list[int], str]]:
 def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
     server.check_model(req.model)
     fields.check_refused(req)
-    if req.best_of is not None and req.best_of != req.n:
-        raise ServingError("best_of is not supported (only best_of = n); remove it", param="best_of")
+    best_of = req.n if req.best_of is None else req.best_of
+    if best_of < req.n:
+        raise ServingError(
+            f"best_of={best_of} is less than n={req.n}: best_of is how many candidates the n choices are picked "
+            "from; set best_of >= n or leave it out",
+            param="best_of",
+            code="invalid_value",
+        )
+    if best_of > req.n and req.stream:
+        raise ServingError(
+            f"best_of={best_of} > n={req.n} cannot be streamed (the best candidates are known only at the end); "
+            "set stream to false, or best_of = n",
+            param="best_of",
+            code="invalid_value",
+        )
     if req.echo and req.logprobs is not None:
         raise ServingError("echo with logprobs (prompt logprobs) is not supported; drop one", param="echo")
     prompts = _prompts(server, req.prompt)
     server.check_n(req.n, len(prompts))
+    server.check_n(best_of, len(prompts))
     vocab = server.engine.vocab_size
+    ranked = best_of > req.n and req.logprobs is None  # the ranking needs each token's logprob
     base = sampling_params(
         temperature=req.temperature,
         top_p=req.top_p,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         seed=req.seed,
-        logprobs=req.logprobs,
+        logprobs=0 if ranked else req.logprobs,
         logit_bias=req.logit_bias,
         vocab_size=vocab,
     )
@@ -82,8 +104,25 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
     for i, (ids, _) in enumerate(prompts):
         what = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         max_tokens = server.check_lengths(ids, req.max_tokens, what=what)
-        sequences.extend(choices(req, ids, max_tokens, base))
-    return Prepared(sequences, [text for _, text in prompts], sum(len(ids) for ids, _ in prompts), req.n)
+        sequences.extend(choices(req, ids, max_tokens, base, count=best_of))
+    return Prepared(sequences, [text for _, text in prompts], sum(len(ids) for ids, _ in prompts), req.n, best_of)
+
+
+def _answer_order(prep: Prepared, results: dict[int, Any]) -> list[int]:
+    """The sequence indices the answer's choices come from, in order: all of them when
+    ``best_of = n``, else per prompt the n candidates with the highest mean token logprob."""
+    k, n = prep.candidates, prep.n
+    if k == n:
+        return list(range(len(prep.sequences)))
+
+    def score(i: int) -> float:
+        lps = results[i].logprobs or []
+        return sum(lp.logprob for lp in lps) / max(1, len(lps))
+
+    order = []
+    for first in range(0, len(prep.sequences), k):
+        order.extend(sorted(range(first, first + k), key=lambda i: (-score(i), i))[:n])
+    return order
 
 
 def completion_logprobs(server: ModelServer, logprobs, offset: int) -> p.CompletionLogProbs:
@@ -102,11 +141,11 @@ def completion_logprobs(server: ModelServer, logprobs, offset: int) -> p.Complet
 async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, flight: Flight) -> p.CompletionResponse:
     results = await final_results(flight)
     response_choices = []
-    for index, seq in enumerate(prep.sequences):
-        result = results[index]
-        prompt_text = prep.prompt_texts[index // prep.n]
+    for index, seq_index in enumerate(_answer_order(prep, results)):
+        result = results[seq_index]
+        prompt_text = prep.prompt_texts[seq_index // prep.candidates]
         logprobs = None
-        if seq.sampling.logprobs is not None:
+        if req.logprobs is not None:
             logprobs = completion_logprobs(server, result.logprobs, len(prompt_text))
         response_choices.append(
             p.CompletionResponseChoice(
@@ -120,7 +159,7 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
     return p.CompletionResponse(
         model=server.model_name,
         choices=response_choices,
-        usage=usage(prep.prompt_tokens, list(results.values()), cached_tokens(results, prep.n)),
+        usage=usage(prep.prompt_tokens, list(results.values()), cached_tokens(results, prep.candidates)),
     )
 
 
@@ -130,7 +169,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
     head = p.CompletionStreamResponse(
         id=p.random_id("cmpl"), created=int(time.time()), model=server.model_name, choices=[]
     )
-    offsets = [len(prep.prompt_texts[i // prep.n]) for i in range(len(prep.sequences))]
+    offsets = [len(prep.prompt_texts[i // prep.candidates]) for i in range(len(prep.sequences))]
     results = {}
 
     def chunk(index: int, text: str, **fields) -> str:
@@ -139,7 +178,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
     try:
         if req.echo:
             for index in range(len(prep.sequences)):
-                yield chunk(index, prep.prompt_texts[index // prep.n])
+                yield chunk(index, prep.prompt_texts[index // prep.candidates])
         async with contextlib.aclosing(flight.events()) as events:
             async for event in events:
                 raise_on_error(event)
@@ -156,7 +195,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
                     result = results[index] = event.payload
                     yield chunk(index, "", finish_reason=result.finish_reason, stop_reason=result.stop_string)
         if req.stream_options and req.stream_options.include_usage:
-            cached = cached_tokens(results, prep.n)
+            cached = cached_tokens(results, prep.candidates)
             yield sse(head.model_copy(update={"usage": usage(prep.prompt_tokens, list(results.values()), cached)}))
     except ServingError as e:
         yield sse(e.body())

@@ -13,9 +13,9 @@ seconds, ``_total`` counters):
 - ``kvforge_sequences_finished_total{reason}``: sequences ended, by finish reason (stop, length,
   cancelled: a client that left)
 - ``kvforge_prompt_tokens_total``, ``kvforge_generation_tokens_total``: tokens in and out
-- ``kvforge_ignored_fields_total{field}``: served requests that set an OpenAI field the server
+- ``kvforge_ignored_fields_total{field}``: valid requests that set an OpenAI field the server
   ignores (:data:`kvforge.tools.serve.fields.IGNORED`), by field
-- ``kvforge_unknown_fields_total``: fields outside OpenAI's schema in served requests (ignored and
+- ``kvforge_unknown_fields_total``: fields outside OpenAI's schema in valid requests (ignored and
   named in ``x-kvforge-ignored-fields``; no label: their names are the clients' choice)
 - ``kvforge_prompt_tokens_cached_total``: prompt tokens of finished sequences taken from the prefix
   cache instead of prefilled

@@ -184,7 +184,7 @@ class ChatMessage(BaseModel):
     # back) are accepted and not passed to the template, which sees ``role`` and ``content``.
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]  # function: deprecated tools
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 

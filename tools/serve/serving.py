@@ -175,13 +175,16 @@ def prediction_tokens(result: Any) -> tuple[int, int]:
     return result.prediction_accepted, result.prediction_rejected
 
 
-def choices(req: Any, ids: list[int], max_tokens: int, base: SamplingParams) -> list[SeqRequest]:
-    """The ``req.n`` choices of one prompt, each its own scheduler request with ``base``'s sampling
-    and ``req.stop``; choice ``j`` of a seeded request uses ``seed + j`` (reproducible, yet distinct)."""
+def choices(
+    req: Any, ids: list[int], max_tokens: int, base: SamplingParams, count: int | None = None
+) -> list[SeqRequest]:
+    """The ``req.n`` (or ``count``) choices of one prompt, each its own scheduler request with
+    ``base``'s sampling and ``req.stop``; choice ``j`` of a seeded request uses ``seed + j``
+    (reproducible, yet distinct)."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     return [
         SeqRequest(ids, max_tokens, base if req.seed is None else replace(base, seed=req.seed + j), stop or None)
-        for j in range(req.n)
+        for j in range(req.n if count is None else count)
     ]
 
 
