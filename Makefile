@@ -1,5 +1,6 @@
 # kvforge — `make demo` (set up, compile the bundled model, compare with transformers)
 #           `make test` (set up, lint, run the test suite)
+#           `make test-real` (`make smollm2`, then the opt-in checks on that real model)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -8,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.kvforge-installed
 
-.PHONY: setup demo test lint format bench fuzz gpu-check smollm2 clean
+.PHONY: setup demo test test-real lint format bench fuzz gpu-check smollm2 clean
 
 setup: $(STAMP)
 
@@ -32,6 +33,11 @@ format: setup
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The opt-in real-model checks (`@pytest.mark.real_model`, deselected by `make test`): SmolLM2-135M-Instruct
+# from `make smollm2` compiled, its chat answers token for token against transformers' greedy ones.
+test-real: setup smollm2
+	$(BIN)/python -m pytest -q -m real_model
 
 bench: setup
 	$(BIN)/python benchmarks/decode_speed.py
