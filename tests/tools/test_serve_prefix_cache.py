@@ -2,7 +2,8 @@
 ``openai`` client takes its earlier turns from the cache (``usage.prompt_tokens_details.cached_tokens``,
 whole and streamed) and answers exactly what an engine without the cache answers; ``/metrics``
 exposes the pool's queries, hits, bytes and budget and ``/health`` its hit rate; with
-``prefix_cache=0`` nothing is cached, the usage says 0 and the series are absent."""
+``prefix_cache=0`` nothing is cached, the usage says 0 and the series are absent; ``kvforge
+loadtest --shared-prefix`` sends prompts that share their first words and sums the cached tokens."""
 
 from __future__ import annotations
 
@@ -76,3 +77,15 @@ def test_prefix_cache_off(llama_chat_artifact):
         text = httpx.get(url + "/metrics").text
     assert [usage.prompt_tokens_details.cached_tokens for _, usage in replies] == [0, 0, 0]
     assert "kvforge_prefix_cache_hits_total" not in text
+
+
+def test_loadtest_shared_prefix_is_served_from_the_cache(llama_chat_artifact):
+    from kvforge.tools.loadtest import LoadOptions, plan, run_loadtest
+
+    options = LoadOptions(rate=float("inf"), requests=4, prompt_lens=(3,), output_lens=(2,), shared_prefix=12)
+    prompts = [item["prompt"].split() for item in plan(options)]
+    assert all(p[:12] == prompts[0][:12] and len(p) == 15 for p in prompts)
+    with running(llama_chat_artifact, max_queue=4) as (url, _server):
+        run_loadtest(url, LoadOptions(**{**options.__dict__, "requests": 1}))  # the shared prefix, cached
+        summary = run_loadtest(url, options)["summary"]
+    assert summary["completed"] == 4 and summary["cached_tokens"] >= 4 * 16
