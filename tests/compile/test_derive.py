@@ -1,9 +1,10 @@
-"""One trace, three graphs: the prefill, decode and score graphs that compile derives from its one
+"""One trace, four graphs: the prefill, decode and score graphs that compile derives from its one
 traced general graph (kvforge.compile.derive) behave exactly like graphs traced directly from the
 PrefillGraph/DecodeGraph/ScoreGraph wrappers: the same input and output names, dtypes and shapes,
 logits within 1e-5 and the same cache contents, on a ragged prefill, a continued prefill
 (write_indices > 0) and a decode step, for both lowerings and for the ORT-optimized variants.
-A graph that is not a general graph is refused by name."""
+The verify graph (the general graph itself) gives the score graph's logits at every position and
+the prefill graph's at the last real token. A graph that is not a general graph is refused by name."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def _calls():
     ]
 
 
-@pytest.mark.parametrize("graph", contract.GRAPHS)
+@pytest.mark.parametrize("graph", ["prefill", "decode", "score"])
 @pytest.mark.parametrize("variant", ["", ".ort"])
 def test_derived_graphs_have_the_traced_io(llama_artifact, llama_onnx_artifact, traced_dir, graph, variant):
     traced = _io(traced_dir / f"{graph}.onnx")
@@ -125,11 +126,29 @@ def test_derived_graphs_compute_what_the_traced_ones_do(
                 )
 
 
+@pytest.mark.parametrize("lowering", ["gqa", "onnx"])
+def test_verify_graph_is_the_general_graph(llama_artifact, llama_onnx_artifact, traced_dir, lowering):
+    """verify (schema 2): the contract's inputs, logits [batch, positions, V] at logit_indices: every
+    position equals the score graph's, the last real token the prefill graph's."""
+    artifact = llama_artifact if lowering == "gqa" else llama_onnx_artifact
+    inputs, outputs = _io(artifact / "verify.ort.onnx")
+    assert [name for name, _, _ in inputs] == contract.input_names("verify", LAYERS)
+    assert outputs[0][2] == ["batch", "positions", VOCAB]
+    verify, score = _session(artifact / "verify.ort.onnx"), _session(traced_dir / "score.onnx")
+    prefill = _session(traced_dir / "prefill.onnx")
+    [(_, fresh), *_] = _calls()
+    every = verify.run(None, {**fresh, contract.LOGIT_INDICES: np.tile(np.arange(5), (2, 1))})[0]
+    assert_close(every, score.run(None, fresh)[0], atol=1e-5, rtol=0, what=f"verify vs score ({lowering})")
+    last = verify.run(None, {**fresh, contract.LOGIT_INDICES: np.array([[4], [2]])})[0]
+    want = prefill.run(None, {**fresh, contract.INPUT_LENGTHS: np.array([5, 3])})[0]
+    assert_close(last[:, 0], want, atol=1e-5, rtol=0, what=f"verify vs prefill ({lowering})")
+
+
 def test_only_a_general_graph_is_derived_from(llama_artifact):
     import onnx_ir as ir
 
     prefill = ir.load(llama_artifact / "prefill.onnx")
     with pytest.raises(ValueError, match="not a general graph: it has no 'logit_indices' input"):
         derive.derive(prefill, "decode")
-    with pytest.raises(ValueError, match="unknown graph 'verify'; choose one of prefill, decode, score"):
-        derive.derive(prefill, "verify")
+    with pytest.raises(ValueError, match="unknown graph 'bogus'; choose one of prefill, decode, score, verify"):
+        derive.derive(prefill, "bogus")
