@@ -96,7 +96,8 @@ def compile_checked(kind: str, value: Any) -> str:
     """``grammar_text`` checked by llguidance: a ValueError naming the field and llguidance's
     message (with the position of the error) when the schema, regex or grammar is invalid.
     Cached: SamplingParams checks it, ``resolve`` copies it and the engine compiles it."""
-    return _compile_checked(kind, json.dumps(value, sort_keys=True) if kind == "json_schema" else value)
+    # The key keeps the schema's key order: llguidance writes properties in the order the schema lists them.
+    return _compile_checked(kind, json.dumps(value) if kind == "json_schema" else value)
 
 
 @lru_cache(maxsize=64)
