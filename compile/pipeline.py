@@ -80,6 +80,8 @@ class CompileOptions:
     trust_remote_code: bool = False  # run the modeling code config.json's auto_map names
     full_trace: bool = False  # trace every layer, never copy one (debugging: kvforge.compile.replicate)
     pack_tied_lm_head: bool = True  # ORT graphs: the tied lm_head packed by ORT (False: read in place, slower)
+    symmetric: bool = True  # quantize: symmetric blocks (False: a zero point per block)
+    quantize_lm_head: bool = True  # quantize: the lm_head too (False: it stays in the model's dtype)
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -138,6 +140,8 @@ def compile_model(
     trust_remote_code: bool = False,
     full_trace: bool = False,
     pack_tied_lm_head: bool = True,
+    symmetric: bool = True,
+    quantize_lm_head: bool = True,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -147,7 +151,9 @@ def compile_model(
     ``ValueError`` for bad options. ``max_seq`` defaults to 512, or the model's
     ``max_position_embeddings`` if that is smaller. ``score_graph`` adds ``score.onnx`` (logits of
     every position, for perplexity and comparisons; it shares the weights file). ``quantize``
-    ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only).
+    ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only),
+    with symmetric blocks unless ``symmetric=False`` (a zero point per block), the lm_head included
+    unless ``quantize_lm_head=False`` (benchmarks/quality.py measures each setting's perplexity).
     ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs (CPU target only).
     ``target`` ("cpu" | "cuda" | "tensorrt") sets the defaults of ``dtype`` and ``lowering``
     (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
@@ -178,6 +184,8 @@ def compile_model(
             trust_remote_code=trust_remote_code,
             full_trace=full_trace,
             pack_tied_lm_head=pack_tied_lm_head,
+            symmetric=symmetric,
+            quantize_lm_head=quantize_lm_head,
         ),
     )
     # numpy ints are accepted; the manifest (JSON) holds Python ints
@@ -220,6 +228,8 @@ def compile_model(
         trust_remote_code,
         full_trace,
         pack_tied_lm_head,
+        symmetric=symmetric,
+        quantize_lm_head=quantize_lm_head,
     )
     options.check()
     _check_out_dir(out)
@@ -365,7 +375,13 @@ def _compile_into(
     if options.quantize:
         stages.end(str(times))
         stages.start("quantize", f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size})")
-        general = quantize_stage.quantize({GENERAL: general}, options.quantize, options.block_size)[GENERAL]
+        general = quantize_stage.quantize(
+            {GENERAL: general},
+            options.quantize,
+            options.block_size,
+            symmetric=options.symmetric,
+            lm_head=options.quantize_lm_head,
+        )[GENERAL]
         stages.start("write", "writing one shared weights file and deriving the graphs")
     else:
         stages.end(str(times))
@@ -547,9 +563,9 @@ def _manifest(
             "scheme": options.quantize,
             "block_size": options.block_size,
             "op": "com.microsoft.MatMulNBits",
-            "symmetric": True,
+            "symmetric": options.symmetric,
             "accuracy_level": 4,
-            "lm_head": "quantized",
+            "lm_head": "quantized" if options.quantize_lm_head else options.dtype,
             "embedding": options.dtype,
         },
         ort_optimization=_ort_optimization(options, optimized),

@@ -26,8 +26,17 @@ QUANTIZE_BITS = {"int4": 4, "int8": 8}
 DEFAULT_BLOCK_SIZE = 32
 
 
-def quantize(models: dict[str, ir.Model], scheme: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, ir.Model]:
-    """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8")."""
+def quantize(
+    models: dict[str, ir.Model],
+    scheme: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    symmetric: bool = True,
+    lm_head: bool = True,
+) -> dict[str, ir.Model]:
+    """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8"): symmetric blocks
+    (``symmetric=False``: a zero point per block, ORT's asymmetric MatMulNBits), the lm_head
+    included (``lm_head=False``: it stays a Gemm in the model's dtype)."""
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_BITS)}")
     if block_size < 16 or block_size & (block_size - 1):
@@ -35,12 +44,13 @@ def quantize(models: dict[str, ir.Model], scheme: str, block_size: int = DEFAULT
     MatMulNBitsQuantizer = _import_quantizer()
     out = {}
     for name, model in models.items():
-        _lm_head_as_matmul(model)
+        if lm_head:
+            _lm_head_as_matmul(model)
         quantizer = MatMulNBitsQuantizer(
             ir.serde.serialize_model(model),
             bits=QUANTIZE_BITS[scheme],
             block_size=block_size,
-            is_symmetric=True,
+            is_symmetric=symmetric,
             accuracy_level=4,
         )
         quantizer.process()
