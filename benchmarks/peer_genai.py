@@ -433,14 +433,45 @@ def run_logged(cmd: list[str], log: Path, what: str) -> None:
         raise StepFailed(f"{what} failed (exit {proc.returncode}); log {log}:\n{tail}")
 
 
-def run_worker(python: str, name: str, job: dict[str, Any], work: Path) -> dict[str, Any]:
+def run_worker(python: str, name: str, job: dict[str, Any], work: Path, script: Path | None = None) -> dict[str, Any]:
+    """Run worker ``name`` of ``script`` (default: this file; another benchmark that imports this
+    one passes its own, whose ``--worker NAME --job FILE`` does the same) under ``python`` in a
+    fresh process; returns the dict it wrote."""
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         job = {**job, "result_file": str(Path(tmp) / "result.json")}
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job))
         log = work / f"{name}.log"
-        run_logged([python, str(Path(__file__).resolve()), "--worker", name, "--job", str(job_file)], log, name)
+        script = (script or Path(__file__)).resolve()
+        run_logged([python, str(script), "--worker", name, "--job", str(job_file)], log, name)
         return json.loads(Path(job["result_file"]).read_text())
+
+
+def run_rounds(
+    plan: list[tuple[str, str, str, dict[str, Any], Path | None]],
+    rounds: int,
+    work: Path,
+    before=None,
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """The sides take turns: ``rounds`` times, each ``(row name, interpreter, worker, job, script)``
+    of ``plan`` runs once in a fresh process (``before(name, job)`` first, where given). Returns
+    every row's per-round results and the rows that failed (``{"error": ...}``; a failed row is
+    not run again)."""
+    per_round: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in plan}
+    failed: dict[str, dict[str, Any]] = {}
+    for round_ in range(rounds):
+        for name, python, worker, job, script in plan:
+            if name in failed:
+                continue
+            say(f"round {round_ + 1}/{rounds}: running {name}")
+            if before is not None:
+                before(name, job)
+            try:
+                per_round[name].append(run_worker(python, worker, job, work, script))
+            except StepFailed as e:
+                say(str(e))
+                failed[name] = {"error": str(e)}
+    return per_round, failed
 
 
 def say(message: str) -> None:
@@ -797,20 +828,12 @@ def main(argv: list[str] | None = None) -> None:
         say(f"roofline: {args.roofline_gib:g} GiB read by {args.threads} threads")
         bandwidth_before = run_worker(sys.executable, "roofline", roofline_job, work)
 
-    per_round: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in plan}
-    rows: dict[str, dict[str, Any]] = {}
-    for round_ in range(args.rounds):
-        for name, python, worker, job, _ in plan:
-            if name in rows:  # failed in an earlier round
-                continue
-            say(f"round {round_ + 1}/{args.rounds}: running {name}")
-            if worker == "genai":
-                set_genai_threads(genai_dir, job["threads"])  # genai reads its threads from genai_config.json
-            try:
-                per_round[name].append(run_worker(python, worker, job, work))
-            except StepFailed as e:
-                say(str(e))
-                rows[name] = {"error": str(e)}
+    def before(name: str, job: dict[str, Any]) -> None:
+        if genai_dir is not None and "genai_dir" in job:
+            set_genai_threads(genai_dir, job["threads"])  # genai reads its threads from genai_config.json
+
+    runs = [(name, python, worker, job, None) for name, python, worker, job, _ in plan]
+    per_round, rows = run_rounds(runs, args.rounds, work, before)
     for name, _, _, job, step_bytes in plan:
         if name in rows:
             continue

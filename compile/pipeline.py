@@ -81,6 +81,8 @@ class CompileOptions:
     trust_remote_code: bool = False  # run the modeling code config.json's auto_map names
     full_trace: bool = False  # trace every layer, never copy one (debugging: kvforge.compile.replicate)
     pack_tied_lm_head: bool = True  # ORT graphs: the tied lm_head packed by ORT (False: read in place, slower)
+    symmetric: bool = True  # quantize: symmetric blocks (False: a zero point per block)
+    quantize_lm_head: bool = True  # quantize: the lm_head too (False: it stays in the model's dtype)
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -140,6 +142,8 @@ def compile_model(
     full_trace: bool = False,
     pack_tied_lm_head: bool = True,
     revision: str | None = None,
+    symmetric: bool = True,
+    quantize_lm_head: bool = True,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -154,7 +158,9 @@ def compile_model(
     ``ValueError`` for bad options. ``max_seq`` defaults to 512, or the model's
     ``max_position_embeddings`` if that is smaller. ``score_graph`` adds ``score.onnx`` (logits of
     every position, for perplexity and comparisons; it shares the weights file). ``quantize``
-    ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only).
+    ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only),
+    with symmetric blocks unless ``symmetric=False`` (a zero point per block), the lm_head included
+    unless ``quantize_lm_head=False`` (benchmarks/quality.py measures each setting's perplexity).
     ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs (CPU target only).
     ``target`` ("cpu" | "cuda" | "tensorrt") sets the defaults of ``dtype`` and ``lowering``
     (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
@@ -185,6 +191,8 @@ def compile_model(
             trust_remote_code=trust_remote_code,
             full_trace=full_trace,
             pack_tied_lm_head=pack_tied_lm_head,
+            symmetric=symmetric,
+            quantize_lm_head=quantize_lm_head,
         ),
     )
     # numpy ints are accepted; the manifest (JSON) holds Python ints
@@ -213,6 +221,8 @@ def compile_model(
             trust_remote_code,
             full_trace,
             pack_tied_lm_head,
+            symmetric,
+            quantize_lm_head,
             say,
         )
 
@@ -234,6 +244,8 @@ def _compile_source(
     trust_remote_code: bool,
     full_trace: bool,
     pack_tied_lm_head: bool,
+    symmetric: bool,
+    quantize_lm_head: bool,
     say: Progress,
 ) -> mf.Manifest:
     """:func:`compile_model` on a resolved source (a Hugging Face directory)."""
@@ -272,6 +284,8 @@ def _compile_source(
         trust_remote_code,
         full_trace,
         pack_tied_lm_head,
+        symmetric=symmetric,
+        quantize_lm_head=quantize_lm_head,
     )
     options.check()
     _check_out_dir(out)
@@ -420,7 +434,14 @@ def _compile_into(
         stages.end(str(times))
         stages.start("quantize", f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size})")
         exclude = kept.exclude if kept else []
-        general = quantize_stage.quantize({GENERAL: general}, options.quantize, options.block_size, exclude)[GENERAL]
+        general = quantize_stage.quantize(
+            {GENERAL: general},
+            options.quantize,
+            options.block_size,
+            exclude,
+            symmetric=options.symmetric,
+            lm_head=options.quantize_lm_head,
+        )[GENERAL]
         stages.start("write", "writing one shared weights file and deriving the graphs")
     else:
         stages.end(str(times))
@@ -632,9 +653,9 @@ def _quantization(options: CompileOptions, source: source_stage.Source, kept) ->
             "scheme": options.quantize,
             "block_size": options.block_size,
             "op": "com.microsoft.MatMulNBits",
-            "symmetric": True,
+            "symmetric": options.symmetric,
             "accuracy_level": 4,
-            "lm_head": "quantized",
+            "lm_head": "quantized" if options.quantize_lm_head else options.dtype,
             "embedding": options.dtype,
         }
     if kept and kept.nodes:

@@ -27,10 +27,18 @@ DEFAULT_BLOCK_SIZE = 32
 
 
 def quantize(
-    models: dict[str, ir.Model], scheme: str, block_size: int = DEFAULT_BLOCK_SIZE, exclude: list[str] | None = None
+    models: dict[str, ir.Model],
+    scheme: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    exclude: list[str] | None = None,
+    *,
+    symmetric: bool = True,
+    lm_head: bool = True,
 ) -> dict[str, ir.Model]:
     """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8"), except the
-    nodes named in ``exclude`` (a GGUF Q4_1 projection's block-minimum MatMul: already exact)."""
+    nodes named in ``exclude`` (a GGUF Q4_1 projection's block-minimum MatMul: already exact):
+    symmetric blocks (``symmetric=False``: a zero point per block, ORT's asymmetric MatMulNBits),
+    the lm_head included (``lm_head=False``: it stays a Gemm in the model's dtype)."""
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_BITS)}")
     if block_size < 16 or block_size & (block_size - 1):
@@ -38,12 +46,13 @@ def quantize(
     MatMulNBitsQuantizer = _import_quantizer()
     out = {}
     for name, model in models.items():
-        _lm_head_as_matmul(model)
+        if lm_head:
+            _lm_head_as_matmul(model)
         quantizer = MatMulNBitsQuantizer(
             ir.serde.serialize_model(model),
             bits=QUANTIZE_BITS[scheme],
             block_size=block_size,
-            is_symmetric=True,
+            is_symmetric=symmetric,
             accuracy_level=4,
             nodes_to_exclude=list(exclude or []),
         )

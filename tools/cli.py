@@ -79,6 +79,19 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--block-size", type=int, default=32, help="quantization block size (default 32)")
     p.add_argument(
+        "--asymmetric",
+        dest="symmetric",
+        action="store_false",
+        help="--quantize: a zero point per block (default: symmetric blocks; benchmarks/quality.py compares them)",
+    )
+    p.add_argument(
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--quantize: the lm_head too (default); --no-quantize-lm-head leaves it in --dtype (better "
+        "perplexity, a slower step on a small model: benchmarks/quality.py)",
+    )
+    p.add_argument(
         "--no-optimize",
         dest="optimize",
         action="store_false",
@@ -140,6 +153,8 @@ def _run_compile(args: argparse.Namespace) -> int:
         full_trace=args.full_trace,
         pack_tied_lm_head=args.pack_tied_lm_head,
         revision=args.revision,
+        symmetric=args.symmetric,
+        quantize_lm_head=args.quantize_lm_head,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity
@@ -361,6 +376,13 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE", help="one prompt per line (default: bundled prompts)")
     p.add_argument("--text", default=None, metavar="FILE", help="text for the perplexity (default: bundled text)")
     p.add_argument("--steps", type=int, default=None, help="decode and greedy steps per prompt (default 32)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="perplexity windows of max_seq tokens start this far apart; each scores only the tokens the "
+        "previous did not (default max_seq: non-overlapping windows)",
+    )
     p.add_argument("--atol", type=float, default=None, help="max |logit diff| allowed (default by dtype: fp32 1e-3)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON (docs/tools.md)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the per-step differences")
@@ -395,6 +417,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         progress=Progress("compare"),
         device=args.device,
         backend=args.backend,
+        stride=args.stride,
     )
     print(compare.format_report(result))
     if args.json:

@@ -28,6 +28,7 @@ import torch
 
 from kvforge.runtime import Engine
 from kvforge.tools import metrics, reference
+from kvforge.tools import perplexity as ppl
 from kvforge.tools.report import (
     Progress,
     artifact_summary,
@@ -73,14 +74,17 @@ def run_compare(
     progress: Progress | None = None,
     device: str = "cpu",
     backend: str = "ort",
+    stride: int | None = None,
 ) -> dict[str, Any]:
     """Run both sides and return the report (see docs/tools.md). ``verify=False`` skips the sha256
     check of the artifact's files (to measure a modified artifact); ``threads`` sets ONNX Runtime's
     and torch's thread counts (None: each library's default); ``device``/``backend`` go to
-    :meth:`Engine.load` (the transformers side stays on the CPU)."""
+    :meth:`Engine.load` (the transformers side stays on the CPU); ``stride``: the perplexity
+    windows' starts lie this far apart (default ``max_seq``: non-overlapping windows;
+    :mod:`kvforge.tools.perplexity`)."""
     with torch_threads(threads):
         return _run_compare(
-            artifact, reference_dir, prompts, text, steps, atol, verify, threads, progress, device, backend
+            artifact, reference_dir, prompts, text, steps, atol, verify, threads, progress, device, backend, stride
         )
 
 
@@ -96,6 +100,7 @@ def _run_compare(
     progress: Progress | None,
     device: str = "cpu",
     backend: str = "ort",
+    stride: int | None = None,
 ) -> dict[str, Any]:
     say = progress or Progress("compare", enabled=False)
     if steps < 1:
@@ -120,6 +125,10 @@ def _run_compare(
         text_ids = engine.encode(text)
         if len(text_ids) < 2:
             raise ValueError("the --text file needs at least 2 tokens to measure a perplexity")
+        if stride is not None and not 1 <= stride <= engine.max_seq:
+            raise ValueError(
+                f"--stride {stride} must lie in 1..{engine.max_seq} (the artifact's max_seq, the perplexity window)"
+            )
 
         say.say(f"loading the reference {reference_dir} (transformers eager, {manifest.dtype})")
         model = reference.load(reference_dir, manifest)
@@ -135,7 +144,7 @@ def _run_compare(
         batch = _batch_check(engine, rows, continuations, ours, ours_greedy, atol)
         if "score" in manifest.graphs:
             say.say(f"perplexity of the text ({len(text_ids)} tokens)")
-            perplexity = _perplexity(engine, model, text_ids)
+            perplexity = _perplexity(engine, model, text_ids, stride)
         else:
             perplexity = {
                 "skipped": "the artifact has no score graph (all-position logits); recompile it "
@@ -270,17 +279,19 @@ def _batch_check(
     return {"batch_size": size, "ragged": len(lengths) > 1, "all_consistent": consistent, "rows": results}
 
 
-def _perplexity(engine: Engine, model: torch.nn.Module, ids: list[int]) -> dict[str, Any]:
-    """Perplexity on both sides over non-overlapping windows of ``max_seq`` tokens (the first token
-    of each window is context only), with the logit metrics of every scored position."""
+def _perplexity(engine: Engine, model: torch.nn.Module, ids: list[int], stride: int | None = None) -> dict[str, Any]:
+    """Perplexity on both sides over windows of ``max_seq`` tokens, ``stride`` apart (default:
+    non-overlapping, the first token of each window context only; :mod:`kvforge.tools.perplexity`),
+    with the logit metrics of every scored position."""
     window = engine.max_seq
     nll_ours, nll_ref, parts = [], [], []
-    chunks = [ids[i : i + window] for i in range(0, len(ids), window)]
-    chunks = [c for c in chunks if len(c) >= 2]
-    for chunk in chunks:
-        mine = torch.from_numpy(engine.score([chunk])[0, :-1]).float()  # (S - 1, V): i predicts chunk[i + 1]
-        theirs = reference.all_logits(model, chunk)[:-1]
-        targets = torch.tensor(chunk[1:])
+    plan = ppl.windows(len(ids), window, stride)
+    for w in plan:
+        chunk = ids[w.start : w.end]
+        rows = slice(w.first - 1 - w.start, w.end - 1 - w.start)  # row i predicts chunk[i + 1]
+        mine = torch.from_numpy(engine.score([chunk])[0, rows]).float()
+        theirs = reference.all_logits(model, chunk)[rows]
+        targets = torch.tensor(ids[w.first : w.end])
         nll_ours.append(metrics.token_nll(mine, targets))
         nll_ref.append(metrics.token_nll(theirs, targets))
         parts.append(metrics.per_position(mine, theirs))
@@ -288,9 +299,10 @@ def _perplexity(engine: Engine, model: torch.nn.Module, ids: list[int]) -> dict[
     ppl_ours, ppl_ref = float(ours.exp()), float(ref.exp())
     return {
         "tokens": len(ids),
-        "scored_tokens": int(sum(len(c) - 1 for c in chunks)),
-        "windows": len(chunks),
+        "scored_tokens": sum(w.scored for w in plan),
+        "windows": len(plan),
         "window_tokens": window,
+        "stride": stride or window,
         "kvforge": ppl_ours,
         "reference": ppl_ref,
         "abs_diff": abs(ppl_ours - ppl_ref),
@@ -353,8 +365,9 @@ def format_report(result: dict[str, Any]) -> str:
     if "skipped" in p:
         lines.append(f"perplexity: skipped ({p['skipped']})")
     else:
+        stride = "" if p.get("stride", p["window_tokens"]) == p["window_tokens"] else f", stride {p['stride']}"
         lines.append(
-            f"perplexity ({p['scored_tokens']} tokens, {p['windows']} window(s) of {p['window_tokens']}): "
+            f"perplexity ({p['scored_tokens']} tokens, {p['windows']} window(s) of {p['window_tokens']}{stride}): "
             f"kvforge {_fmt(p['kvforge'], '.4f')}, transformers {_fmt(p['reference'], '.4f')} "
             f"(|diff| {_fmt(p['abs_diff'], '.2e')})"
         )

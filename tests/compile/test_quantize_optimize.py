@@ -1,4 +1,5 @@
-"""--quantize int4|int8 (MatMulNBits through ORT's quantizer, lm_head included, embedding kept) and
+"""--quantize int4|int8 (MatMulNBits through ORT's quantizer, lm_head included, embedding kept; or
+asymmetric, or the lm_head left float) and
 the ORT-optimized graphs (fusions, offline optimization) that share the one weights file."""
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ def test_quantized_artifact(llama_dir, tmp_path, scheme):
         [result] = engine.generate([[0, 5, 9, 100]], max_new_tokens=8)
     assert len(result.token_ids) == 8
     assert manifest.parity["decode_max_abs_diff"] < (0.1 if scheme == "int8" else 1.0)
+
+
+def test_asymmetric_blocks_and_float_lm_head(llama_dir, tmp_path):
+    """--asymmetric: every MatMulNBits carries zero points; --no-quantize-lm-head: the lm_head stays
+    a float Gemm (8 quantized projections, not 9); the manifest says both, and the artifact runs
+    closer to transformers than the all-int4 one does."""
+    out = tmp_path / "int4-asym-lm"
+    manifest = compile_model(
+        llama_dir, out, max_batch=1, max_seq=32, quantize="int4", symmetric=False, quantize_lm_head=False,
+        score_graph=False, progress=None,
+    )  # fmt: skip
+    assert manifest.quantization["symmetric"] is False and manifest.quantization["lm_head"] == "float32"
+    ops, model = _ops(out / "decode.onnx")
+    assert ops["MatMulNBits"] == 8 and ops["Gemm"] == 1, ops
+    assert all(len(n.input) >= 4 and n.input[3] for n in model.graph.node if n.op_type == "MatMulNBits")
+    with Engine.load(out) as engine:
+        [result] = engine.generate([[0, 5, 9, 100]], max_new_tokens=4)
+    assert len(result.token_ids) == 4
+    assert manifest.parity["decode_max_abs_diff"] < 1.0
 
 
 def _float_params(model_dir):
