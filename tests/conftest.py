@@ -140,3 +140,14 @@ def tiny_artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("artifacts") / "kvforge-tiny"
     compile_model(BUNDLED_MODEL, out, max_batch=8, max_seq=512, score_graph=False, progress=None)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_artifact(tmp_path_factory) -> Path:
+    """The bundled model under the standard-ONNX lowering (max_batch 8, max_seq 512, no score graph),
+    where a verify call checks several rows' drafts at once (GroupQueryAttention verifies one row)."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "kvforge-tiny-onnx"
+    compile_model(BUNDLED_MODEL, out, max_batch=8, max_seq=512, lowering="onnx", score_graph=False, progress=None)
+    return out

@@ -1,0 +1,91 @@
+"""Every feature that meets in the batch loop, on at once in one scheduler batch.
+
+Proves, on the bundled model in both lowerings (max_batch 8; under ``onnx`` a verify call checks
+several rows' drafts at once, under ``gqa`` only a row decoding alone drafts): with
+the prefix cache on (the default), n-gram speculative decoding on, and rows that are constrained
+(a regex), sampled with a seed and a ``logit_bias``, greedy with a stop string, predicted
+(``SamplingParams.prediction``), cancelled, and a later request that shares a finished request's
+prompt (a prefix-cache hit), each request gives exactly what it gives alone on a plain engine (no
+prefix cache, no drafts): the same tokens, text, finish reason and stop string. The hit takes its
+prefix from the cache (``cached_tokens > 0``) and drafts are accepted somewhere in the batch.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvforge.runtime import Engine, SamplingParams
+
+pytest.importorskip("llguidance")
+
+REPEAT = "The for statement runs the loop. The for statement runs the loop. The for statement runs"
+GREEDY = SamplingParams(temperature=0.0)
+
+# name -> (prompt, max_new_tokens, sampling, stop)
+REQUESTS = {
+    "drafts": (REPEAT, 24, GREEDY, None),
+    "regex": ("A list is a mutable", 16, SamplingParams(temperature=0.0, regex=r"[a-z]+( [a-z]+){1,5}\."), None),
+    "sampled": (
+        "Exceptions are",
+        12,
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, logit_bias={5: -100, 17: 3.0}, speculative=False),
+        None,
+    ),
+    "stop": ("The import system", 20, GREEDY, ["."]),
+    "predicted": ("The while loop", 16, None, None),  # sampling filled in below: the plain answer as prediction
+}
+
+
+def _run(engine: Engine, requests: dict, cancel: str | None = None) -> dict:
+    with engine.scheduler() as sched:
+        handles = {
+            name: sched.submit(p, max_new_tokens=n, sampling=s, stop=stop) for name, (p, n, s, stop) in requests.items()
+        }
+        if cancel is not None:
+            victim = sched.submit(REPEAT, max_new_tokens=400, sampling=GREEDY)
+            victim.cancel()
+        results = {name: h.result(timeout=120) for name, h in handles.items()}
+        if cancel is not None:
+            results[cancel] = victim.result(timeout=120)
+    return results
+
+
+def _same(a, b) -> tuple:
+    return (a.token_ids, a.text, a.finish_reason, a.stop_string), (b.token_ids, b.text, b.finish_reason, b.stop_string)
+
+
+@pytest.mark.parametrize("lowering", ["gqa", "onnx"])
+def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request, lowering):
+    tiny_artifact = request.getfixturevalue("tiny_artifact" if lowering == "gqa" else "tiny_onnx_artifact")
+    requests = dict(REQUESTS)
+    with Engine.load(tiny_artifact, prefix_cache=0, threads=1) as plain:
+        predicted = plain.generate([requests["predicted"][0]], max_new_tokens=16, sampling=GREEDY)[0]
+        requests["predicted"] = (
+            requests["predicted"][0],
+            16,
+            SamplingParams(temperature=0.0, prediction=[*predicted.token_ids[:10], 3, 4, 5]),
+            None,
+        )
+        solo = {name: _run(plain, {name: r})[name] for name, r in requests.items()}
+        hit_solo = plain.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+
+    assert re.fullmatch(r"[a-z]+( [a-z]+){1,5}\.", solo["regex"].text), solo["regex"].text
+    assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "."
+
+    with Engine.load(tiny_artifact, speculative="ngram", threads=1) as engine:
+        assert engine.prefix_pool is not None  # the default: on
+        together = _run(engine, requests, cancel="cancelled")
+        for name in requests:
+            got, want = _same(together[name], solo[name])
+            assert got == want, name
+        assert together["cancelled"].finish_reason == "cancelled"
+        if lowering == "onnx":  # several rows verified in one call
+            assert sum(r.accepted_tokens for r in together.values()) > 0
+            assert together["predicted"].prediction_accepted >= 1
+
+        # The drafting request finished: its prompt is in the pool, and a prompt that extends it hits.
+        hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+        assert hit.cached_tokens > 0
+        assert hit.token_ids == hit_solo.token_ids and hit.text == hit_solo.text
