@@ -9,7 +9,7 @@ from kvforge.compile import heap
 
 
 def test_freeze_then_unfreeze_leaves_nothing_frozen():
-    callers = gc.get_freeze_count()  # the CLI freezes after a compile: an earlier in-process test may have
+    callers = gc.get_freeze_count()  # a caller (an earlier in-process test) may have frozen objects
     gc.unfreeze()
     try:
         heap.freeze_survivors()

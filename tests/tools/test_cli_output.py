@@ -1,9 +1,12 @@
 """What a user sees from ``kvforge compile -q``: kvforge's own result line and nothing else.
 
-The real CLI runs in a fresh process (as a user runs it: the libraries' once-per-process warnings
-and exit-time messages happen there), int4 so that ORT's quantizer runs too. Its stdout is exactly
-one ``compiled ...`` line and its stderr is empty: no transformers loading bar, no ONNX exporter
-warning about torchvision, no warnings, no nanobind "leaked" report at exit."""
+The ``kvforge`` command's entry point runs in a fresh process (as a user runs it: the libraries'
+once-per-process warnings and exit-time messages happen there), int4 so that ORT's quantizer runs
+too. Its stdout is exactly one ``compiled ...`` line and its stderr is empty: no transformers
+loading bar, no ONNX exporter warning about torchvision, no warnings. A successful compile ends the
+process without the interpreter's teardown (an ``atexit`` hook registered before it never runs),
+which is where extension libraries print leak reports at exit (triton's nanobind bindings, where a
+CUDA build of torch brings triton: "nanobind: leaked ... instances")."""
 
 from __future__ import annotations
 
@@ -11,19 +14,36 @@ import re
 import subprocess
 import sys
 
+ENTRY_WITH_A_TEARDOWN_HOOK = (
+    "import atexit, sys; atexit.register(lambda: print('interpreter teardown ran', file=sys.stderr)); "
+    "from kvforge.tools.cli import entry; entry()"
+)
+
 
 def test_quiet_compile_prints_only_its_result_line(llama_dir, tmp_path):
     out = tmp_path / "art"
-    cmd = [sys.executable, "-m", "kvforge.tools.cli", "compile", str(llama_dir), "-o", str(out), "-q"]
+    args = ["compile", str(llama_dir), "-o", str(out), "-q", "--quantize", "int4", "--max-batch", "1"]
     done = subprocess.run(
-        [*cmd, "--quantize", "int4", "--max-batch", "1", "--max-seq", "32"],
+        [sys.executable, "-c", ENTRY_WITH_A_TEARDOWN_HOOK, *args, "--max-seq", "32"],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    for noise in ("leaked", "torchvision", "Loading weights", "Warning", "warn", "W1"):
+    for noise in ("leaked", "torchvision", "Loading weights", "Warning", "warn", "W1", "teardown"):
         assert noise not in done.stdout + done.stderr, (noise, done.stdout, done.stderr)
     assert done.stderr == ""
     line = re.escape(f"compiled LlamaForCausalLM -> {out}: parity vs transformers prefill max|diff| ")
     assert re.fullmatch(line + r"\S+, decode \S+, greedy match (True|False)\n", done.stdout), done.stdout
+    assert (out / "manifest.json").is_file()
+
+
+def test_other_failures_and_commands_exit_normally(tmp_path):
+    """A failed compile is an error line and status 2, through the interpreter's normal exit."""
+    args = ["compile", str(tmp_path / "missing"), "-o", str(tmp_path / "o")]
+    done = subprocess.run(
+        [sys.executable, "-c", ENTRY_WITH_A_TEARDOWN_HOOK, *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("kvforge: error: model directory") and "does not exist" in done.stderr
+    assert done.stderr.endswith("interpreter teardown ran\n")
