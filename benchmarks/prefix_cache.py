@@ -169,13 +169,19 @@ def import_cost(artifact: Path, threads: int, tokens: int, repeat: int) -> dict:
     }
 
 
-def many_users(urls: dict[str, str], users: int, words: int, max_tokens: int) -> dict:
+def many_users(urls: dict[str, str], users: int, words: int, max_tokens: int, timeout_s: float, common) -> dict:
     out = {}
     for name, url in urls.items():
+        load_before = common.load_average()
         # One request first (the shared words are drawn first from the seed: the same prefix).
         run_loadtest(url, LoadOptions(rate=float("inf"), requests=1, prompt_lens=(8,), shared_prefix=words))
         options = LoadOptions(
-            rate=float("inf"), requests=users, prompt_lens=(12,), output_lens=(max_tokens,), shared_prefix=words
+            rate=float("inf"),
+            requests=users,
+            prompt_lens=(12,),
+            output_lens=(max_tokens,),
+            shared_prefix=words,
+            timeout_s=timeout_s,
         )
         s = run_loadtest(url, options)["summary"]
         out[name] = {
@@ -185,10 +191,13 @@ def many_users(urls: dict[str, str], users: int, words: int, max_tokens: int) ->
             "prompt_tokens": s["prompt_tokens"],
             "cached_tokens": s["cached_tokens"],
             "duration_s": s["duration_s"],
+            "errors": s["errors"],
+            "load_average_before": load_before,
+            "load_average_after": common.load_average(),
         }
         print(
             f"{users} users [{name}]: TTFT p50 {s['ttft_ms']['p50']:.0f} ms, p99 {s['ttft_ms']['p99']:.0f} ms, "
-            f"{s['cached_tokens']}/{s['prompt_tokens']} prompt tokens cached",
+            f"{s['completed']}/{users} completed, {s['cached_tokens']}/{s['prompt_tokens']} prompt tokens cached",
             file=sys.stderr,
             flush=True,
         )
@@ -206,6 +215,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--shared-words", type=int, default=800, help="shared system prompt of the users, words")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout of the users part, s")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: chat,import,users")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -228,7 +238,7 @@ def main() -> int:
                 system = system_prompt(engine.tokenizer, args.system_tokens)
             result["conversation"] = conversation(clients, system, args.turns, args.max_tokens)
         if "users" not in skip:
-            result["many_users"] = many_users(urls, args.users, args.shared_words, 16)
+            result["many_users"] = many_users(urls, args.users, args.shared_words, 16, args.timeout, common)
     finally:
         for s in servers.values():
             s.stop()
