@@ -230,10 +230,13 @@ def test_mask_accept_rollback_validate(engine):
     c = engine.grammars.new("regex", "ab(c|d)")
     tok = engine.tokenizer
     ids = [tok.token_to_id(t) for t in ("a", "b", "c", "d")]
-    logits = np.zeros(engine.vocab_size, dtype=np.float32)
+    logits = np.random.default_rng(0).standard_normal(engine.vocab_size).astype(np.float32)
 
     def allowed() -> set[int]:
-        return set(np.flatnonzero(np.isfinite(c.mask(logits))).tolist())
+        masked = c.mask(logits)
+        bits = np.unpackbits(c.bitmask.view(np.uint8), bitorder="little")[: engine.vocab_size].astype(bool)
+        assert np.array_equal(masked[bits], logits[bits]) and np.isneginf(masked[~bits]).all()  # exact, -inf
+        return set(np.flatnonzero(bits).tolist())
 
     assert ids[0] in allowed() and ids[1] not in allowed()
     before = allowed()

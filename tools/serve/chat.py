@@ -127,7 +127,9 @@ async def full(
     results = await final_results(flight)
     response_choices = []
     for i in range(len(prep.sequences)):
-        content, calls = structured.parse_output(results[i].text) if prep.plan.parse_calls else (results[i].text, [])
+        content, calls = (results[i].text, [])
+        if prep.plan.parse_calls:
+            content, calls = structured.parse_output(content)
         response_choices.append(
             p.ChatCompletionResponseChoice(
                 index=i,
@@ -157,23 +159,7 @@ async def stream(
         choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
         return sse(head.model_copy(update={"choices": [choice]}))
 
-    def deltas(index: int, events: list, logprobs=None) -> list[str]:
-        """Content and tool-call deltas of one choice's parsed text (logprobs ride on the first)."""
-        out = []
-        for e in events:
-            if isinstance(e, str):
-                out.append(chunk(index, p.DeltaMessage(content=e), logprobs=logprobs))
-            else:
-                call = p.DeltaToolCall(index=calls[index], id=e["id"], type="function", function=e["function"])
-                calls[index] += 1
-                out.append(chunk(index, p.DeltaMessage(tool_calls=[call]), logprobs=logprobs))
-            logprobs = None
-        if logprobs is not None:
-            out.append(chunk(index, p.DeltaMessage(content=""), logprobs=logprobs))
-        return out
-
-    parsers = [structured.CallStream() if prep.plan.parse_calls else None for _ in prep.sequences]
-    calls = [0] * len(prep.sequences)
+    parsers = [structured.DeltaParser() if prep.plan.parse_calls else None for _ in prep.sequences]
     results = {}
     try:
         for index in range(len(prep.sequences)):
@@ -185,20 +171,19 @@ async def stream(
                 if event.kind == "chunk":
                     piece = event.payload
                     logprobs = chat_logprobs(server, piece.logprobs) if req.logprobs and piece.logprobs else None
-                    if parser is not None:
-                        for line in deltas(event.index, parser.feed(piece.text), logprobs):
-                            yield line
+                    if parser is not None:  # tool calls: content and whole calls as they are certain
+                        for j, delta in enumerate(parser.feed(piece.text, logprobs is not None)):
+                            yield chunk(event.index, delta, logprobs=None if j else logprobs)
                     elif piece.text or logprobs is not None:
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
                     result = results[event.index] = event.payload
-                    if parser is not None:
-                        for line in deltas(event.index, parser.finish()):
-                            yield line
+                    for delta in parser.finish() if parser is not None else ():
+                        yield chunk(event.index, delta)
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
-                        finish_reason=_finish_reason(result.finish_reason, [None] * calls[event.index]),
+                        finish_reason=_finish_reason(result.finish_reason, parser.calls if parser else 0),
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
@@ -209,6 +194,6 @@ async def stream(
     yield SSE_DONE
 
 
-def _finish_reason(reason: str, calls: list) -> str:
+def _finish_reason(reason: str, calls: list | int) -> str:
     """OpenAI's ``tool_calls`` when the model ended (``stop``) after calling tools."""
     return "tool_calls" if calls and reason == "stop" else reason

@@ -39,6 +39,7 @@ from typing import Any
 
 from kvforge.runtime import constraints
 from kvforge.runtime.sampling import SamplingParams
+from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import ServingError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -326,3 +327,31 @@ class CallStream:
         self.blank += text[len(body) :]
         if before_call:
             self.blank = ""
+
+
+class DeltaParser:
+    """One streamed chat choice with tools: text pieces -> ``DeltaMessage``s (content, and each
+    call whole, as one ``tool_calls`` entry, once its block closes)."""
+
+    def __init__(self) -> None:
+        self.stream = CallStream()
+        self.calls = 0
+
+    def feed(self, text: str, keep_one: bool = False) -> list[p.DeltaMessage]:
+        """Deltas for ``text``; ``keep_one``: at least one (an empty one to carry logprobs)."""
+        out = self._deltas(self.stream.feed(text))
+        return out or ([p.DeltaMessage(content="")] if keep_one else [])
+
+    def finish(self) -> list[p.DeltaMessage]:
+        return self._deltas(self.stream.finish())
+
+    def _deltas(self, events: list[str | dict]) -> list[p.DeltaMessage]:
+        out = []
+        for e in events:
+            if isinstance(e, str):
+                out.append(p.DeltaMessage(content=e))
+            else:
+                call = p.DeltaToolCall(index=self.calls, id=e["id"], type="function", function=e["function"])
+                self.calls += 1
+                out.append(p.DeltaMessage(tool_calls=[call]))
+        return out
