@@ -120,7 +120,7 @@ def _quiet_llama(llama_cpp) -> None:
 
     @llama_cpp.llama_log_callback
     def callback(level, text, user_data):
-        if level == llama_cpp.GGML_LOG_LEVEL_ERROR:
+        if level == GGML_LOG_LEVEL_ERROR:
             sys.stderr.write(text.decode(errors="replace"))
 
     _LOG_CALLBACK = callback  # kept alive: llama.cpp holds the pointer
@@ -128,6 +128,7 @@ def _quiet_llama(llama_cpp) -> None:
 
 
 _LOG_CALLBACK = None
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h's enum ggml_log_level (vendor/llama.cpp of 0.3.36)
 
 
 class _Llama:
