@@ -48,7 +48,12 @@ def test_inspect_artifact_json(llama_onnx_artifact, tmp_path, capsys):
         assert graph["bytes"] == (llama_onnx_artifact / graph["file"]).stat().st_size
         assert graph["external_bytes"] <= manifest["weights"]["bytes"]
     logits = {name: g["outputs"][0]["shape"] for name, g in plain.items()}
-    assert logits == {"prefill": ["batch", vocab], "decode": ["batch", vocab], "score": ["batch", "seq", vocab]}
+    assert logits == {
+        "prefill": ["batch", vocab],
+        "decode": ["batch", vocab],
+        "score": ["batch", "seq", vocab],
+        "verify": ["batch", "positions", vocab],
+    }
 
     files = {f["file"]: f for f in result["files"]}
     assert files["weights.data"]["bytes"] == manifest["weights"]["bytes"] and files["weights.data"]["sha256_ok"]
