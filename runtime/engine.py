@@ -44,6 +44,11 @@ runs whole or is refused, never mixed with another thread's:
 * a session takes one call at a time: a call while another thread's (or an unfinished stream's)
   turn runs on it is *refused* (``RuntimeError``); different sessions run side by side.
 
+KV blocks. ``export_kv`` copies a row's positions out as a :class:`~kvforge.runtime.kv.KVBlock`
+and ``import_kv`` copies one in (one strided copy each way). The prefix pool
+(``prefix_pool``, made by ``load(prefix_cache=...)``) is held here for the batch loop, which
+imports cached prefixes at admission and offers finished rows; the engine never calls it.
+
 Generation (:mod:`kvforge.runtime.batching`) runs requests through in-flight batching: rows that
 finish are retired at once and the queued prompts take their rows; decode steps run on the
 contiguous range of active rows only. Stopping: an eos id of the artifact (kept as the last of

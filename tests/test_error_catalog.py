@@ -21,7 +21,7 @@ import pytest
 from kvforge.compile import compile_model
 from kvforge.graphs import environment
 from kvforge.graphs import manifest as mf
-from kvforge.runtime import Engine, SamplingParams, backends
+from kvforge.runtime import Engine, KVBlock, KVBlockError, SamplingParams, backends
 from tests.helpers import corrupt_head_size
 
 CATALOG = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -709,6 +709,51 @@ def _(c):
 @trigger("cli-error")
 def _(c):
     return cli(["generate", str(c.tmp / "nope"), "hi"])
+
+
+# ------------------------------------------------------------------------------------------ KV blocks
+
+
+def _block(c):
+    c.engine.prefill_rows([[0, 5, 6, 7]], [0], first=0)
+    return c.engine.export_kv(0, [0, 5, 6, 7])
+
+
+@trigger("kv-block-foreign")
+def _(c):
+    block = _block(c)
+    foreign = KVBlock({**block.fingerprint, "lowering": "onnx"}, 0, block.token_ids, block.data)
+    return raised(lambda: c.engine.import_kv(foreign, 0), KVBlockError)
+
+
+@trigger("kv-block-too-long")
+def _(c):
+    block = _block(c)
+    return raised(lambda: c.engine.import_kv(KVBlock(block.fingerprint, 94, block.token_ids, block.data), 0))
+
+
+@trigger("kv-block-corrupted")
+def _(c):
+    path = _block(c).save(c.tmp / "block.kvb")
+    path.write_bytes(path.read_bytes()[:-10])
+    return raised(lambda: KVBlock.load(path), KVBlockError)
+
+
+@trigger("kv-block-not-a-block")
+def _(c):
+    (c.tmp / "text.kvb").write_text("hello, not a block at all")
+    return raised(lambda: KVBlock.load(c.tmp / "text.kvb"), KVBlockError)
+
+
+@trigger("kv-session-plain-block")
+def _(c):
+    path = _block(c).save(c.tmp / "plain.kvb")
+    return raised(lambda: c.engine.session(restore=path), KVBlockError)
+
+
+@trigger("prefix-cache-size")
+def _(c):
+    return raised(lambda: Engine.load(c.artifact, prefix_cache="lots"))
 
 
 # ------------------------------------------------------------------------------------------ the tests

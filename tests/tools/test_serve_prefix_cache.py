@@ -82,7 +82,9 @@ def test_prefix_cache_off(llama_chat_artifact):
 def test_loadtest_shared_prefix_is_served_from_the_cache(llama_chat_artifact):
     from kvforge.tools.loadtest import LoadOptions, plan, run_loadtest
 
-    options = LoadOptions(rate=float("inf"), requests=4, prompt_lens=(3,), output_lens=(2,), shared_prefix=12)
+    options = LoadOptions(
+        rate=float("inf"), requests=4, prompt_lens=(3,), output_lens=(2,), shared_prefix=12, model=MODEL, api_key=KEY
+    )
     prompts = [item["prompt"].split() for item in plan(options)]
     assert all(p[:12] == prompts[0][:12] and len(p) == 15 for p in prompts)
     with running(llama_chat_artifact, max_queue=4) as (url, _server):
