@@ -14,7 +14,7 @@ xgrammar needs transformers (its ``TokenizerInfo.from_huggingface``) and torch (
 torch tensor): those are the reason it is here only as the baseline. Run with both installed::
 
     pip install llguidance xgrammar
-    python benchmarks/grammar_engines.py --tokenizer /work/smollm2/hf --rounds 5
+    python benchmarks/grammar_engines.py --tokenizer ~/.cache/kvforge/smollm2/hf --rounds 5
 """
 
 from __future__ import annotations
@@ -122,7 +122,11 @@ def run_xgrammar(hf_dir: str, ids: list[int], vocab: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokenizer", default="/work/smollm2/hf", help="an HF directory with tokenizer.json")
+    ap.add_argument(
+        "--tokenizer",
+        default=str(Path("~/.cache/kvforge/smollm2/hf").expanduser()),
+        help="an HF directory with tokenizer.json",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()

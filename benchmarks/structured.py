@@ -17,8 +17,8 @@ same prompt tokens, ``--steps`` steps with ``set_guidance("json_schema", SCHEMA)
 ``--threads`` intra-op threads (written into its genai_config.json), alternating with kvforge's
 rounds.
 
-    kvforge compile /work/smollm2/hf -o /tmp/smollm2 --max-seq 512 --max-batch 8
-    python -m onnxruntime_genai.models.builder -i /work/smollm2/hf -o /tmp/genai -p fp32 -e cpu
+    kvforge compile ~/.cache/kvforge/smollm2/hf -o /tmp/smollm2 --max-seq 512 --max-batch 8
+    python -m onnxruntime_genai.models.builder -i ~/.cache/kvforge/smollm2/hf -o /tmp/genai -p fp32 -e cpu
     python benchmarks/structured.py /tmp/smollm2 --genai /tmp/genai --threads 2 --rounds 3
 """
 

@@ -151,3 +151,18 @@ def tiny_onnx_artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("artifacts") / "kvforge-tiny-onnx"
     compile_model(BUNDLED_MODEL, out, max_batch=8, max_seq=512, lowering="onnx", score_graph=False, progress=None)
     return out
+
+
+SMOLLM2_DIR = Path(os.environ.get("KVFORGE_SMOLLM2", "~/.cache/kvforge/smollm2/hf")).expanduser()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as an HF directory (``make smollm2``, or ``$KVFORGE_SMOLLM2``);
+    the ``real_model`` tests skip, saying how to get it, where it is absent."""
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        pytest.skip(
+            f"no SmolLM2 directory at {SMOLLM2_DIR}: run `make smollm2`, or set KVFORGE_SMOLLM2 to a converted "
+            "SmolLM2-135M-Instruct directory"
+        )
+    return SMOLLM2_DIR

@@ -1,5 +1,5 @@
 """Structured output on the real SmolLM2-135M-Instruct (opt in: ``-m real_model``; the HF directory in
-``KVFORGE_SMOLLM2``, default /work/smollm2/hf; compiled once per module, ~1 min).
+the ``smollm2_dir`` fixture: ``make smollm2`` or ``KVFORGE_SMOLLM2``; compiled once per module, ~1 min).
 
 Proves: on a real 49,152-token vocabulary, every output constrained by the runtime tests' schema
 corpus parses and validates (greedy and seeded, one batch); when the model already answers with
@@ -10,8 +10,6 @@ unconstrained run ends with eos, the constrained one the token before, when the 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -21,17 +19,14 @@ from tests.runtime.test_constraints import CORPUS
 
 pytestmark = pytest.mark.real_model
 pytest.importorskip("llguidance")
-SMOLLM2 = Path(os.environ.get("KVFORGE_SMOLLM2", "/work/smollm2/hf"))
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    if not (SMOLLM2 / "config.json").is_file():
-        pytest.skip(f"no SmolLM2 checkpoint at {SMOLLM2} (set KVFORGE_SMOLLM2)")
+def engine(smollm2_dir, tmp_path_factory):
     from kvforge.compile import compile_model
 
     out = tmp_path_factory.mktemp("smollm2") / "artifact"
-    compile_model(SMOLLM2, out, max_batch=4, max_seq=512, score_graph=False, progress=None)
+    compile_model(smollm2_dir, out, max_batch=4, max_seq=512, score_graph=False, progress=None)
     with Engine.load(out, threads=2) as e:
         yield e
 

@@ -2,8 +2,8 @@
 logits after importing a cached ~1,000-token prefix equal a from-scratch prefill within 1e-5, and a
 greedy chat turn is identical with and without the cache.
 
-The artifact: ``$KVFORGE_SMOLLM2_ARTIFACT`` if set, else /work/smollm2/hf compiled here (a few
-minutes); skipped where neither exists."""
+The artifact: ``$KVFORGE_SMOLLM2_ARTIFACT`` if set, else the ``smollm2_dir`` fixture's directory
+(``make smollm2``) compiled here with ``--max-seq 2048`` (a few minutes); skipped where neither exists."""
 
 from __future__ import annotations
 
@@ -16,20 +16,18 @@ import pytest
 from kvforge.runtime import Engine
 
 pytestmark = pytest.mark.real_model
-SOURCE = Path("/work/smollm2/hf")
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
+def artifact(request, tmp_path_factory) -> Path:
     given = os.environ.get("KVFORGE_SMOLLM2_ARTIFACT")
     if given:
         return Path(given)
-    if not SOURCE.is_dir():
-        pytest.skip(f"{SOURCE} is absent (set KVFORGE_SMOLLM2_ARTIFACT to a compiled SmolLM2)")
+    source = request.getfixturevalue("smollm2_dir")
     from kvforge.compile import compile_model
 
     out = tmp_path_factory.mktemp("smollm2") / "out"
-    compile_model(SOURCE, out, max_seq=2048, progress=None)
+    compile_model(source, out, max_seq=2048, progress=None)
     return out
 
 

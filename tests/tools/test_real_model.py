@@ -6,7 +6,6 @@ ids, then the same reply ids, the eos included."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from kvforge.runtime import Engine, SamplingParams
 
 pytestmark = pytest.mark.real_model
 
-MODEL_DIR = Path(os.environ.get("KVFORGE_SMOLLM2", "~/.cache/kvforge/smollm2/hf")).expanduser()
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -25,13 +23,8 @@ MAX_NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(
-            f"no SmolLM2 directory at {MODEL_DIR}: run `make smollm2`, or set KVFORGE_SMOLLM2 to a converted "
-            "SmolLM2-135M-Instruct directory"
-        )
-    return MODEL_DIR
+def model_dir(smollm2_dir) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
