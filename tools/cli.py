@@ -275,7 +275,8 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ngram[:K]",
         help="speculative decoding: 'ngram' / 'ngram:K' (prompt-lookup drafts, up to K per step), 'draft[:K]' "
-        "with --draft, 'prediction' (only requests' predictions); greedy output stays token-identical",
+        "with --draft, 'prediction' (only requests' predictions; serve's default); greedy output stays "
+        "token-identical",
     )
     p.add_argument(
         "--draft", default=None, metavar="DRAFT_OUT", help="a draft model: a kvforge artifact, same tokenizer"

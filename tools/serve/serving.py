@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from kvforge.runtime.chat import ChatTemplate
 from kvforge.runtime.sampling import SamplingParams
@@ -303,7 +304,12 @@ class ModelServer:
         draft: str | Path | None = None,
     ) -> ModelServer:
         """Load the artifact (``prefix_cache``: the engine's prefix-cache budget; ``speculative``,
-        ``draft``: drafting; see ``Engine.load``) and serve it."""
+        ``draft``: drafting; see ``Engine.load``) and serve it. Without ``speculative`` or
+        ``draft``, an artifact with a verify graph (schema 2) is served with
+        ``speculative="prediction"``: requests that send OpenAI's ``prediction`` have it verified as
+        a draft, the others decode plainly through the same one session."""
+        if speculative is None and draft is None and "verify" in mf.read(artifact_dir, verify=False).graphs:
+            speculative = "prediction"
         engine = Engine.load(
             artifact_dir, threads=threads, prefix_cache=prefix_cache, speculative=speculative, draft=draft
         )
