@@ -13,7 +13,7 @@ repacked into its layout: no dequantize-requantize, no second rounding. ``MatMul
   2i and 2i+1 in byte i: the nibbles are reordered, never changed.
 * **Q8_0** (``w = d·q``, q int8): 8 bits, scale d, stored as ``q + 128`` (the default zero point 128).
 * **Q4_1** (``w = d·q + m``): MatMulNBits takes float zero points (``-m/d``) only on a slow
-  reference kernel (~300× slower: benchmarks/README.md, "GGUF blocks"). Here the op gets uint8 zero
+  reference kernel (20-300× slower: benchmarks/README.md, "GGUF blocks"). Here the op gets uint8 zero
   points 0, so it computes ``x @ (d·q)^T`` on its fast path, and the block minimums are added as
   ``Σ_b m[n, b] · Σ_{k∈b} x_k``: a ``ReduceSum`` of x viewed as ``[..., K/32, 32]`` and one small
   ``MatMul`` with ``M [K/32, N]``. Exact up to float rounding (the sums are reassociated).

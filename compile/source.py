@@ -69,7 +69,9 @@ def resolve(
             raise ModelDirError(
                 f"--revision {revision} applies to Hugging Face Hub ids, but {str(path)!r} is a local path; drop it"
             )
-        if path.is_file() and (path.suffix.lower() == ".gguf" or _is_gguf(path)):
+        if path.is_file() and path.suffix.lower() == ".gguf" and not _is_gguf(path):
+            raise ModelDirError(f"{str(path)!r} is named .gguf but is not a GGUF file (it lacks GGUF's magic bytes)")
+        if path.is_file() and _is_gguf(path):
             say(f"converting {path} with transformers' GGUF reader (dequantized, float32)")
             with _converted(path, scratch) as source:
                 yield source

@@ -225,6 +225,27 @@ def _(c):
     return raised(lambda: compile_model(c.tmp / "no-model", c.tmp / "out", progress=None))
 
 
+@trigger("hub-not-cached")
+def _(c):
+    import os
+    from unittest import mock
+
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(c.tmp / "empty-hub-cache")}
+    with mock.patch.dict(os.environ, env):  # the repository root has no folder kvforge-test/
+        return raised(lambda: compile_model("kvforge-test/absent", c.tmp / "out", progress=None))
+
+
+@trigger("revision-local")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", revision="v1", progress=None))
+
+
+@trigger("gguf-not-gguf")
+def _(c):
+    (c.tmp / "fake.gguf").write_bytes(b"not a gguf file")
+    return raised(lambda: compile_model(c.tmp / "fake.gguf", c.tmp / "out", progress=None))
+
+
 @trigger("model-dir-not-hf")
 def _(c):
     (c.tmp / "not-hf").mkdir(exist_ok=True)
