@@ -90,4 +90,3 @@ def test_score_graph_perplexity_is_transformers_own(tiny, stride):
     ours, theirs = ppl.perplexity(nll), _transformers_ppl(reference, ids, plan)
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert 1.0 < ours < 0.1 * engine.manifest.model.vocab_size  # trained: far below a random model (~vocab)
-
