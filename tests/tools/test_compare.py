@@ -1,7 +1,7 @@
-"""``kvforge compare`` on the tiny Llama: an exact fp32 artifact passes with the documented JSON (and
-strided perplexity windows, --stride)
-(checked against transformers computed here), a weight-perturbed copy is flagged, bad inputs are
-one-line errors; and the logit metrics match their definitions."""
+"""``kvforge compare`` on the tiny Llama: an exact fp32 artifact passes with the documented JSON
+(checked against transformers computed here), strided perplexity windows (--stride) agree too, a
+weight-perturbed copy is flagged, bad inputs are one-line errors; and the logit metrics match
+their definitions."""
 
 from __future__ import annotations
 
