@@ -106,7 +106,7 @@ def llama_cpp_source(version: str = LLAMA_CPP_VERSION) -> Path:
     if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        cmd += ["--no-build-isolation", f"llama-cpp-python=={version}", "-d", str(CACHE)]
+        cmd += [f"llama-cpp-python=={version}", "-d", str(CACHE)]
         pg.run_logged(cmd, CACHE / "sdist-download.log", "pip download llama-cpp-python (sdist)")
         with tarfile.open(CACHE / f"llama_cpp_python-{version}.tar.gz") as tar:
             tar.extractall(CACHE, filter="data")

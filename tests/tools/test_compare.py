@@ -1,6 +1,7 @@
 """``kvforge compare`` on the tiny Llama: an exact fp32 artifact passes with the documented JSON
-(checked against transformers computed here), a weight-perturbed copy is flagged, bad inputs are
-one-line errors; and the logit metrics match their definitions."""
+(checked against transformers computed here), strided perplexity windows (--stride) agree too, a
+weight-perturbed copy is flagged, bad inputs are one-line errors; and the logit metrics match
+their definitions."""
 
 from __future__ import annotations
 
@@ -200,3 +201,16 @@ def test_metrics_follow_their_definitions():
     assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert metrics.first_divergence([1, 2], [1, 2, 1]) == 2  # one side stopped (eos) earlier
+
+
+def test_compare_strided_perplexity(llama_artifact, llama_dir):
+    """--stride: overlapping windows, every token after the first scored once, both sides alike."""
+    text = compare.load_text(None)
+    result = compare.run_compare(llama_artifact, llama_dir, ["Hello"], text, steps=1, threads=1, stride=40)
+    ppl = result["perplexity"]
+    assert ppl["stride"] == 40 and ppl["window_tokens"] == 96
+    assert ppl["scored_tokens"] == ppl["tokens"] - 1 and ppl["windows"] > 2
+    assert ppl["kvforge"] == pytest.approx(ppl["reference"], rel=1e-5)
+    assert ", stride 40)" in compare.format_report(result)
+    with pytest.raises(ValueError, match="--stride 97 must lie in 1..96"):
+        compare.run_compare(llama_artifact, llama_dir, ["Hello"], text, steps=1, stride=97)
