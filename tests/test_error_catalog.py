@@ -649,9 +649,9 @@ def _(c, http):
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@trigger("http-400-not-yet")
+@trigger("http-400-functions")
 def _(c, http):
-    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    body = {**CHAT, "functions": [{"name": "f", "parameters": {"type": "object"}}]}
     return answer(http[1].post("/v1/chat/completions", json=body, headers=KEY), 400)
 
 
