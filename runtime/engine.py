@@ -220,7 +220,9 @@ class Engine:
             try:
                 drafter = None
                 if draft is not None:
-                    drafter = cls.load(draft, threads=threads, spin=spin, prepack=prepack, optimized=optimized)
+                    drafter = cls.load(
+                        draft, threads=threads, spin=spin, prepack=prepack, optimized=optimized, verify=verify
+                    )
                 engine.enable_speculative(spec, drafter)
             except BaseException:
                 engine.close()
