@@ -74,8 +74,7 @@ from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool, fingerprint, parse_bytes
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
-from kvforge.runtime.speculative import RowDrafting, parse_speculative
-from kvforge.runtime.speculative.drafters import NgramDrafter, PredictionDrafter
+from kvforge.runtime.speculative import parse_speculative, setup
 from kvforge.runtime.stops import StopStrings
 from kvforge.runtime.tokenizer import Tokenizer
 
@@ -227,7 +226,7 @@ class Engine:
         root = Path(artifact_dir)
         manifest = mf.read(root, verify=verify)
         if spec is not None:
-            _check_speculative(manifest, device, one_session)
+            setup.check_artifact(manifest, device, one_session)
         if device == "cuda":
             return cls(root, manifest, backends.open_gpu_backend(root, manifest, backend))
         if manifest.dtype == "bfloat16":
@@ -251,7 +250,9 @@ class Engine:
             try:
                 drafter = None
                 if draft is not None:
-                    drafter = cls.load(draft, threads=threads, spin=spin, prepack=prepack, optimized=optimized)
+                    drafter = cls.load(
+                        draft, threads=threads, spin=spin, prepack=prepack, optimized=optimized, verify=verify
+                    )
                 engine.enable_speculative(spec, drafter)
             except BaseException:
                 engine.close()
@@ -781,23 +782,10 @@ class Engine:
             constraint=constraint,
         )
         # A constrained row does not draft: its grammar would have to check every drafted position.
-        gen.drafting = None if constraint else self._drafting(gen, params)
+        gen.drafting = (
+            None if constraint else setup.drafting(gen, params, self.speculative, self.draft_model, self.vocab_size)
+        )
         return gen
-
-    def _drafting(self, gen: Generation, params: SamplingParams) -> RowDrafting | None:
-        """The request's drafter: its prediction, else the engine's method; None when it does not draft."""
-        spec = self.speculative
-        if params.prediction is not None and spec is not None:  # without drafting a prediction changes nothing
-            bad = [t for t in params.prediction if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"prediction has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-            if params.speculative:
-                return RowDrafting(PredictionDrafter(params.prediction), spec.prediction_k, spec.adaptive, True)
-        if spec is None or not params.speculative or spec.method == "prediction":
-            return None
-        if spec.method == "draft":
-            return RowDrafting(self.draft_model.drafter(gen.prompt_ids, lambda: gen.done), spec.k, spec.adaptive)
-        return RowDrafting(NgramDrafter(gen.prompt_ids, spec.ngram_max, spec.ngram_min), spec.k, spec.adaptive)
 
     def generate(
         self,
@@ -913,20 +901,6 @@ class Engine:
         from kvforge.runtime.scheduler import Scheduler
 
         return Scheduler(self, prefill_chunk)
-
-
-def _check_speculative(manifest: mf.Manifest, device: str, one_session: bool) -> None:
-    """Speculative decoding needs the verify graph (schema 2), the CPU backend and one session."""
-    if "verify" not in manifest.graphs:
-        raise mf.ArtifactError(
-            f"this artifact (manifest schema {manifest.schema_version}) has no verify graph, which speculative "
-            "decoding runs on; recompile the model with this kvforge (kvforge compile MODEL_DIR -o OUT), or load "
-            "it without speculative"
-        )
-    if device != "cpu":
-        raise ValueError("speculative decoding runs on ONNX Runtime's CPU provider for now; load with device='cpu'")
-    if not one_session:
-        raise ValueError("speculative decoding runs every step through one session; load with one_session=True")
 
 
 def _load_tokenizer(artifact_dir: Path) -> Tokenizer:

@@ -134,6 +134,27 @@ def _(c):
         return raised(lambda: Engine.load(art), mf.ArtifactError)
 
 
+@trigger("speculative-no-verify-graph")
+def _(c):
+    def schema_1(d):
+        d.update(schema_version=1)
+        del d["graphs"]["verify"]
+
+    with c.manifest_edit(schema_1) as art:
+        return raised(lambda: Engine.load(art, speculative="ngram"), mf.ArtifactError)
+
+
+@trigger("draft-tokenizer")
+def _(c):
+    with c.edited("tokenizer.json", lambda b: b.replace(b'"<|endoftext|>"', b'"<|end|>"', 1)) as draft:
+        return raised(lambda: Engine.load(c.artifact, draft=draft, verify=False), mf.ArtifactError)
+
+
+@trigger("speculative-value")
+def _(c):
+    return raised(lambda: Engine.load(c.artifact, speculative="beam"))
+
+
 @trigger("manifest-field")
 def _(c):
     with c.manifest_edit(lambda d: d["limits"].update(max_seq="96")) as art:

@@ -5,13 +5,15 @@
   with ``propose(generated, k)`` and nothing else, and :class:`RowDrafting`, one request's adaptive
   draft length and its drafted/accepted counts;
 * :mod:`.draft_model`: a second kvforge artifact proposing greedily on its own cache;
+* :mod:`.setup`: the load-time artifact check and each request's drafter;
 * :mod:`.verify`: the batch loop's verify step (per-row drafts in one engine call, the acceptance
   rule, the rows shortened back after a rejection).
 
 None of these imports the engine; the batch loop hands them what they need.
 """
 
+from kvforge.runtime.speculative import setup
 from kvforge.runtime.speculative.config import SpeculativeConfig, parse_speculative
 from kvforge.runtime.speculative.drafters import NgramDrafter, PredictionDrafter, RowDrafting
 
-__all__ = ["NgramDrafter", "PredictionDrafter", "RowDrafting", "SpeculativeConfig", "parse_speculative"]
+__all__ = ["NgramDrafter", "PredictionDrafter", "RowDrafting", "SpeculativeConfig", "parse_speculative", "setup"]

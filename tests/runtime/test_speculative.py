@@ -14,7 +14,10 @@ Proves, on tiny random models built in-process:
   three tokens' distributions with and without drafts over 600 seeds each; seeded runs reproduce;
 * the scheduler runs mixed rows (n-gram, speculative=False, sampled, predicted) in one loop;
 * a draft model (the same tiny model compiled again) proposes what the target accepts; a draft
-  with another tokenizer and a schema-1 artifact are refused with messages saying what to do.
+  with another tokenizer and a schema-1 artifact are refused with messages saying what to do;
+* ``kvforge bench --speculative``, the server's usage and /metrics report drafted and accepted
+  tokens; ``kvforge generate --speculative`` prints the plain continuation, bad values are one-line
+  errors.
 """
 
 from __future__ import annotations
@@ -298,3 +301,18 @@ def test_bench_and_metrics_report_drafting(llama_onnx_artifact):
     drafted = metric(text, "kvforge_spec_decode_num_draft_tokens_total")
     accepted = metric(text, "kvforge_spec_decode_num_accepted_tokens_total")
     assert drafted >= accepted > 0 and metric(text, "kvforge_spec_decode_num_drafts_total") > 0
+
+
+def test_cli_generate_with_speculative(llama_artifact, capsys):
+    from kvforge.tools.cli import main
+
+    prompt = "Functions are defined with def. Functions are defined with"
+    with Engine.load(llama_artifact) as plain:
+        [want] = plain.generate([prompt], max_new_tokens=16)
+    assert main(["generate", str(llama_artifact), prompt, "--max-new-tokens", "16", "--speculative", "ngram:3"]) == 0
+    assert capsys.readouterr().out == prompt + want.text + "\n"
+    assert main(["generate", str(llama_artifact), "hi", "--speculative", "ngram:x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvforge: error: ") and "speculative='ngram:x' is not accepted" in err
+    assert main(["generate", str(llama_artifact), "hi", "--speculative", "draft"]) == 2
+    assert "needs draft=DRAFT_OUT" in capsys.readouterr().err
