@@ -421,6 +421,22 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         """Pick the next token from ``logits`` ``[V]`` (float32/float16, read only), record it and return its id."""
+        return self._pick(logits, None)
+
+    def verify(self, logits: np.ndarray, draft: int) -> int:
+        """The token at a drafted position: ``draft`` when accepted, else a replacement; recorded
+        (with its logprob) as :meth:`__call__` records its token.
+
+        The speculative-sampling rule with a point-mass draft (every kvforge drafter proposes one
+        token, deterministically): accept ``draft`` with probability ``p(draft)`` under this
+        request's processed distribution ``p`` (penalties, temperature, top-k/p, min-p applied);
+        on rejection draw from ``p`` without ``draft``, renormalised (``norm(max(0, p - q))``). The
+        token is then distributed exactly as ``p``. Greedy: accepted iff it is the argmax."""
+        return self._pick(logits, int(draft))
+
+    def _pick(self, logits: np.ndarray, draft: int | None) -> int:
+        """:meth:`__call__` (``draft`` None: one draw from ``p``) and :meth:`verify` (one draw to
+        accept ``draft``, a second from ``p`` without it on rejection), recorded alike."""
         self._check(logits)
         if self._plain:
             token = int(np.argmax(logits))
@@ -435,44 +451,15 @@ class Sampler:
             token = int(np.argmax(vals))
         else:
             p = self._softmax(vals)
-            cdf = np.cumsum(p, out=p)
-            j = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
-            token = int(idx[min(j, len(idx) - 1)])
-        if k is not None:
-            self.logprobs.append(TokenLogprob(token, float(np.float32(logits[token])) - lse, top))
-        self.record(token)
-        return token
-
-    def verify(self, logits: np.ndarray, draft: int) -> int:
-        """The token at a drafted position: ``draft`` when accepted, else a replacement; recorded
-        (with its logprob) as :meth:`__call__` records its token.
-
-        The speculative-sampling rule with a point-mass draft (every kvforge drafter proposes one
-        token, deterministically): accept ``draft`` with probability ``p(draft)`` under this
-        request's processed distribution ``p`` (penalties, temperature, top-k/p, min-p applied);
-        on rejection draw from ``p`` without ``draft``, renormalised (``norm(max(0, p - q))``). The
-        token is then distributed exactly as ``p``. Greedy: accepted iff it is the argmax."""
-        self._check(logits)
-        if self._plain:
-            token = int(np.argmax(logits))
-            self.record(token)
-            return token
-        k = self.params.logprobs
-        if k is not None:
-            lse = self._log_normalizer(logits)
-            top = self._top_logprobs(logits, k, lse)
-        idx, vals = self._process(logits)
-        if idx is None:
-            token = int(np.argmax(vals))
-        else:
-            p = self._softmax(vals)
-            j = int(np.searchsorted(idx, draft))
-            p_draft = float(p[j]) if j < len(idx) and idx[j] == draft else 0.0
-            if self.rng.random() < p_draft:
-                token = int(draft)
-            else:
-                if p_draft > 0.0:
+            token = None
+            if draft is not None:
+                j = int(np.searchsorted(idx, draft))
+                p_draft = float(p[j]) if j < len(idx) and idx[j] == draft else 0.0
+                if self.rng.random() < p_draft:
+                    token = draft
+                elif p_draft > 0.0:
                     p[j] = 0.0
+            if token is None:
                 cdf = np.cumsum(p, out=p)
                 j = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
                 token = int(idx[min(j, len(idx) - 1)])
