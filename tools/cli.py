@@ -608,6 +608,7 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:
         metavar="WORDS",
         help="every prompt starts with the same WORDS words (a shared system prompt; default 0)",
     )
+    _add_mix(p)
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="bearer token, if the server needs one")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths (default 0)")
@@ -615,6 +616,20 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of latencies over time")
     p.set_defaults(run=_run_loadtest)
+
+
+def _add_mix(p: argparse.ArgumentParser) -> None:
+    """The mixed workload's flags (loadtest and plan --serve): long prompts among short ones."""
+    p.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="share of requests with a long prompt drawn from --long-lens (a mixed workload; default 0)",
+    )
+    p.add_argument(
+        "--long-lens", type=_int_list, default=[1000, 1500], metavar="N,N,...", help="long prompt lengths, drawn"
+    )
 
 
 def _run_loadtest(args: argparse.Namespace) -> int:
@@ -636,6 +651,8 @@ def _run_loadtest(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout,
         shared_prefix=args.shared_prefix,
+        long_fraction=args.long_fraction,
+        long_lens=tuple(args.long_lens),
     )
     result = loadtest.run_loadtest(args.url, options)
     print(loadtest.format_report(result))

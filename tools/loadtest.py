@@ -10,9 +10,14 @@ know the server's tokenizer, the server's ``usage.prompt_tokens`` is reported) a
 drawn from ``output_lens``; greedy (``temperature: 0``). With ``shared_prefix`` > 0, every prompt
 starts with the same ``shared_prefix`` words (a system prompt many users share: what a prefix
 cache reuses), then its own words; the server's ``usage.prompt_tokens_details.cached_tokens`` is
-recorded per request and summed. Arrivals are a Poisson process of mean
+recorded per request and summed. A mixed workload (long documents among short chats): with
+``long_fraction`` F > 0, each request's prompt length is drawn from ``long_lens`` with probability F
+(e.g. 1,000-1,500 words), else from ``prompt_lens``. Arrivals are a Poisson process of mean
 ``rate`` per second (exponential gaps, seeded): a request is sent at its arrival time whatever
-the others are doing (open loop), unless ``concurrency`` caps the requests in flight.
+the others are doing (open loop), unless ``concurrency`` caps the requests in flight. The schedule
+(arrivals and lengths, :func:`schedule`) and the prompts' words come from two random streams of
+the seed, so ``kvforge plan --serve`` simulates exactly the schedule a load test with the same
+options sends.
 
 Definitions (per request, times from the moment it is sent):
 - TTFT: until the first chunk carrying text; TPOT: ``(latency - TTFT) / (completion_tokens - 1)``
@@ -57,6 +62,8 @@ class LoadOptions:
     seed: int = 0
     timeout_s: float = 300.0
     shared_prefix: int = 0  # words every prompt starts with (a shared system prompt); 0: none
+    long_fraction: float = 0.0  # share of requests whose prompt length is drawn from long_lens
+    long_lens: tuple[int, ...] = (1000, 1500)  # words
 
     def check(self) -> None:
         if not self.rate > 0:
@@ -67,8 +74,12 @@ class LoadOptions:
             raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
         if self.shared_prefix < 0:
             raise ValueError(f"--shared-prefix must be >= 0 words, got {self.shared_prefix}")
-        if min(self.prompt_lens) < 1 or min(self.output_lens) < 1:
+        if not self.prompt_lens or not self.output_lens or min(self.prompt_lens) < 1 or min(self.output_lens) < 1:
             raise ValueError("--prompt-lens and --output-lens must be positive integers")
+        if not 0 <= self.long_fraction <= 1:
+            raise ValueError(f"--long-fraction must be in [0, 1] (the share of long prompts), got {self.long_fraction}")
+        if self.long_fraction > 0 and (not self.long_lens or min(self.long_lens) < 1):
+            raise ValueError("--long-lens must be positive integers when --long-fraction is above 0")
         for flag, value in (
             ("--timeout", self.timeout_s),
             ("--slo-ttft", self.slo_ttft_ms),
@@ -84,18 +95,30 @@ def base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def plan(options: LoadOptions) -> list[dict[str, Any]]:
-    """The requests: arrival offset (s), prompt and max_tokens, drawn from ``seed``."""
+def schedule(options: LoadOptions) -> list[dict[str, Any]]:
+    """When each request is sent and how long it is: arrival offset (s), prompt words (the shared
+    prefix not counted) and max_tokens, drawn from ``seed`` (no text: see :func:`plan`)."""
     rng = random.Random(options.seed)
     t, out = 0.0, []
-    shared = [rng.choice(WORDS) for _ in range(options.shared_prefix)]
     for i in range(options.requests):
-        words = rng.choice(options.prompt_lens)
-        prompt = " ".join([*shared, *(rng.choice(WORDS) for _ in range(words))])
-        out.append({"index": i, "arrival_s": t, "prompt_words": words, "prompt": prompt,
-                    "max_tokens": rng.choice(options.output_lens)})  # fmt: skip
+        lens = options.prompt_lens
+        if options.long_fraction > 0 and rng.random() < options.long_fraction:
+            lens = options.long_lens
+        words = rng.choice(lens)
+        out.append({"index": i, "arrival_s": t, "prompt_words": words, "max_tokens": rng.choice(options.output_lens)})
         if not math.isinf(options.rate):
             t += rng.expovariate(options.rate)
+    return out
+
+
+def plan(options: LoadOptions) -> list[dict[str, Any]]:
+    """The requests: :func:`schedule`'s items with their prompts, whose words are drawn from a
+    second stream of ``seed``."""
+    rng = random.Random(f"words-{options.seed}")
+    shared = [rng.choice(WORDS) for _ in range(options.shared_prefix)]
+    out = schedule(options)
+    for item in out:
+        item["prompt"] = " ".join([*shared, *rng.choices(WORDS, k=item["prompt_words"])])
     return out
 
 
@@ -268,7 +291,12 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"loadtest {result['url']} (model {result['model']}): {s['requests']} requests, Poisson rate "
-            f"{o['rate']}/s" + (f", concurrency <= {o['concurrency']}" if o["concurrency"] else ""),
+            f"{o['rate']}/s" + (f", concurrency <= {o['concurrency']}" if o["concurrency"] else "")
+            + (
+                f", {o['long_fraction']:.0%} long prompts of {','.join(map(str, o['long_lens']))} words"
+                if o.get("long_fraction")
+                else ""
+            ),
             f"  completed {s['completed']}, failed {s['failed']} ({errors}) in {s['duration_s']:.2f} s",
             f"  throughput    {s['throughput_rps']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tokens/s",
             f"  prompt tokens {s['prompt_tokens']}, of which cached by the server {s['cached_tokens']}"
