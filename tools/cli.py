@@ -3,6 +3,8 @@
     kvforge compile MODEL_DIR|FILE.gguf|ORG/NAME -o OUT [--revision R] [--target cpu|cuda|tensorrt] [--dtype D]
                                      [--max-batch 4] [--max-seq 512] [--max-prompt N] [--lowering gqa|onnx]
     kvforge plan MODEL_DIR|OUT [--dtype D] [--max-batch N] [--max-seq N] [--max-prompt N] [--gpu-memory 70GiB] [--json]
+    kvforge plan --serve OUT --rate R --slo-ttft MS --slo-tpot MS [--prompt-lens ..] [--output-lens ..]
+                 [--long-fraction F --long-lens ..] [--cores N] [--bench JSON ...] [--scale 8,16,32] [--json]
     kvforge build OUT [--gpu-memory 70GiB]
     kvforge generate OUT "prompt" [--max-new-tokens 32] [--temperature T --top-p P --seed N --stop S ...]
     kvforge chat OUT [--system TEXT] [--max-new-tokens 256] [sampling flags]
@@ -13,7 +15,7 @@
 
 User errors (bad paths, unsupported models, corrupted artifacts, bad prompts) print one line
 ``kvforge: error: ...`` and exit with status 2; no traceback. ``compare`` exits with 1 when it finds a
-mismatch, ``plan`` when the plan does not fit its budget. The JSON written by ``--json`` is documented in docs/tools.md.
+mismatch, ``plan`` when the plan does not fit its budget (``plan --serve``: when no layout meets the SLOs). The JSON written by ``--json`` is documented in docs/tools.md.
 """
 
 from __future__ import annotations
@@ -186,11 +188,82 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--gpu-memory", default=None, metavar="SIZE", help="budget, e.g. 70GiB (default: this GPU's free memory)"
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    g = p.add_argument_group(
+        "serving plan (--serve OUT: colocated vs prefill/decode workers under Poisson load, simulated)"
+    )
+    g.add_argument("--serve", action="store_true", help="plan serving layouts for the artifact OUT instead")
+    g.add_argument("--rate", type=float, default=None, help="mean arrivals per second (Poisson; required)")
+    g.add_argument("--prompt-lens", type=_int_list, default=[16, 32], metavar="N,N,...", help="prompt tokens, drawn")
+    g.add_argument("--output-lens", type=_int_list, default=[16, 32], metavar="N,N,...", help="output tokens, drawn")
+    _add_mix(g)
+    g.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT objective, ms (required)")
+    g.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="time per output token, ms (required)")
+    g.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both (0.9)")
+    g.add_argument("--cores", type=int, default=None, help="cores to split (default: this machine's)")
+    g.add_argument(
+        "--bench",
+        action="append",
+        default=None,
+        metavar="JSON",
+        help="latencies from `kvforge bench OUT --json` reports (one per thread count; repeat the flag) "
+        "instead of measuring the artifact here",
+    )
+    g.add_argument("--requests", type=int, default=1000, help="simulated requests (default 1000)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths (default 0)")
+    g.add_argument(
+        "--scale", type=_int_list, default=[], metavar="N,N,...", help="also predict larger machines (e.g. 8,16,32)"
+    )
     p.set_defaults(run=_run_plan)
+
+
+_SERVE_PLAN_ONLY = ("rate", "slo_ttft", "slo_tpot", "cores", "bench", "scale")
+_MEMORY_PLAN_ONLY = ("dtype", "max_batch", "max_seq", "max_prompt", "gpu_memory")
+
+
+def _run_serve_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from kvforge.tools.serveplan import latency, planner
+
+    given = [f"--{name.replace('_', '-')}" for name in _MEMORY_PLAN_ONLY if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} belong to the GPU memory plan, not to --serve; drop them")
+    missing = [f"--{n.replace('_', '-')}" for n in ("rate", "slo_ttft", "slo_tpot") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"plan --serve needs {', '.join(missing)} (e.g. --rate 0.5 --slo-ttft 2000 --slo-tpot 150)")
+    cores = args.cores if args.cores is not None else os.cpu_count() or 1
+    if cores < 1:
+        raise ValueError(f"--cores must be at least 1, got {cores}")
+    workload = planner.Workload(
+        rate=args.rate,
+        prompt_lens=tuple(args.prompt_lens),
+        output_lens=tuple(args.output_lens),
+        requests=args.requests,
+        long_fraction=args.long_fraction,
+        long_lens=tuple(args.long_lens),
+        seed=args.seed,
+    )
+    slo = planner.Objectives(args.slo_ttft, args.slo_tpot, args.attainment)
+    slo.check()
+    if args.bench:
+        table = latency.from_bench(args.source, args.bench)
+    else:
+        threads = sorted({1, min(2, cores), min(cores, os.cpu_count() or 1)})
+        print(f"measuring {args.source} on {', '.join(map(str, threads))} thread(s)...", file=sys.stderr)
+        table = latency.measure(args.source, threads, seed=args.seed)
+    result = planner.plan_serving(table, workload, slo, cores, tuple(args.scale))
+    print(json.dumps(result, indent=2) if args.json else planner.format_plan(result))
+    return 0 if result["recommended"] else 1  # a script can test it: 1 when no layout meets the SLOs
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     import json
+
+    if args.serve:
+        return _run_serve_plan(args)
+    given = [f"--{name.replace('_', '-')}" for name in _SERVE_PLAN_ONLY if getattr(args, name)]
+    if given:
+        raise ValueError(f"{', '.join(given)} plan serving layouts: add --serve (kvforge plan --serve OUT ...)")
 
     from kvforge.compile import plan as memory_plan
     from kvforge.graphs import environment

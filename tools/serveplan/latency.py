@@ -214,7 +214,7 @@ def _measure_engine(engine, threads: int, rng: np.random.Generator) -> PhaseMode
     return fit(threads, prefill, decode)
 
 
-def read_bench(paths: list[str | Path], artifact_manifest) -> dict[int, PhaseModel]:
+def read_bench(paths: list[str | Path], artifact_manifest: Any) -> dict[int, PhaseModel]:
     """Models from ``kvforge bench --json`` reports, one per thread count (``environment.ort_threads``):
     a cell's ``ttft_ms`` is a prefill of ``batch_size`` rows of ``prompt_len`` tokens, its
     ``decode_ms_per_token_p50`` a decode step of that batch at about ``prompt_len + new_tokens/2``
@@ -234,10 +234,12 @@ def read_bench(paths: list[str | Path], artifact_manifest) -> dict[int, PhaseMod
             raise ValueError(f"--bench {path} does not say its thread count (environment.ort_threads)")
         if threads in models:
             raise ValueError(f"--bench: two reports for {threads} thread(s); give one per thread count")
-        model = report.get("artifact") or {}
-        if model.get("architecture") and model["architecture"] != artifact_manifest.architecture:
-            raise ValueError(f"--bench {path} timed a {model['architecture']}, not this artifact's "
-                             f"{artifact_manifest.architecture}; bench this artifact")  # fmt: skip
+        timed = report.get("artifact") or {}
+        ours = {"architecture": artifact_manifest.model.architecture, "num_layers": artifact_manifest.model.num_layers,
+                "hidden_size": artifact_manifest.model.hidden_size, "dtype": artifact_manifest.dtype}  # fmt: skip
+        differ = [f"{k} {timed[k]} (this artifact: {v})" for k, v in ours.items() if timed.get(k, v) != v]
+        if differ:
+            raise ValueError(f"--bench {path} timed another model: {', '.join(differ)}; bench this artifact")
         new = report["settings"]["new_tokens"]
         cells = report.get("cells") or []
         prefill = [(c["batch_size"], c["prompt_len"], 0, c["kvforge"]["ttft_ms"]) for c in cells]
@@ -250,3 +252,20 @@ def read_bench(paths: list[str | Path], artifact_manifest) -> dict[int, PhaseMod
             raise ValueError(f"--bench {path} has no cells with prefill and decode timings")
         models[threads] = fit(threads, prefill, decode, source=str(path))
     return models
+
+
+def from_bench(artifact: str | Path, paths: list[str | Path]) -> LatencyTable:
+    """A table from bench reports of ``artifact`` (its manifest gives the rows, chunk and KV size;
+    the copy bandwidth is measured here, a fraction of a second)."""
+    from kvforge.graphs import manifest as mf
+
+    manifest = mf.read(Path(artifact), verify=False)
+    limits = manifest.limits
+    return LatencyTable(
+        read_bench(paths, manifest),
+        kv_bytes_per_token(manifest),
+        copy_bandwidth(),
+        limits.max_batch,
+        limits.max_prompt,
+        limits.max_seq,
+    )

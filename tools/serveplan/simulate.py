@@ -19,7 +19,7 @@ instead of engine calls:
   then runs one decode step over its rows.
 
 A request arriving (or handed over) during a step waits for the next one, as in the scheduler's
-thread. Routing picks the worker with the fewest requests waiting or running (ties: the lowest
+thread; requests arriving at the same instant are queued together before a step starts. Routing picks the worker with the fewest requests waiting or running (ties: the lowest
 index). Durations are deterministic, so the same requests always give the same result.
 
 Not modelled (stated in the planner's report): the HTTP front end's CPU time, contention for
@@ -285,17 +285,21 @@ def simulate(
     for i, out in enumerate(outcomes):
         push(out.request.arrival_s, "arrive", out)
     while events:
-        t, _, kind, payload = heapq.heappop(events)
-        if kind == "arrive":
-            index = least_loaded(front, 0)
-            workers[index].waiting.append(_Live(payload))
-        elif kind == "handoff":
-            index = least_loaded(back, len(front))
-            workers[index].waiting.append(payload)
-        else:
-            index = payload
-            workers[index].busy = False
-        start(index, t)
+        t, touched = events[0][0], set()
+        while events and events[0][0] == t:  # everything at this instant, then the steps it starts
+            _, _, kind, payload = heapq.heappop(events)
+            if kind == "arrive":
+                index = least_loaded(front, 0)
+                workers[index].waiting.append(_Live(payload))
+            elif kind == "handoff":
+                index = least_loaded(back, len(front))
+                workers[index].waiting.append(payload)
+            else:
+                index = payload
+                workers[index].busy = False
+            touched.add(index)
+        for index in sorted(touched):
+            start(index, t)
     return outcomes
 
 
