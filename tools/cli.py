@@ -15,7 +15,8 @@
 
 User errors (bad paths, unsupported models, corrupted artifacts, bad prompts) print one line
 ``kvforge: error: ...`` and exit with status 2; no traceback. ``compare`` exits with 1 when it finds a
-mismatch, ``plan`` when the plan does not fit its budget (``plan --serve``: when no layout meets the SLOs). The JSON written by ``--json`` is documented in docs/tools.md.
+mismatch, ``plan`` when the plan does not fit its budget (``plan --serve``: when no layout meets the SLOs).
+The JSON written by ``--json`` is documented in docs/tools.md.
 """
 
 from __future__ import annotations
@@ -222,7 +223,9 @@ _MEMORY_PLAN_ONLY = ("dtype", "max_batch", "max_seq", "max_prompt", "gpu_memory"
 
 def _run_serve_plan(args: argparse.Namespace) -> int:
     import json
+    from pathlib import Path
 
+    from kvforge.graphs import manifest
     from kvforge.tools.serveplan import latency, planner
 
     given = [f"--{name.replace('_', '-')}" for name in _MEMORY_PLAN_ONLY if getattr(args, name) is not None]
@@ -245,6 +248,7 @@ def _run_serve_plan(args: argparse.Namespace) -> int:
     )
     slo = planner.Objectives(args.slo_ttft, args.slo_tpot, args.attainment)
     slo.check()
+    workload.check(manifest.read(Path(args.source), verify=False).limits.max_seq)  # before any measuring
     if args.bench:
         table = latency.from_bench(args.source, args.bench)
     else:

@@ -291,7 +291,8 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"loadtest {result['url']} (model {result['model']}): {s['requests']} requests, Poisson rate "
-            f"{o['rate']}/s" + (f", concurrency <= {o['concurrency']}" if o["concurrency"] else "")
+            f"{o['rate']}/s"
+            + (f", concurrency <= {o['concurrency']}" if o["concurrency"] else "")
             + (
                 f", {o['long_fraction']:.0%} long prompts of {','.join(map(str, o['long_lens']))} words"
                 if o.get("long_fraction")

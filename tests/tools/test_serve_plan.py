@@ -131,7 +131,9 @@ def test_layouts_of_n_cores():
 
 def test_fit_recovers_coefficients_and_threads_extrapolate():
     truth = PhaseModel(1, (12.0, 4.0, 0.5), (45.0, 3.0, 5.0))
-    prefill = [(b, n, s, truth.prefill_s(b, n, s) * 1e3) for b, n, s in [(1, 16, 0), (4, 16, 0), (1, 512, 0), (1, 64, 64)]]
+    prefill = [
+        (b, n, s, truth.prefill_s(b, n, s) * 1e3) for b, n, s in [(1, 16, 0), (4, 16, 0), (1, 512, 0), (1, 64, 64)]
+    ]
     decode = [(b, c, truth.decode_s(b, c) * 1e3) for b, c in [(1, 16), (2, 600), (4, 64), (4, 2000)]]
     fitted = latency.fit(1, prefill, decode)
     assert fitted.prefill == pytest.approx(truth.prefill, rel=1e-6)

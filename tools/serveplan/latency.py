@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 # Measured cells: prefill (batch, length); decode runs on rows holding each listed context.
-PREFILL_CELLS = ((1, 16), (4, 16), (1, 128), (4, 128), (1, 512))
+PREFILL_CELLS = ((1, 16), (4, 16), (1, 64), (1, 128), (4, 128), (1, 512))
 DECODE_BATCHES = (1, 2, 4)
 DECODE_STEPS = 4
 
@@ -132,7 +132,7 @@ class LatencyTable:
     def at(self, threads: int) -> PhaseModel:
         if threads in self.models:
             return self.models[threads]
-        prefill, decode, top = self.speedups()
+        prefill, decode, _ = self.speedups()
         below = [t for t in self.models if t < threads]
         base = self.models[max(below)] if below else self.models[min(self.models)]
         doublings = math.log2(threads / base.threads)

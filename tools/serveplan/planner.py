@@ -111,7 +111,12 @@ def evaluate(table: LatencyTable, layout: Layout, workload: Workload, slo: Objec
 
 
 def capacity(
-    table: LatencyTable, layout: Layout, workload: Workload, slo: Objectives, requests: int = 300, steps: int = 8,
+    table: LatencyTable,
+    layout: Layout,
+    workload: Workload,
+    slo: Objectives,
+    requests: int = 300,
+    steps: int = 8,
     start: float | None = None,
 ) -> float:
     """The highest Poisson rate (req/s, to within 2^-steps of the bracket) at which at least
@@ -167,7 +172,9 @@ def plan_serving(
 def _scaled(table: LatencyTable, workload: Workload, slo: Objectives, cores: int) -> dict[str, Any]:
     """Capacity of the colocated server and of the best P:D split on ``cores`` cores."""
     guess = workload.rate * cores
-    found = [(capacity(table, lay, workload, slo, requests=150, steps=5, start=guess), lay) for lay in layouts(cores, True)]
+    found = [
+        (capacity(table, lay, workload, slo, requests=150, steps=5, start=guess), lay) for lay in layouts(cores, True)
+    ]
     colocated = found[0]
     split = max(found[1:], key=lambda f: f[0], default=(0.0, None))
     return {

@@ -19,8 +19,9 @@ instead of engine calls:
   then runs one decode step over its rows.
 
 A request arriving (or handed over) during a step waits for the next one, as in the scheduler's
-thread; requests arriving at the same instant are queued together before a step starts. Routing picks the worker with the fewest requests waiting or running (ties: the lowest
-index). Durations are deterministic, so the same requests always give the same result.
+thread; requests arriving at the same instant are queued together before a step starts. Routing
+picks the worker with the fewest requests waiting or running (ties: the lowest index). Durations
+are deterministic, so the same requests always give the same result.
 
 Not modelled (stated in the planner's report): the HTTP front end's CPU time, contention for
 memory bandwidth between workers on one machine, and per-message pipe latency beyond the copies.
@@ -282,7 +283,7 @@ def simulate(
     def least_loaded(pool: list[_Worker], offset: int) -> int:
         return offset + min(range(len(pool)), key=lambda i: pool[i].load)
 
-    for i, out in enumerate(outcomes):
+    for out in outcomes:
         push(out.request.arrival_s, "arrive", out)
     while events:
         t, touched = events[0][0], set()
@@ -320,9 +321,7 @@ def summarize(outcomes: list[Outcome], slo_ttft_ms: float, slo_tpot_ms: float) -
     run, first arrival to last token), as ``kvforge loadtest`` reports them."""
     if not outcomes:
         raise ValueError("no requests to summarize")
-    good = sum(
-        o.ttft_s * 1e3 <= slo_ttft_ms and (o.tpot_s is None or o.tpot_s * 1e3 <= slo_tpot_ms) for o in outcomes
-    )
+    good = sum(o.ttft_s * 1e3 <= slo_ttft_ms and (o.tpot_s is None or o.tpot_s * 1e3 <= slo_tpot_ms) for o in outcomes)
     begin = min(o.request.arrival_s for o in outcomes)
     duration = max(o.done_s for o in outcomes) - begin
     return {
