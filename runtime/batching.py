@@ -38,6 +38,14 @@ holes, would run the graphs on dead rows for the rest of the batch; binding a no
 rows is not possible (a graph takes one contiguous ``[B, H_kv, S_max, D]`` view per layer). The
 decode binding of each ``(first, n)`` is made once and reused.
 
+Disaggregated prefill/decode (:mod:`kvforge.runtime.kv.handoff`). A request with ``hand_off`` set
+leaves its row right after its first token, unless that token ends it: the KV of its prompt
+(positions ``[0, len(prompt))``) is exported first, into memory from ``block_alloc(nbytes)`` when
+given (e.g. a shared-memory segment), and the request finishes with a :class:`Handoff`. A resumed
+request (``Generation.resume_block`` set) is admitted before any prefill of its step: its block is
+imported into the next free row and it joins the decoding rows directly, its first token fed at
+that step's decode (the request being filled, if any, moves up one row to make room).
+
 Failures. An error while a request picks or accepts its token fails that request alone (its row is
 retired); an error inside an engine call fails the requests of that call. The loop goes on.
 """
@@ -45,6 +53,7 @@ retired); an error inside an engine call fails the requests of that call. The lo
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,7 +70,14 @@ class BatchLoop:
     """Requests on the engine's cache rows ``[first, first + rows)``; the caller holds those rows
     (see ``Engine.own_rows``) and calls :meth:`step` under the engine's lock."""
 
-    def __init__(self, engine: Engine, rows: int, first: int = 0, chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        rows: int,
+        first: int = 0,
+        chunk: int | None = None,
+        block_alloc: Callable[[int], object] | None = None,
+    ) -> None:
         if rows < 1:
             raise ValueError(f"a batch loop needs at least one cache row, got {rows}")
         self.engine = engine
@@ -70,6 +86,8 @@ class BatchLoop:
         chunk = validate.optional_count("prefill_chunk", chunk)
         self.chunk = engine.chunk_tokens if chunk is None else min(chunk, engine.chunk_tokens)
         self.waiting: deque[Generation] = deque()
+        self.resuming: deque[Generation] = deque()  # handed-off requests, admitted by a KV import
+        self.block_alloc = block_alloc  # nbytes -> writable buffer a hand-off's KV is exported into
         self.decoding: list[Generation] = []  # decoding[i] is in cache row first + i
         self.filling: Generation | None = None  # in row first + len(decoding), prompt partly cached
         self._next = np.zeros(engine.max_batch, dtype=np.int64)
@@ -78,7 +96,7 @@ class BatchLoop:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.decoding or self.filling)
+        return not (self.waiting or self.resuming or self.decoding or self.filling)
 
     @property
     def active(self) -> int:
@@ -86,29 +104,33 @@ class BatchLoop:
         return len(self.decoding) + (self.filling is not None)
 
     def add(self, gen: Generation) -> None:
-        self.waiting.append(gen)
+        (self.resuming if gen.resume_block is not None else self.waiting).append(gen)
 
     def step(self) -> None:
-        """One iteration: cancellations, at most one prefill chunk, one decode step, retirements."""
+        """One iteration: cancellations, resumed requests in, at most one prefill chunk, one decode
+        step, retirements."""
         self._cancel()
+        self._resume()
         self._prefill()
         if self.decoding:
             self._decode()
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in the loop (an unexpected error outside any one request)."""
-        for gen in [*self.decoding, *([self.filling] if self.filling else []), *self.waiting]:
+        for gen in [*self.decoding, *([self.filling] if self.filling else []), *self.waiting, *self.resuming]:
             gen.fail(error)
         self.decoding, self.filling = [], None
         self.waiting.clear()
+        self.resuming.clear()
 
     # ------------------------------------------------------------------ steps
 
     def _cancel(self) -> None:
-        if any(g.cancel_requested for g in self.waiting):
-            for g in [g for g in self.waiting if g.cancel_requested]:
-                self.waiting.remove(g)
-                g.finish_cancelled()
+        for queued in (self.waiting, self.resuming):
+            if any(g.cancel_requested for g in queued):
+                for g in [g for g in queued if g.cancel_requested]:
+                    queued.remove(g)
+                    g.finish_cancelled()
         if self.filling is not None and self.filling.cancel_requested:
             self.filling.finish_cancelled()
             self.filling = None
@@ -117,6 +139,27 @@ class BatchLoop:
             g.finish_cancelled()
         if cancelled:
             self._retire()
+
+    def _resume(self) -> None:
+        """Resumed requests into free rows: import each one's prompt KV, join the decoding rows."""
+        while self.resuming and self.active < self.rows:
+            g = self.resuming.popleft()
+            row = self.first + len(self.decoding)
+            if self.filling is not None:
+                self.engine.move_row(row, row + 1)  # the request being filled stays right after the decoding rows
+            g.admit()
+            try:
+                self.engine.import_kv(g.resume_block, row)
+            except Exception as error:
+                g.fail(error)
+                if self.filling is not None:
+                    self.engine.move_row(row + 1, row)
+                continue
+            finally:
+                g.resume_block = None  # the block's data may be a view on shared memory: let it go
+            g.state = "decoding"
+            g.first_token = g.admitted  # on this side, the first token is ready once its KV is in
+            self.decoding.append(g)
 
     def _prefill(self) -> None:
         if self.filling is None:
@@ -253,7 +296,18 @@ class BatchLoop:
                 g.accept(token, room=bool(lengths[self.first + row0 + j] < max_seq))
             except Exception as error:  # this request alone fails
                 g.fail(error)
+            if g.handing_off:
+                self._hand_off(g, self.first + row0 + j)
         self._retire()
+
+    def _hand_off(self, gen: Generation, row: int) -> None:
+        """Export ``gen``'s prompt KV from ``row`` (into ``block_alloc``'s memory when set) and
+        finish it with its hand-off; retirement then frees the row."""
+        try:
+            out = None if self.block_alloc is None else self.block_alloc(self.engine.kv_nbytes(len(gen.prompt_ids)))
+            gen.finish_handoff(self.engine.export_kv(row, gen.prompt_ids, out=out))
+        except Exception as error:
+            gen.fail(error)
 
     def _retire(self) -> None:
         """Drop finished requests from the decoding rows and move the highest survivors into the

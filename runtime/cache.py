@@ -67,10 +67,14 @@ class KVCache:
         if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
             self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
 
-    def read_positions(self, row: int, start: int, stop: int) -> np.ndarray:
-        """Positions ``[start, stop)`` of cache row ``row``, every layer's keys and values, as a new
-        C-contiguous array ``[L, 2, H_kv, stop - start, D]``: one strided copy (a KV block's data)."""
-        return np.ascontiguousarray(self.buffer[:, :, row, :, start:stop])
+    def read_positions(self, row: int, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Positions ``[start, stop)`` of cache row ``row``, every layer's keys and values, as a
+        C-contiguous array ``[L, 2, H_kv, stop - start, D]`` (new, or ``out``): one strided copy
+        (a KV block's data)."""
+        if out is None:
+            return np.ascontiguousarray(self.buffer[:, :, row, :, start:stop])
+        np.copyto(out, self.buffer[:, :, row, :, start:stop])
+        return out
 
     def write_positions(self, row: int, start: int, data: np.ndarray) -> None:
         """Write ``data`` ``[L, 2, H_kv, n, D]`` into positions ``[start, start + n)`` of cache row

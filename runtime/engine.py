@@ -614,14 +614,28 @@ class Engine:
 
     # ---------------------------------------------------------------- KV blocks
 
-    def export_kv(self, row: int, token_ids: Sequence[int], start: int = 0) -> KVBlock:
+    def kv_nbytes(self, positions: int) -> int:
+        """Bytes of a :class:`KVBlock` of ``positions`` positions (``L × 2 × H_kv × n × D`` values)."""
+        m = self.manifest.model
+        return m.num_layers * 2 * m.num_kv_heads * int(positions) * m.head_dim * self.cache.buffer.dtype.itemsize
+
+    def export_kv(self, row: int, token_ids: Sequence[int], start: int = 0, out=None) -> KVBlock:
         """Cache row ``row``'s positions ``[start, start + n)`` as a :class:`KVBlock` (``n =
         len(token_ids)``, the tokens those positions hold, which the caller knows: the engine keeps
-        lengths, not tokens). One strided copy into the block's own contiguous buffer. ValueError
-        when the row does not hold those positions."""
+        lengths, not tokens). One strided copy into the block's own contiguous buffer, or into
+        ``out``: a writable buffer of at least :meth:`kv_nbytes` ``(n)`` bytes (e.g. shared memory),
+        which the block's data is then a view of. ValueError when the row does not hold those
+        positions."""
         ids = check.token_ids("token_ids", token_ids, vocab_size=self.vocab_size)
         if not hasattr(self.cache, "read_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV export yet; use the CPU backend")
+        if out is not None:
+            m, nbytes = self.manifest.model, self.kv_nbytes(len(ids))
+            if memoryview(out).nbytes < nbytes or memoryview(out).readonly:
+                raise ValueError(f"out must be a writable buffer of at least {nbytes} bytes for {len(ids)} positions")
+            shape = (m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim)
+            out = np.frombuffer(out, dtype=self.cache.buffer.dtype, count=nbytes // self.cache.buffer.dtype.itemsize)
+            out = out.reshape(shape)
         with self._lock:
             if not (check.is_int(row) and 0 <= row < self.max_batch):
                 raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
@@ -631,15 +645,12 @@ class Engine:
                     f"positions [{start}, {start + len(ids)}) are not in cache row {row}, which holds [0, {held}): "
                     "export at most the positions a prefill or decode wrote"
                 )
-            data = self.cache.read_positions(row, start, start + len(ids))
+            data = self.cache.read_positions(row, start, start + len(ids), out=out)
         return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data)
 
-    def import_kv(self, block: KVBlock, row: int) -> None:
-        """Write ``block`` into cache row ``row`` at its positions ``[block.start, block.stop)``
-        (one strided copy) and make the row hold ``[0, block.stop)``. The caller owns the row (a
-        session's, or its batch loop's) and its positions before ``block.start``. Raises
-        :class:`~kvforge.runtime.kv.KVBlockError` for a block of another artifact or dtype, or one
-        that does not fit the row."""
+    def check_kv(self, block: KVBlock) -> None:
+        """Raise :class:`~kvforge.runtime.kv.KVBlockError` when ``block`` cannot be imported into
+        this engine's cache: another artifact or dtype, or longer than a row."""
         block.check_compatible(self.kv_fingerprint)
         m = self.manifest.model
         want = (m.num_layers, 2, m.num_kv_heads, block.n, m.head_dim)
@@ -648,16 +659,24 @@ class Engine:
                 f"the KV block's data is {block.data.dtype} {block.data.shape}; this artifact's cache needs "
                 f"{self.cache.buffer.dtype} {want} ([layers, 2, kv heads, positions, head dim])"
             )
+        if block.stop > self.max_seq:
+            raise KVBlockError(
+                f"the KV block holds positions [{block.start}, {block.stop}), longer than a cache row of this "
+                f"artifact (max_seq={self.max_seq}); recompile with a larger --max-seq"
+            )
+
+    def import_kv(self, block: KVBlock, row: int) -> None:
+        """Write ``block`` into cache row ``row`` at its positions ``[block.start, block.stop)``
+        (one strided copy) and make the row hold ``[0, block.stop)``. The caller owns the row (a
+        session's, or its batch loop's) and its positions before ``block.start``. Raises
+        :class:`~kvforge.runtime.kv.KVBlockError` for a block of another artifact or dtype, or one
+        that does not fit the row (:meth:`check_kv`)."""
+        self.check_kv(block)
         if not hasattr(self.cache, "write_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV import yet; use the CPU backend")
         with self._lock:
             if not (check.is_int(row) and 0 <= row < self.max_batch):
                 raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
-            if block.stop > self.max_seq:
-                raise KVBlockError(
-                    f"the KV block holds positions [{block.start}, {block.stop}), longer than a cache row of this "
-                    f"artifact (max_seq={self.max_seq}); recompile with a larger --max-seq"
-                )
             if block.start > self.lengths[row]:
                 raise ValueError(
                     f"the KV block starts at position {block.start}, but cache row {row} holds only "
@@ -894,13 +913,14 @@ class Engine:
                 raise
         return session
 
-    def scheduler(self, prefill_chunk: int | None = None):
+    def scheduler(self, prefill_chunk: int | None = None, block_alloc=None):
         """A :class:`~kvforge.runtime.scheduler.Scheduler` (in-flight batching on a background
         thread) over rows ``[0, k)``; it holds them until ``close()``. ``prefill_chunk``: tokens per
-        prefill call of a joining request (default :attr:`chunk_tokens`)."""
+        prefill call of a joining request (default :attr:`chunk_tokens`); ``block_alloc``: where a
+        hand-off's KV is exported (see the scheduler's module docstring)."""
         from kvforge.runtime.scheduler import Scheduler
 
-        return Scheduler(self, prefill_chunk)
+        return Scheduler(self, prefill_chunk, block_alloc)
 
 
 def _load_tokenizer(artifact_dir: Path) -> Tokenizer:

@@ -30,6 +30,8 @@ import numpy as np
 
 from kvforge.runtime import validate
 from kvforge.runtime.detokenize import IncrementalDetokenizer
+from kvforge.runtime.kv.block import KVBlock
+from kvforge.runtime.kv.handoff import Handoff, params_dict
 from kvforge.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from kvforge.runtime.stops import StopStrings
 from kvforge.runtime.tokenizer import Tokenizer
@@ -37,7 +39,7 @@ from kvforge.runtime.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from kvforge.runtime.constraints import GrammarConstraint
 
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "handoff")
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class Timing:
 class GenerationResult:
     token_ids: list[int]  # generated ids only (the prompt excluded); an eos that stopped it is the last
     text: str | None  # decoded token_ids (special tokens skipped, stop string cut); None without a tokenizer
-    finish_reason: str  # "stop" (eos id, stop string or the output's grammar complete) | "length" | "cancelled"
+    # "stop" (eos id, stop string or the output's grammar complete) | "length" | "cancelled" | "handoff"
+    finish_reason: str
     prompt_tokens: int
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"); None for eos
     logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
@@ -87,6 +90,7 @@ class GenerationResult:
     verify_steps: int = 0
     prediction_accepted: int = 0
     prediction_rejected: int = 0
+    handoff: Handoff | None = None  # finish_reason "handoff": what a decode worker continues from
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -163,6 +167,10 @@ class Generation:
         self.sink = sink
         self.drafting = None  # a speculative.RowDrafting when this request drafts
         self.constraint = constraint  # the output's grammar (kvforge.runtime.constraints), None when free
+        self.hand_off = False  # end with a Handoff after the first token (disaggregated prefill)
+        self.handoff: Handoff | None = None
+        self.resume_block: KVBlock | None = None  # a resumed request's prompt KV, imported at admission
+        self._handoff_chunk: StreamChunk | None = None
         self.state = "waiting"
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -220,8 +228,61 @@ class Generation:
             self._finish("stop", text, [token])
         elif len(self.token_ids) >= self.max_new_tokens or not room:
             self._finish("length", text, [token])
+        elif self.hand_off and len(self.token_ids) == 1:
+            # The batch loop exports the prompt's KV, then finish_handoff emits this chunk.
+            self.state = "handing_off"
+            self._handoff_chunk = StreamChunk(text, [token], "handoff", logprobs=self._new_logprobs())
         else:
             self._emit(StreamChunk(text, [token], logprobs=self._new_logprobs()))
+
+    # ------------------------------------------------------------------ disaggregated prefill/decode
+
+    @property
+    def handing_off(self) -> bool:
+        """The first token is accepted and the prompt's KV waits to be exported (:meth:`finish_handoff`)."""
+        return self.state == "handing_off"
+
+    def finish_handoff(self, block: KVBlock) -> None:
+        """End with finish_reason "handoff": ``block`` holds the prompt's KV; the first token's
+        chunk (finish_reason "handoff") is emitted and the result carries the :class:`Handoff`."""
+        self.handoff = Handoff(
+            prompt_ids=self.prompt_ids,
+            max_new_tokens=self.max_new_tokens,
+            sampling=params_dict(self.params),
+            stop=list(self.stops.stops) or None,
+            first_token=self.token_ids[0],
+            first_logprobs=self.sampler.logprobs[0] if self.params.logprobs is not None else None,
+            rng_state=self.sampler.rng_state,
+            block=block,
+            cached_tokens=self.cached_tokens,
+        )
+        self.finish_reason = "handoff"
+        self.state = "done"
+        self.finished = time.perf_counter()
+        self._emit(self._handoff_chunk)
+        self._done.set()
+
+    def replay_first(self, handoff: Handoff) -> None:
+        """Take the first token of ``handoff`` as if this request had sampled it (the sampler's
+        record, logprob and RNG state, the grammar, the detokenizer and stop strings), without
+        emitting it; the batch loop then imports ``handoff.block`` and decodes from there."""
+        token = handoff.first_token
+        self.sampler.replay(token, handoff.first_logprobs, handoff.rng_state)
+        self._logprobs_sent = len(self.sampler.logprobs)
+        self.token_ids.append(token)
+        if self.constraint is not None and not self.constraint.accept([token]):
+            raise ValueError(
+                f"the hand-off's first token {token} breaks the request's grammar: {self.constraint.error}"
+            )
+        text = self.detok.add(token) if self.detok is not None else ""
+        text, matched = self.stops.feed(text) if text else ("", None)
+        if matched is not None or len(self.token_ids) >= self.max_new_tokens:
+            raise ValueError("the hand-off's first token already ends the request; it should not have been handed off")
+        if text:
+            self.text_parts.append(text)
+        self.prefilled = len(self.prompt_ids)
+        self.cached_tokens = handoff.cached_tokens
+        self.resume_block = handoff.block
 
     def cancel(self) -> None:
         """Ask to stop (thread-safe); the loop retires the request at its next step."""
@@ -308,5 +369,6 @@ class Generation:
             logprobs=list(self.sampler.logprobs) if self.params.logprobs is not None else None,
             timing=timing,
             cached_tokens=self.cached_tokens,
+            handoff=self.handoff,
             **spec,
         )

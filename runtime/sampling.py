@@ -419,6 +419,22 @@ class Sampler:
             self._gen_ids = None
         self._counts[t] += 1
 
+    def replay(self, token_id: int, logprob: TokenLogprob | None, rng_state: Mapping) -> None:
+        """Continue another sampler of the same request after its draw of ``token_id`` (a
+        disaggregated hand-off): record the token and its logprob entry as ``__call__`` did there,
+        and take that sampler's RNG state, so the next draws are the ones it would have made."""
+        self.record(token_id)
+        if self.params.logprobs is not None:
+            if logprob is None:
+                raise ValueError("the request asks for logprobs, but the replayed token comes without its entry")
+            self.logprobs.append(logprob)
+        self.rng.bit_generator.state = dict(rng_state)
+
+    @property
+    def rng_state(self) -> dict:
+        """The RNG's state now (JSON-able), what :meth:`replay` restores."""
+        return self.rng.bit_generator.state
+
     def __call__(self, logits: np.ndarray) -> int:
         """Pick the next token from ``logits`` ``[V]`` (float32/float16, read only), record it and return its id."""
         return self._pick(logits, None)

@@ -13,6 +13,18 @@ into free rows (chunked prefill, one chunk per step), and retires finished or ca
 once, so a stream of requests keeps the batch full. Each step holds the engine's lock, so sessions
 on other rows interleave with it step by step.
 
+Disaggregated prefill/decode (:mod:`kvforge.runtime.kv.handoff`). ``submit(..., hand_off=True)``
+on a prefill worker's scheduler runs the prompt and the first token here; unless that token ends
+the request (eos, a stop string, ``max_new_tokens=1``), the request ends with finish_reason
+``"handoff"``: its one chunk (the first token, finish_reason ``"handoff"``) is streamed from the
+handle and ``handle.result().handoff`` is a :class:`~kvforge.runtime.kv.handoff.Handoff` whose KV
+was exported into memory from ``block_alloc`` (``Scheduler(engine, block_alloc=...)``; e.g.
+:class:`kvforge.runtime.kv.shm.SegmentAllocator`), the row freed at once. ``resume(handoff)`` on
+a decode worker's scheduler (another engine of the same artifact) imports the block into a free
+row and continues the request in the batch: its chunks start after the first token, its result
+is the whole request's as the colocated scheduler would give it (first token, all logprobs; the
+timing is this side's: ``first_token`` is when the KV was imported).
+
 Errors. ``submit`` validates everything it can (``max_new_tokens``, sampling parameters, stop
 strings, prompt length and token ids) and raises ValueError there; a request that fails later
 fails alone: its handle raises the error, the other requests go on.
@@ -23,7 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvforge.runtime import validate
@@ -32,6 +44,7 @@ from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 
 if TYPE_CHECKING:
     from kvforge.runtime.engine import Engine, Prompt
+    from kvforge.runtime.kv.handoff import Handoff
     from kvforge.runtime.sampling import SamplingParams
 
 
@@ -77,13 +90,20 @@ class RequestHandle:
 class Scheduler:
     """See the module docstring. Create it with ``Engine.scheduler()``."""
 
-    def __init__(self, engine: Engine, prefill_chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prefill_chunk: int | None = None,
+        block_alloc: Callable[[int], object] | None = None,
+    ) -> None:
+        """``block_alloc``: ``nbytes -> writable buffer`` a hand-off's KV is exported into (default:
+        a new numpy array per hand-off)."""
         self.engine = engine
         prefill_chunk = validate.optional_count("prefill_chunk", prefill_chunk)  # before the rows are taken
         self._rows = engine.own_rows(self)
         rows = self._rows.__enter__()  # released in close()
         try:
-            self._loop = BatchLoop(engine, rows, chunk=prefill_chunk)
+            self._loop = BatchLoop(engine, rows, chunk=prefill_chunk, block_alloc=block_alloc)
         except BaseException:
             self._rows.__exit__(None, None, None)
             raise
@@ -105,11 +125,26 @@ class Scheduler:
         max_new_tokens: int = 32,
         sampling: SamplingParams | Mapping | None = None,
         stop: str | Sequence[str] | None = None,
+        hand_off: bool = False,
     ) -> RequestHandle:
         """Queue one request (thread-safe); returns its :class:`RequestHandle` at once. Raises
-        ValueError for bad parameters or prompts, RuntimeError after :meth:`close`."""
-        handle = RequestHandle(self)
+        ValueError for bad parameters or prompts, RuntimeError after :meth:`close`. ``hand_off``:
+        stop after the first token with a hand-off for a decode worker (module docstring)."""
         gen = self.engine.request(self.engine.encode(prompt), max_new_tokens, sampling, stop)
+        gen.hand_off = bool(hand_off)
+        return self._queue(gen)
+
+    def resume(self, handoff: Handoff) -> RequestHandle:
+        """Continue a request handed off by another engine of the same artifact (thread-safe; see
+        the module docstring). Raises KVBlockError for a block of another artifact (or too long
+        for a row), ValueError for parameters this engine refuses, before anything is imported."""
+        self.engine.check_kv(handoff.block)
+        gen = self.engine.request(handoff.prompt_ids, handoff.max_new_tokens, handoff.sampling, handoff.stop)
+        gen.replay_first(handoff)
+        return self._queue(gen)
+
+    def _queue(self, gen: Generation) -> RequestHandle:
+        handle = RequestHandle(self)
         gen.sink = handle._sink
         handle.generation = gen
         with self._cond:
@@ -129,7 +164,7 @@ class Scheduler:
             if cancel:
                 for gen in self._incoming:
                     gen.cancel()
-                for gen in [*self._loop.waiting, *self._loop.decoding, self._loop.filling]:
+                for gen in [*self._loop.waiting, *self._loop.resuming, *self._loop.decoding, self._loop.filling]:
                     if gen is not None:
                         gen.cancel()
             self._cond.notify()

@@ -1,0 +1,126 @@
+"""``Handoff``: a request after its first token, as plain data plus one KV block (disaggregated
+prefill/decode).
+
+    handle = prefill_sched.submit(prompt, 64, sampling, stop, hand_off=True)   # prefill + first token
+    handoff = handle.result().handoff                                          # None if it finished there
+    handle = decode_sched.resume(handoff)                                      # another engine, same artifact
+
+What a decode worker needs to continue exactly as the colocated scheduler would: the prompt, the
+request's parameters (``sampling``: the resolved :class:`SamplingParams` as a JSON-able dict),
+the first token with its logprob entry, the sampler's RNG state after its first draw, the prefix
+cache hits of the prefill side, and the KV of positions ``[0, len(prompt_ids))`` as a
+:class:`KVBlock` (the first token is not in it: the decode side feeds it at its first step).
+
+Transport. :meth:`Handoff.header` is everything but the block's data, JSON-able (small: the
+prompt ids and the fingerprint); :meth:`Handoff.from_parts` rebuilds a hand-off from a header and
+an array ``[L, 2, H_kv, n, D]`` (e.g. a view on shared memory, :mod:`kvforge.runtime.kv.shm`, or
+an object in Ray's store). Neither copies the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from kvforge.runtime.kv.block import DTYPES, KVBlock, KVBlockError
+from kvforge.runtime.sampling import SamplingParams, TokenLogprob
+
+HEADER_VERSION = 1
+
+
+@dataclass
+class Handoff:
+    """Everything a decode worker needs to continue a request: plain data plus one KVBlock."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: dict[str, Any]  # the request's resolved SamplingParams, JSON-able (params_dict)
+    stop: list[str] | None
+    first_token: int
+    first_logprobs: TokenLogprob | None  # the first token's entry when sampling["logprobs"] is set
+    rng_state: dict[str, Any]  # the sampler's numpy PCG64 state after its first draw
+    block: KVBlock  # positions [0, len(prompt_ids))
+    cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV data (what a transport moves)."""
+        return self.block.nbytes
+
+    def header(self) -> dict[str, Any]:
+        """JSON-able: everything except ``block.data`` (whose shape and dtype it records)."""
+        lp = self.first_logprobs
+        return {
+            "version": HEADER_VERSION,
+            "prompt_ids": [int(t) for t in self.prompt_ids],
+            "max_new_tokens": int(self.max_new_tokens),
+            "sampling": self.sampling,
+            "stop": self.stop,
+            "first_token": int(self.first_token),
+            "first_logprobs": None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]],
+            "rng_state": self.rng_state,
+            "cached_tokens": int(self.cached_tokens),
+            "block": {
+                "fingerprint": self.block.fingerprint,
+                "start": self.block.start,
+                "shape": list(self.block.data.shape),
+                "dtype": self.block.data.dtype.name,
+                "meta": self.block.meta,
+            },
+        }
+
+    @classmethod
+    def from_parts(cls, header: Mapping[str, Any], data: np.ndarray) -> Handoff:
+        """The hand-off of ``header`` (from :meth:`header`) with ``data`` as its block's data (kept
+        as is: a view stays a view). KVBlockError when the header is not one this kvforge reads or
+        ``data`` is not the array it describes."""
+        if not isinstance(header, Mapping) or header.get("version") != HEADER_VERSION:
+            got = header.get("version") if isinstance(header, Mapping) else type(header).__name__
+            raise KVBlockError(
+                f"not a kvforge hand-off header of version {HEADER_VERSION} (got {got!r}); "
+                "the prefill and decode workers must run the same kvforge"
+            )
+        b = header["block"]
+        dtype = np.dtype(DTYPES.get(b["dtype"], b["dtype"]))
+        if tuple(data.shape) != tuple(b["shape"]) or data.dtype != dtype:
+            raise KVBlockError(
+                f"the hand-off's KV data is {data.dtype} {tuple(data.shape)}, its header says {dtype} "
+                f"{tuple(b['shape'])}: the data does not belong to this header"
+            )
+        prompt = [int(t) for t in header["prompt_ids"]]
+        start = int(b["start"])
+        block = KVBlock(b["fingerprint"], start, tuple(prompt[start : start + data.shape[3]]), data, dict(b["meta"]))
+        lp = header["first_logprobs"]
+        first_lp = (
+            None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), [(int(t), float(v)) for t, v in lp[2]])
+        )
+        return cls(
+            prompt_ids=prompt,
+            max_new_tokens=int(header["max_new_tokens"]),
+            sampling=dict(header["sampling"]),
+            stop=None if header["stop"] is None else list(header["stop"]),
+            first_token=int(header["first_token"]),
+            first_logprobs=first_lp,
+            rng_state=header["rng_state"],
+            block=block,
+            cached_tokens=int(header.get("cached_tokens", 0)),
+        )
+
+
+def params_dict(params: SamplingParams) -> dict[str, Any]:
+    """``params``' fields as a JSON-able dict that ``SamplingParams.from_dict`` takes back
+    (logit_bias keys as decimal strings, the prediction as a list)."""
+    out: dict[str, Any] = {}
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if f.name == "logit_bias" and value is not None:
+            value = {str(k): float(v) for k, v in value.items()}
+        elif f.name == "prediction" and value is not None:
+            value = list(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        out[f.name] = value
+    return out
