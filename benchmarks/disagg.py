@@ -4,15 +4,17 @@ planner's prediction of each next to the measurement.
 One run, one machine, the same total cores (2):
 
 1. the planner's latency model is measured on the artifact at 1 and 2 threads
-   (:func:`kvforge.tools.serveplan.latency.measure`), and the machine's memcpy bandwidth;
+   (:func:`kvforge.tools.serveplan.latency.measure`), the machine's memcpy bandwidth and a
+   hand-off side's speed as the planner models it;
 2. the mixed workload (short chats among long prompts of ``--long-lens`` words, Poisson arrivals,
    ``kvforge loadtest``'s plan) is tokenized with the artifact's tokenizer, so the planner
    simulates exactly the requests the load test sends, in tokens;
 3. for each round, alternating: ``kvforge serve OUT --threads 2`` (colocated), then
    ``kvforge serve OUT --prefill-workers 1 --decode-workers 1 --threads-per-worker 1`` (skipped, and
    said so, where this checkout's serve has no ``--prefill-workers``), each warmed up and then
-   loaded with the same requests; the hand-off metrics of the disaggregated server are read from
-   its ``/metrics`` (every sample whose name contains ``handoff``);
+   loaded with the same requests; the hand-off figures of the disaggregated server come from its
+   ``/metrics`` (count, bytes, export and import seconds): ms and GB/s per hand-off, against
+   memcpy and against the prefill of the same tokens it saves;
 4. the report: per layout, measured and predicted TTFT p50/p99, TPOT p50/p99, SLO attainment and
    goodput, predicted / measured goodput, the load average before and after each run.
 
@@ -93,7 +95,9 @@ class Server:
 
 
 def handoff_metrics(url: str) -> dict[str, float]:
-    """Every ``/metrics`` sample whose name contains ``handoff`` (summed over labels)."""
+    """The ``/metrics`` counters, histogram sums and counts whose name contains ``handoff``
+    (summed over labels): ``kvforge_handoffs_total``, ``kvforge_handoff_bytes_total``,
+    ``kvforge_handoff_export_seconds_sum`` (prefill side), ``kvforge_handoff_seconds_sum`` (decode side)."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.TransportError:
@@ -104,9 +108,32 @@ def handoff_metrics(url: str) -> dict[str, float]:
             continue
         name, _, value = line.rpartition(" ")
         name = name.split("{")[0]
-        with contextlib.suppress(ValueError):
-            out[name] = out.get(name, 0.0) + float(value)
+        if name.endswith(("_total", "_sum", "_count")):
+            with contextlib.suppress(ValueError):
+                out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def handoff_figures(metrics: dict[str, float], memcpy_bytes_per_s: float, prefill_s: float) -> dict:
+    """Per hand-off: bytes, ms on each side, GB/s end to end (export + import), that against a
+    plain memcpy of the same bytes, and against the prefill it saves (the decode side would
+    otherwise prefill the prompt again: ``bytes / kv_bytes_per_token`` tokens)."""
+    count = metrics.get("kvforge_handoffs_total") or 0
+    if not count:
+        return {}
+    nbytes = metrics.get("kvforge_handoff_bytes_total", 0.0) / count
+    export = metrics.get("kvforge_handoff_export_seconds_sum", 0.0) / count
+    other = metrics.get("kvforge_handoff_seconds_sum", 0.0) / count
+    seconds = export + other
+    return {
+        "count": int(count),
+        "mb_per_handoff": nbytes / 1e6,
+        "export_ms": export * 1e3,
+        "import_ms": other * 1e3,
+        "gb_per_s": nbytes / seconds / 1e9 if seconds else None,
+        "share_of_memcpy": (nbytes / seconds) / memcpy_bytes_per_s if seconds else None,
+        "prefill_saved_ms": prefill_s * 1e3,
+    }
 
 
 def requests_in_tokens(artifact: Path, options: LoadOptions) -> list[Request]:
@@ -160,7 +187,8 @@ def format_report(report: dict) -> str:
         f"disaggregated vs colocated on {report['artifact']}: {o['requests']} requests, Poisson {o['rate']} req/s, "
         f"{o['long_fraction']:.0%} long prompts of {o['long_lens']} words among {o['prompt_lens']}, outputs "
         f"{o['output_lens']}; SLOs TTFT <= {o['slo_ttft_ms']:g} ms, TPOT <= {o['slo_tpot_ms']:g} ms",
-        f"  memcpy {report['copy_gbps']:.2f} GB/s; KV {report['kv_bytes_per_token']} bytes/token; "
+        f"  memcpy {report['memcpy_gbps']:.2f} GB/s, a hand-off side as modelled (fresh copy + crc32) "
+        f"{report['copy_gbps']:.2f} GB/s; KV {report['kv_bytes_per_token']} bytes/token; "
         f"planner's latency model measured in {report['measure_s']:.0f} s ({report['scaling']})",
         "",
         f"  {'layout':<12}{'':10}{'TTFT p50':>8}{'p99':>8}{'TPOT p50':>9}{'p99':>8}{'attain':>8}{'goodput':>9}"
@@ -179,8 +207,14 @@ def format_report(report: dict) -> str:
                 f"{_ms(s['tpot_ms'], 'p99')}{s.get('attainment', s['meeting_slo'] / s['requests']):8.0%}"
                 f"{s['goodput_rps']:9.4f}{ratio:>10}{load}"
             )
-        if run["measured"].get("handoff_metrics"):
-            lines.append(f"  {'':<12}hand-off metrics: {json.dumps(run['measured']['handoff_metrics'])}")
+        h = run.get("handoff")
+        if h:
+            lines.append(
+                f"  {'':<12}hand-off: {h['count']} of {h['mb_per_handoff']:.1f} MB on average, export "
+                f"{h['export_ms']:.1f} ms + import {h['import_ms']:.1f} ms = {h['gb_per_s']:.2f} GB/s "
+                f"({h['share_of_memcpy']:.0%} of memcpy); the prefill of those tokens: {h['prefill_saved_ms']:.0f} ms "
+                "(1 thread, modelled)"
+            )
     for note in report["notes"]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
@@ -248,12 +282,20 @@ def main() -> int:
             for name in modes:
                 measured = run_mode(common, artifact, name, options)
                 predicted = predict(table, MODES[name][1], requests, options)
-                runs.append({"layout": name, "measured": measured, "predicted": predicted})
+                run = {"layout": name, "measured": measured, "predicted": predicted}
+                if measured.get("handoff_metrics"):
+                    metrics = measured["handoff_metrics"]
+                    count = metrics.get("kvforge_handoffs_total") or 1
+                    tokens = round(metrics.get("kvforge_handoff_bytes_total", 0.0) / count / table.kv_bytes_per_token)
+                    prefill = table.at(1).prefill_s(1, max(tokens, 1))
+                    run["handoff"] = handoff_figures(metrics, table.memcpy_bytes_per_s, prefill)
+                runs.append(run)
     report = {
         "artifact": str(artifact),
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.__dict__.items() if k != "api_key"},
         "cpu_count": os.cpu_count(),
         "copy_gbps": table.copy_bytes_per_s / 1e9,
+        "memcpy_gbps": table.memcpy_bytes_per_s / 1e9,
         "kv_bytes_per_token": table.kv_bytes_per_token,
         "measure_s": measure_s,
         "scaling": table.assumption(),

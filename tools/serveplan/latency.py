@@ -2,7 +2,8 @@
 
 Input: an artifact (measured here, a few seconds per thread count) or ``kvforge bench --json``
 reports (one per thread count). Output: a :class:`LatencyTable`, one :class:`PhaseModel` per
-thread count, and the bytes of KV per token and the machine's copy bandwidth (the hand-off's cost).
+thread count, the bytes of KV per token and the hand-off's speed per side (a copy into fresh
+memory and a crc32, as the shared-memory transport does; a plain memcpy's speed for reference).
 
 The model, fitted by least squares on the measured points (coefficients in ms, none negative):
 
@@ -102,10 +103,11 @@ class LatencyTable:
 
     models: dict[int, PhaseModel]
     kv_bytes_per_token: int
-    copy_bytes_per_s: float
+    copy_bytes_per_s: float  # one side of a hand-off (handoff_bandwidth): export, or import
     rows: int  # the artifact's max_batch: cache rows per engine
     chunk: int  # tokens per prefill call (the artifact's max_prompt)
     max_seq: int
+    memcpy_bytes_per_s: float | None = None  # a plain memcpy, for reference (copy_bandwidth)
     notes: list[str] = field(default_factory=list)
 
     def speedups(self) -> tuple[float, float, int]:
@@ -143,6 +145,7 @@ class LatencyTable:
             "models": [m.to_dict() for _, m in sorted(self.models.items())],
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "copy_bytes_per_s": self.copy_bytes_per_s,
+            "memcpy_bytes_per_s": self.memcpy_bytes_per_s,
             "rows": self.rows,
             "chunk": self.chunk,
             "scaling": self.assumption(),
@@ -166,7 +169,25 @@ def copy_bandwidth(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
     return nbytes / best
 
 
-def kv_bytes_per_token(manifest) -> int:
+def handoff_bandwidth(nbytes: int = 16 * 2**20, repeat: int = 3) -> float:
+    """Bytes per second of one side of a hand-off as the shared-memory transport does it: a copy
+    into freshly mapped memory (its pages faulted in on first touch) and a crc32 over the data
+    (written on export, checked on import); best of ``repeat``."""
+    import zlib
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    best = math.inf
+    for _ in range(repeat):
+        dst = np.empty_like(src)
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        zlib.crc32(dst)
+        best = min(best, time.perf_counter() - start)
+        del dst
+    return nbytes / best
+
+
+def kv_bytes_per_token(manifest: Any) -> int:
     """Bytes of one position's keys and values over every layer."""
     m = manifest.model
     itemsize = np.dtype(manifest.dtype).itemsize
@@ -184,7 +205,7 @@ def measure(artifact: str | Path, threads: list[int], seed: int = 0) -> LatencyT
             rows, chunk, max_seq = engine.max_batch, engine.chunk_tokens, engine.max_seq
             kv = kv_bytes_per_token(engine.manifest)
             models[t] = _measure_engine(engine, t, rng)
-    return LatencyTable(models, kv, copy_bandwidth(), rows, chunk, max_seq)
+    return LatencyTable(models, kv, handoff_bandwidth(), rows, chunk, max_seq, memcpy_bytes_per_s=copy_bandwidth())
 
 
 def _measure_engine(engine, threads: int, rng: np.random.Generator) -> PhaseModel:
@@ -264,8 +285,9 @@ def from_bench(artifact: str | Path, paths: list[str | Path]) -> LatencyTable:
     return LatencyTable(
         read_bench(paths, manifest),
         kv_bytes_per_token(manifest),
-        copy_bandwidth(),
+        handoff_bandwidth(),
         limits.max_batch,
         limits.max_prompt,
         limits.max_seq,
+        memcpy_bytes_per_s=copy_bandwidth(),
     )

@@ -201,7 +201,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"  SLOs: TTFT <= {o['slo_ttft_ms']:g} ms, TPOT <= {o['slo_tpot_ms']:g} ms; capacity = highest rate with "
         f">= {o['attainment']:.0%} of requests meeting both",
         f"  latency model ({sources}); hand-off "
-        f"{lat['kv_bytes_per_token'] / 1024:.1f} KiB/token at {lat['copy_bytes_per_s'] / 1e9:.1f} GB/s per copy; "
+        f"{lat['kv_bytes_per_token'] / 1024:.1f} KiB/token at {lat['copy_bytes_per_s'] / 1e9:.2f} GB/s per side; "
         f"{lat['rows']} rows, prefill chunk {lat['chunk']} per engine",
         "",
         f"  {'layout':<26}{'TTFT p50':>9}{'p99':>9}{'TPOT p50':>9}{'p99':>8}{'attain':>8}{'goodput':>9}"
