@@ -19,7 +19,7 @@ One run, one machine, the same total cores (2):
    goodput, predicted / measured goodput, the load average before and after each run.
 
     python benchmarks/disagg.py --artifact /work/tmp-x/out --quick          # ~5 min on 2 cores
-    python benchmarks/disagg.py --artifact OUT --json disagg.json           # the full run (~15 min)
+    python benchmarks/disagg.py --artifact OUT --json disagg.json           # the full run (~15-20 min)
 
 The artifact needs ``max_seq`` >= the longest prompt + output (``kvforge compile MODEL -o OUT
 --max-seq 2048``); ``--model DIR`` compiles one into a temporary directory instead.
@@ -165,10 +165,13 @@ def run_mode(common, artifact: Path, name: str, options: LoadOptions) -> dict:
         warm = LoadOptions(**{**options.__dict__, "requests": 2, "rate": float("inf"), "seed": 99, "long_fraction": 0})
         run_loadtest(server.url, warm)
         before = common.load_average()
+        metrics_before = handoff_metrics(server.url) if name != "colocated" else {}
         result = run_loadtest(server.url, options)
         summary = result["summary"]
         summary["load_average_before"], summary["load_average_after"] = before, common.load_average()
-        summary["handoff_metrics"] = handoff_metrics(server.url) if name != "colocated" else None
+        if name != "colocated":  # this run's hand-offs: the warm-up's taken out
+            after = handoff_metrics(server.url)
+            summary["handoff_metrics"] = {k: v - metrics_before.get(k, 0.0) for k, v in after.items()}
         done = [r for r in result["requests"] if r["ok"]]
         summary["mean_completion_tokens"] = sum(r["completion_tokens"] for r in done) / max(len(done), 1)
     finally:
@@ -226,7 +229,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="compile this HF directory with --max-seq 2048 instead")
     ap.add_argument("--quick", action="store_true", help="fewer requests at a higher rate (a few minutes)")
     ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--rate", type=float, default=0.15, help="Poisson arrivals per second")
+    ap.add_argument("--rate", type=float, default=0.1, help="Poisson arrivals per second")
     ap.add_argument("--prompt-lens", default="16,32", help="short chats' prompt words")
     ap.add_argument("--output-lens", default="32,64", help="max_tokens values")
     ap.add_argument("--long-fraction", type=float, default=0.25)
