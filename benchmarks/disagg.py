@@ -16,7 +16,10 @@ One run, one machine, the same total cores (2):
    ``/metrics`` (count, bytes, export and import seconds): ms and GB/s per hand-off, against
    memcpy and against the prefill of the same tokens it saves;
 4. the report: per layout, measured and predicted TTFT p50/p99, TPOT p50/p99, SLO attainment and
-   goodput, predicted / measured goodput, the load average before and after each run.
+   goodput, predicted / measured goodput, the load average before and after each run; then the
+   planner's capacity of the colocated server and of the best split on ``--scale`` cores, with
+   the thread scaling as measured here, as a plausible quiet machine (1.8x prefill, 1.6x decode
+   per doubling) and ideal (2x).
 
     python benchmarks/disagg.py --artifact /work/tmp-x/out --quick          # ~5 min on 2 cores
     python benchmarks/disagg.py --artifact OUT --json disagg.json           # the full run (~15-20 min)
@@ -41,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from kvforge.tools.loadtest import LoadOptions, plan, run_loadtest
-from kvforge.tools.serveplan import latency
+from kvforge.tools.serveplan import latency, planner
 from kvforge.tools.serveplan.simulate import Layout, Request, simulate, summarize
 
 
@@ -218,6 +221,13 @@ def format_report(report: dict) -> str:
                 f"({h['share_of_memcpy']:.0%} of memcpy); the prefill of those tokens: {h['prefill_saved_ms']:.0f} ms "
                 "(1 thread, modelled)"
             )
+    for scale in report["larger_machines"]:
+        lines.append(f"  larger machines, capacity at >= {scale['attainment']:.0%} attainment ({scale['scaling']}):")
+        for m in scale["machines"]:
+            lines.append(
+                f"    {m['cores']:3d} cores: colocated {m['colocated_capacity_rps']:.3f} req/s, best split "
+                f"{m['best_split']} {m['best_split_capacity_rps']:.3f} req/s"
+            )
     for note in report["notes"]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
@@ -238,6 +248,8 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=250.0, help="ms")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the two layouts this many times")
     ap.add_argument("--seed", type=int, default=1, help="seed 1: 25%% of the 40 default requests are long")
+    ap.add_argument("--scale", default="8,16,32", help="cores of the larger machines to predict ('' for none)")
+    ap.add_argument("--scale-attainment", type=float, default=0.8, help="share meeting both SLOs for capacity")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args()
     if args.quick:
@@ -293,6 +305,17 @@ def main() -> int:
                     prefill = table.at(1).prefill_s(1, max(tokens, 1))
                     run["handoff"] = handoff_figures(metrics, table.memcpy_bytes_per_s, prefill)
                 runs.append(run)
+    larger = []
+    workload = planner.Workload(
+        options.rate, options.prompt_lens, options.output_lens, options.requests, options.long_fraction,
+        options.long_lens, options.seed,
+    )  # fmt: skip
+    slo = planner.Objectives(options.slo_ttft_ms, options.slo_tpot_ms, args.scale_attainment)
+    for speedup in (None, (1.8, 1.6), (2.0, 2.0)):  # as measured here, a plausible quiet machine, ideal
+        table.speedup = speedup
+        machines = [planner.scaled_capacity(table, workload, slo, n) for n in ints(args.scale)] if args.scale else []
+        larger.append({"scaling": table.assumption(), "attainment": slo.attainment, "machines": machines})
+    table.speedup = None
     report = {
         "artifact": str(artifact),
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.__dict__.items() if k != "api_key"},
@@ -305,6 +328,7 @@ def main() -> int:
         "latency": table.to_dict(),
         "prompt_tokens": [r.prompt for r in requests],
         "runs": runs,
+        "larger_machines": larger if args.scale else [],
         "notes": notes,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }

@@ -4,7 +4,8 @@
                                      [--max-batch 4] [--max-seq 512] [--max-prompt N] [--lowering gqa|onnx]
     kvforge plan MODEL_DIR|OUT [--dtype D] [--max-batch N] [--max-seq N] [--max-prompt N] [--gpu-memory 70GiB] [--json]
     kvforge plan --serve OUT --rate R --slo-ttft MS --slo-tpot MS [--prompt-lens ..] [--output-lens ..]
-                 [--long-fraction F --long-lens ..] [--cores N] [--bench JSON ...] [--scale 8,16,32] [--json]
+                 [--long-fraction F --long-lens ..] [--cores N] [--bench JSON ...] [--scale 8,16,32]
+                 [--thread-speedup P,D] [--json]
     kvforge build OUT [--gpu-memory 70GiB]
     kvforge generate OUT "prompt" [--max-new-tokens 32] [--temperature T --top-p P --seed N --stop S ...]
     kvforge chat OUT [--system TEXT] [--max-new-tokens 256] [sampling flags]
@@ -214,10 +215,32 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--scale", type=_int_list, default=[], metavar="N,N,...", help="also predict larger machines (e.g. 8,16,32)"
     )
+    g.add_argument(
+        "--thread-speedup",
+        type=_speedups,
+        default=None,
+        metavar="P,D",
+        help="prefill and decode speed-up per doubling of threads beyond those measured (default: as measured "
+        "from 1 to 2 threads)",
+    )
     p.set_defaults(run=_run_plan)
 
 
-_SERVE_PLAN_ONLY = ("rate", "slo_ttft", "slo_tpot", "cores", "bench", "scale")
+_SERVE_PLAN_ONLY = ("rate", "slo_ttft", "slo_tpot", "cores", "bench", "scale", "thread_speedup")
+
+
+def _speedups(text: str) -> tuple[float, float]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or not all(1 <= v <= 2 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected two speed-ups in [1, 2] such as 1.8,1.6 (prefill,decode), got {text!r}"
+        )
+    return values  # type: ignore[return-value]
+
+
 _MEMORY_PLAN_ONLY = ("dtype", "max_batch", "max_seq", "max_prompt", "gpu_memory")
 
 
@@ -255,6 +278,7 @@ def _run_serve_plan(args: argparse.Namespace) -> int:
         threads = sorted({1, min(2, cores), min(cores, os.cpu_count() or 1)})
         print(f"measuring {args.source} on {', '.join(map(str, threads))} thread(s)...", file=sys.stderr)
         table = latency.measure(args.source, threads, seed=args.seed)
+    table.speedup = args.thread_speedup
     result = planner.plan_serving(table, workload, slo, cores, tuple(args.scale))
     print(json.dumps(result, indent=2) if args.json else planner.format_plan(result))
     return 0 if result["recommended"] else 1  # a script can test it: 1 when no layout meets the SLOs

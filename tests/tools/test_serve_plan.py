@@ -8,7 +8,8 @@ prefill) and for 1 prefill + 1 decode worker (export and import copies on each s
 recommends the split when long prompts stall the colocated decode steps, recommends colocated when
 the split's single-thread prefill misses the TTFT objective (the split is listed, not recommended),
 and recommends nothing when no layout meets the SLOs; the layouts of N cores; the latency fit
-recovers known coefficients and extrapolates threads as its report says.
+recovers known coefficients and extrapolates threads as its report says (measured, ideal with one
+thread count, or the speed-ups given).
 """
 
 from __future__ import annotations
@@ -148,3 +149,6 @@ def test_fit_recovers_coefficients_and_threads_extrapolate():
     single = table({1: MEASURED[1]})
     assert single.at(4).decode_s(1, 10) == pytest.approx(MEASURED[1].decode_s(1, 10) / 4)
     assert "scale ideally" in single.assumption()
+    t.speedup = (1.5, 1.25)  # --thread-speedup: given instead of measured
+    assert t.at(8).decode_s(1, 10) == pytest.approx(MEASURED[2].decode_s(1, 10) / 1.25**2)
+    assert "by 1.50 and decode steps by 1.25 (given with --thread-speedup)" in t.assumption()

@@ -69,6 +69,7 @@ def test_plan_serve_from_a_bench_report(llama_artifact, tmp_path, capsys):
         ([*SERVE, "--rate", "0"], "--rate must be a positive number of requests per second, got 0.0"),
         ([*SERVE, "--dtype", "float16"], "--dtype belong to the GPU memory plan, not to --serve"),
         ([*SERVE, "--cores", "0"], "--cores must be at least 1, got 0"),
+        ([*SERVE, "--attainment", "0"], "--attainment must be in (0, 1], got 0.0"),
         (
             [*SERVE, "--long-fraction", "0.5", "--long-lens", "90"],
             "needs 122 cache positions; this artifact was compiled with max_seq=96 (recompile with --max-seq 122",
@@ -79,6 +80,12 @@ def test_plan_serve_errors(llama_artifact, capsys, extra, message):
     assert main(["plan", "--serve", str(llama_artifact), *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvforge: error: ") and message in err
+
+
+def test_bad_thread_speedup(llama_artifact, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--serve", str(llama_artifact), *SERVE, "--thread-speedup", "3,1"])
+    assert "expected two speed-ups in [1, 2] such as 1.8,1.6 (prefill,decode), got '3,1'" in capsys.readouterr().err
 
 
 def test_serve_flags_without_serve(llama_artifact, capsys):

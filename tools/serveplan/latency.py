@@ -109,11 +109,15 @@ class LatencyTable:
     max_seq: int
     memcpy_bytes_per_s: float | None = None  # a plain memcpy, for reference (copy_bandwidth)
     notes: list[str] = field(default_factory=list)
+    speedup: tuple[float, float] | None = None  # (prefill, decode) per doubling, given: instead of measured
 
     def speedups(self) -> tuple[float, float, int]:
         """(prefill, decode) speed-up per doubling of threads, from the two largest measured
-        counts ``m/2`` and ``m``; and ``m``. (2.0, 2.0) with one count (ideal scaling)."""
+        counts ``m/2`` and ``m`` (or ``speedup`` where given); and ``m``. (2.0, 2.0) with one count
+        (ideal scaling)."""
         top = max(self.models)
+        if self.speedup is not None:
+            return self.speedup[0], self.speedup[1], top
         half = self.models.get(top // 2) if top >= 2 else None
         if half is None:
             return 2.0, 2.0, top
@@ -124,6 +128,11 @@ class LatencyTable:
 
     def assumption(self) -> str:
         prefill, decode, top = self.speedups()
+        if self.speedup is not None:
+            return (
+                f"beyond {top} threads, each doubling of threads divides prefill times by {prefill:.2f} and decode "
+                f"steps by {decode:.2f} (given with --thread-speedup)"
+            )
         if len(self.models) == 1:
             return f"only {top} thread(s) measured: more threads assumed to scale ideally (time ∝ 1/threads)"
         return (
@@ -149,6 +158,7 @@ class LatencyTable:
             "rows": self.rows,
             "chunk": self.chunk,
             "scaling": self.assumption(),
+            "speedup_per_doubling": list(self.speedups()[:2]),
             "notes": self.notes,
         }
 

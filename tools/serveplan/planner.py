@@ -155,7 +155,7 @@ def plan_serving(
         rows.append(row)
     eligible = [r for r in rows if r["attainment"] >= slo.attainment]
     best = max(eligible, key=lambda r: (r["goodput_rps"], r["capacity_rps"]), default=None)
-    larger = [_scaled(table, workload, slo, n) for n in scale]
+    larger = [scaled_capacity(table, workload, slo, n) for n in scale]
     return {
         "kind": SCHEMA,
         "schema_version": 1,
@@ -169,7 +169,7 @@ def plan_serving(
     }
 
 
-def _scaled(table: LatencyTable, workload: Workload, slo: Objectives, cores: int) -> dict[str, Any]:
+def scaled_capacity(table: LatencyTable, workload: Workload, slo: Objectives, cores: int) -> dict[str, Any]:
     """Capacity of the colocated server and of the best P:D split on ``cores`` cores."""
     guess = workload.rate * cores
     found = [
