@@ -15,11 +15,13 @@ The model, fitted by least squares on the measured points (coefficients in ms, n
   ``d0 + d1·batch + d2·context/1000`` (the weights are read once per step; each row adds its
   sampling and output work, each cached position its attention read).
 
-Thread counts that were not measured (a larger machine) are extrapolated: from the largest measured
-count ``m``, each doubling of threads divides a phase's times by that phase's measured speed-up from
-``m/2`` to ``m`` threads (from 1 to 2 on a 2-core machine), at least 1 (a loaded machine may show
-none). With one measured count, times scale as ``1/threads`` (ideal). :meth:`LatencyTable.assumption`
-says which applied.
+Thread counts that were not measured (a larger machine) are extrapolated: from a measured count
+(the one that gives the fastest result, so more threads are never modelled slower than fewer were
+measured), each doubling of threads divides a phase's times by that phase's measured speed-up from
+``m/2`` to ``m`` threads, ``m`` the largest count measured (from 1 to 2 on a 2-core machine), at
+least 1 (a loaded machine may show none), or by the speed-ups given (``speedup``, the CLI's
+``--thread-speedup``). With one measured count, times scale as ``1/threads`` (ideal).
+:meth:`LatencyTable.assumption` says which applied.
 """
 
 from __future__ import annotations
@@ -144,10 +146,15 @@ class LatencyTable:
         if threads in self.models:
             return self.models[threads]
         prefill, decode, _ = self.speedups()
-        below = [t for t in self.models if t < threads]
-        base = self.models[max(below)] if below else self.models[min(self.models)]
-        doublings = math.log2(threads / base.threads)
-        return base.scaled(prefill**doublings, decode**doublings, threads, "extrapolated")
+        below = [self.models[t] for t in self.models if t < threads] or [self.models[min(self.models)]]
+
+        def scaled(base: PhaseModel) -> PhaseModel:
+            doublings = math.log2(threads / base.threads)
+            return base.scaled(prefill**doublings, decode**doublings, threads, "extrapolated")
+
+        # From the measured count that extrapolates fastest: more threads are never modelled slower
+        # than fewer were measured (a loaded machine can time 2 threads slower than 1).
+        return min((scaled(b) for b in below), key=lambda m: m.prefill_s(1, 256) + 32 * m.decode_s(1, 256))
 
     def to_dict(self) -> dict[str, Any]:
         return {
