@@ -119,20 +119,26 @@ def capacity(
     steps: int = 8,
     start: float | None = None,
 ) -> float:
-    """The highest Poisson rate (req/s, to within 2^-steps of the bracket) at which at least
-    ``slo.attainment`` of ``requests`` requests meet both SLOs; 0 when even a trickle does not."""
+    """The highest Poisson rate (req/s, within a factor ``1 + 2^-steps``) at which at least
+    ``slo.attainment`` of ``requests`` requests meet both SLOs; 0 when even ``start / 1024`` does not.
+    Doubles or halves from ``start`` (default: the workload's rate) to a bracket ``[r, 2r]``, then bisects."""
 
     def meets(rate: float) -> bool:
         count = max(requests, min(int(rate * 60), 4 * requests))  # at least a minute of arrivals where affordable
         return evaluate(table, layout, workload, slo, workload.draw(rate, count))["attainment"] >= slo.attainment
 
-    lo, hi = 0.0, max(start or workload.rate, 1e-3)
-    while meets(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1e4:
-            return lo
-    if lo == 0.0 and not meets(hi / 1024):
-        return 0.0
+    first = max(start or workload.rate, 1e-3)
+    lo = first
+    if meets(lo):
+        while lo < 1e4 and meets(lo * 2):
+            lo *= 2
+    else:
+        while not meets(lo / 2):
+            lo /= 2
+            if lo < first / 1024:
+                return 0.0
+        lo /= 2
+    hi = lo * 2
     for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if meets(mid) else (lo, mid)
