@@ -15,9 +15,10 @@ recorded per request and summed. A mixed workload (long documents among short ch
 (e.g. 1,000-1,500 words), else from ``prompt_lens``. Arrivals are a Poisson process of mean
 ``rate`` per second (exponential gaps, seeded): a request is sent at its arrival time whatever
 the others are doing (open loop), unless ``concurrency`` caps the requests in flight. The schedule
-(arrivals and lengths, :func:`schedule`) and the prompts' words come from two random streams of
-the seed, so ``kvforge plan --serve`` simulates exactly the schedule a load test with the same
-options sends.
+(arrivals and lengths, :func:`schedule`) and the prompts' words come from two generators seeded
+alike (the shared prefix is the first words drawn, as before the two were split), so
+``kvforge plan --serve`` simulates exactly the schedule a load test with the same options sends
+without drawing any words.
 
 Definitions (per request, times from the moment it is sent):
 - TTFT: until the first chunk carrying text; TPOT: ``(latency - TTFT) / (completion_tokens - 1)``
@@ -113,8 +114,8 @@ def schedule(options: LoadOptions) -> list[dict[str, Any]]:
 
 def plan(options: LoadOptions) -> list[dict[str, Any]]:
     """The requests: :func:`schedule`'s items with their prompts, whose words are drawn from a
-    second stream of ``seed``."""
-    rng = random.Random(f"words-{options.seed}")
+    second generator seeded with ``seed`` (the shared prefix first)."""
+    rng = random.Random(options.seed)
     shared = [rng.choice(WORDS) for _ in range(options.shared_prefix)]
     out = schedule(options)
     for item in out:
