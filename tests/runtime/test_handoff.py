@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import pickle
+import time
 
 import pytest
 
@@ -33,6 +35,7 @@ from kvforge.runtime.kv.handoff import Handoff
 
 PROMPT = "Once upon a time there was"  # greedy: ' a', '\n', 're', 'cur', 'sively', ...
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=7, logprobs=3, repetition_penalty=1.2)
+ARENA = 8 * 2**20  # the tests' blocks are ~2 KB per token
 PENALTIES = dict(SAMPLED, frequency_penalty=0.4, presence_penalty=0.3, logit_bias={"199": 2.0})
 
 
@@ -56,7 +59,7 @@ def colocated(engine, prompts, max_new_tokens, sampling=None, stop=None):
 def disaggregated(pre, dec, prompts, max_new_tokens, sampling=None, stop=None, through_shm=True):
     """Each prompt prefilled on ``pre`` (hand-offs exported into shared memory), resumed on ``dec``
     from its ref; returns (prefill chunks, prefill result, decode chunks, decode result) each."""
-    alloc = shm.SegmentAllocator()
+    alloc = shm.SegmentAllocator(ARENA)
     try:
         with pre.scheduler(block_alloc=alloc) as sp:
             firsts = [
@@ -174,7 +177,7 @@ def test_resume_while_a_prompt_is_filled_in_chunks(engines):
     with dec.scheduler(prefill_chunk=16) as sd:
         filling = sd.submit(long_prompt, 12)
         while sd._loop.filling is None and not filling.done:  # wait until it is being filled
-            pass
+            time.sleep(0.001)
         resumed = sd.resume(r1.handoff)
         assert filling.result().token_ids == exp_long.token_ids
         assert_same(exp_short, resumed.result())
@@ -219,32 +222,52 @@ def test_header_round_trips_through_json(engines):
         Handoff.from_parts(header, h.block.data[:, :, :, :-1])
 
 
-def test_shm_export_in_place_take_unlinks(engines):
+def test_shm_arena_export_in_place_and_slot_reuse(engines):
+    """The export goes straight into an arena slot; take checks it and gives a read-only view; the
+    scheduler's import frees the slot, which the next hand-off reuses; a second take is refused."""
+    pre, dec, _ = engines
+    pid = os.getpid()
+    alloc = shm.SegmentAllocator(arena_bytes=4 * 2**20)
+    try:
+        assert shm.segments(pid) == [alloc.arena_name]
+        with pre.scheduler(block_alloc=alloc) as sp, dec.scheduler() as sd:
+            r1 = sp.submit(PROMPT, 8, hand_off=True).result()
+            ref = alloc.put(r1.handoff)
+            assert ref.name == alloc.arena_name and ref.nbytes == pre.kv_nbytes(r1.prompt_tokens)
+            assert len(pickle.dumps(ref)) < 4096 + 8 * r1.prompt_tokens
+            handoff = shm.take(ref, dec.kv_fingerprint)
+            assert not handoff.block.data.flags.writeable and (handoff.block.data == r1.handoff.block.data).all()
+            assert sd.resume(handoff).result().token_ids[0] == r1.token_ids[0]
+            with pytest.raises(KVBlockError, match="was freed"):
+                shm.take(ref)
+            again = alloc.put(sp.submit("Another prompt", 8, hand_off=True).result().handoff)
+            assert (again.offset, again.slot) == (ref.offset, ref.slot) and again.slot_id != ref.slot_id
+            assert shm.discard(again) and not shm.discard(again)
+        assert shm.segments(pid) == [alloc.arena_name]
+    finally:
+        alloc.close()
+    assert shm.segments(pid) == []
+
+
+def test_shm_own_segments_unlinked_at_take(engines):
+    """Without an arena (or for a block larger than it) each block has a segment of its own,
+    unlinked at take; a dead worker's segments are found and unlinked by its pid."""
     pre = engines[0]
     pid = os.getpid()
-    alloc = shm.SegmentAllocator()
+    alloc = shm.SegmentAllocator(arena_bytes=0)
     with pre.scheduler(block_alloc=alloc) as sp:
         r1 = sp.submit(PROMPT, 8, hand_off=True).result()
-    [name] = shm.segments(pid)  # the export went straight into one segment
+    [name] = shm.segments(pid)  # the export went straight into it
     ref = alloc.put(r1.handoff)
-    assert ref.name == name and shm.segments(pid) == [name] and ref.nbytes == pre.kv_nbytes(r1.prompt_tokens)
-    assert pickled_size(ref) < 4096 + 8 * r1.prompt_tokens
+    assert ref.name == name and ref.slot is None
     handoff = shm.take(ref)
-    assert shm.segments(pid) == [] and not handoff.block.data.flags.writeable
-    assert (handoff.block.data == r1.handoff.block.data).all()
+    assert shm.segments(pid) == [] and (handoff.block.data == r1.handoff.block.data).all()
     with pytest.raises(KVBlockError, match="is gone"):
         shm.take(ref)
-    # A copy of a block exported elsewhere; a dead worker's segments, found by its pid.
-    ref2 = shm.put(r1.handoff)
-    assert shm.segments(pid) == [ref2.name] and shm.unlink_segments(pid) == [ref2.name] and shm.segments(pid) == []
-    assert not shm.discard(ref2)
-    alloc.close()
-
-
-def pickled_size(obj) -> int:
-    import pickle
-
-    return len(pickle.dumps(obj))
+    refs = [alloc.put(r1.handoff) for _ in range(2)]  # copies: r1's data is not in new memory
+    assert shm.segments(pid) == sorted(r.name for r in refs)
+    assert shm.unlink_segments(pid) == sorted(r.name for r in refs) and shm.segments(pid) == []
+    assert not shm.discard(refs[0])
 
 
 def test_foreign_and_corrupted_blocks_are_refused(tiny_onnx_artifact, engines):
@@ -256,16 +279,19 @@ def test_foreign_and_corrupted_blocks_are_refused(tiny_onnx_artifact, engines):
         ref = shm.put(r1.handoff)
         with pytest.raises(KVBlockError, match="another artifact"):
             shm.take(ref, other.kv_fingerprint)
-        assert not shm.discard(ref)  # unlinked by the take that refused it
-    ref = shm.put(r1.handoff)
-    with open(shm.SHM_DIR / ref.name, "r+b") as f:  # one flipped byte in the middle of the data
-        f.seek(ref.nbytes // 2)
-        byte = f.read(1)
-        f.seek(ref.nbytes // 2)
-        f.write(bytes([byte[0] ^ 0x40]))
-    with pytest.raises(KVBlockError, match="does not match its .* checksum"):
-        shm.take(ref, dec.kv_fingerprint)
-    assert not shm.discard(ref)
+        assert not shm.discard(ref)  # freed by the take that refused it
+    for arena_bytes in (2**20, 0):
+        alloc = shm.SegmentAllocator(arena_bytes)
+        ref = alloc.put(r1.handoff)
+        with open(shm.SHM_DIR / ref.name, "r+b") as f:  # one flipped byte in the middle of the data
+            f.seek(ref.offset + ref.nbytes // 2)
+            byte = f.read(1)
+            f.seek(ref.offset + ref.nbytes // 2)
+            f.write(bytes([byte[0] ^ 0x40]))
+        with pytest.raises(KVBlockError, match="does not match its .* checksum"):
+            shm.take(ref, dec.kv_fingerprint)
+        assert not shm.discard(ref)  # freed by the take that refused it
+        alloc.close()
 
 
 def _decode_in_child(artifact, refs, results) -> None:
@@ -279,7 +305,7 @@ def test_across_processes(tiny_artifact, engines):
     pre, _, ref = engines
     samplings = [None, PENALTIES]
     expected = colocated(ref, [PROMPT, PROMPT], 16, samplings)
-    alloc = shm.SegmentAllocator()
+    alloc = shm.SegmentAllocator(ARENA)
     with pre.scheduler(block_alloc=alloc) as sp:
         handles = [sp.submit(PROMPT, 16, s, hand_off=True) for s in samplings]
         refs = [alloc.put(h.result().handoff).to_dict() for h in handles]
@@ -292,4 +318,5 @@ def test_across_processes(tiny_artifact, engines):
     assert child.exitcode == 0
     for (_, e), (tokens, text, logprobs) in zip(expected, got):
         assert (tokens, text, logprobs) == (e.token_ids, e.text, e.logprobs)
+    alloc.close()
     assert shm.segments(os.getpid()) == []
