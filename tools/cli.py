@@ -523,6 +523,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "and name them in the x-kvforge-ignored-fields response header)",
     )
     _add_speculative(p)
+    disagg = p.add_argument_group("disaggregated prefill/decode (worker processes on this machine)")
+    disagg.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=None,
+        metavar="P",
+        help="prefill worker processes (with --decode-workers: prompts are prefilled there, their KV handed to a "
+        "decode worker through shared memory)",
+    )
+    disagg.add_argument("--decode-workers", type=int, default=None, metavar="D", help="decode worker processes")
+    disagg.add_argument(
+        "--threads-per-worker", type=int, default=None, metavar="T", help="ONNX Runtime threads of each worker"
+    )
+    disagg.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="a worker silent this many seconds (no heartbeat) leaves routing until it answers again (default 5)",
+    )
     ray = p.add_argument_group("Ray Serve (scale-out)")
     ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine (default 1)")
@@ -545,6 +565,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     speculative = _speculative(args)
     if args.ray:
+        if args.prefill_workers is not None or args.decode_workers is not None:
+            raise ValueError("--prefill-workers/--decode-workers start processes on this machine; drop --ray or them")
         if args.speculative or args.draft:
             raise ValueError("--speculative/--draft run in the one-process server for now; drop --ray or them")
         from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
@@ -568,14 +590,17 @@ def _run_serve(args: argparse.Namespace) -> int:
             replica_cpus=args.replica_cpus,
         )
         return 0
-    server = serving.ModelServer.load(
-        args.artifact,
-        threads=args.threads,
-        model_name=args.served_model_name,
-        max_queue=args.max_queue,
-        prefix_cache=args.prefix_cache,
-        **speculative,
-    )
+    if args.prefill_workers is not None or args.decode_workers is not None:
+        server = _disaggregated(args)
+    else:
+        server = serving.ModelServer.load(
+            args.artifact,
+            threads=args.threads,
+            model_name=args.served_model_name,
+            max_queue=args.max_queue,
+            prefix_cache=args.prefix_cache,
+            **speculative,
+        )
     runner.serve_local(
         server,
         host=args.host,
@@ -585,6 +610,29 @@ def _run_serve(args: argparse.Namespace) -> int:
         strict_fields=args.strict_fields,
     )
     return 0
+
+
+def _disaggregated(args: argparse.Namespace):
+    """The router over ``--prefill-workers`` + ``--decode-workers`` worker processes (started and
+    loaded when this returns)."""
+    if args.prefill_workers is None or args.decode_workers is None:
+        raise ValueError("a disaggregated server needs both --prefill-workers and --decode-workers (each >= 1)")
+    if args.speculative or args.draft:
+        raise ValueError("--speculative/--draft run in the one-process server for now; drop them or the worker flags")
+    if args.threads is not None:
+        raise ValueError("--threads is the one-process server's; with worker processes use --threads-per-worker")
+    from kvforge.tools.serve.disagg.router import DisaggServer
+
+    return DisaggServer.load(
+        args.artifact,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        threads_per_worker=args.threads_per_worker,
+        model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        prefix_cache=args.prefix_cache,
+        worker_timeout=args.worker_timeout,
+    )
 
 
 def _add_loadtest(sub: argparse._SubParsersAction) -> None:

@@ -216,6 +216,9 @@ def build_app(
             "capacity": server.capacity,
             "prefix_cache": server.prefix_cache_stats(),
         }
+        workers = getattr(server, "workers", None)
+        if workers is not None:  # a disaggregated server (tools/serve/disagg): each worker's role, pid, state
+            body["workers"] = workers()
         return JSONResponse(body, status_code=503 if server.draining else 200)
 
     @app.get("/metrics")

@@ -1,0 +1,174 @@
+"""The worker process: one engine, one scheduler, one role, driven over a pipe by the router.
+
+    main(conn, spec)    # the target of a spawned process (see workers.PipeWorker)
+
+Loads ``Engine.load(spec.artifact_dir, threads=spec.threads)`` (the prefix cache on prefill
+workers only: decode workers never prefill), sends "ready", then serves the messages of
+:mod:`.workers` until its pipe closes (the router closed it, or the router is gone), when it
+cancels what it holds and exits.
+
+- prefill (``submit``): ``scheduler.submit(..., hand_off=True)``; the first chunk goes back as it
+  comes; a sequence that goes on is handed off: its KV block is put in a shared-memory segment
+  named with this worker's prefix and the reference goes back ("handoff").
+- decode (``resume``): take the block from shared memory, ``scheduler.resume`` it (the import
+  checks the block: KVBlockError for a foreign or corrupted one), unlink the segment, stream the
+  chunks, send the result.
+
+Each sequence has its own pump thread (the scheduler's handles block); a heartbeat thread sends
+the scheduler's queue and running rows every ``spec.heartbeat_s``. SIGINT is ignored: a Ctrl-C in
+the terminal reaches the whole process group, and the front end decides when workers stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import signal
+import threading
+import time
+from typing import Any
+
+from kvforge.tools.serve.disagg import transfer
+from kvforge.tools.serve.disagg.workers import CANCEL, PREFILL, RESUME, SUBMIT, WorkerEvent, WorkerSpec
+
+HANDOFF = "handoff"  # the finish_reason of a sequence a prefill worker handed off
+
+
+def main(conn, spec: WorkerSpec) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from kvforge.runtime import Engine
+
+    try:
+        prefix_cache = spec.prefix_cache if spec.role == PREFILL else 0
+        engine = Engine.load(spec.artifact_dir, threads=spec.threads, prefix_cache=prefix_cache)
+    except Exception as e:
+        conn.send(WorkerEvent("failed", None, f"{type(e).__name__}: {e}"))
+        return
+    try:
+        Worker(conn, spec, engine).run()
+    finally:
+        engine.close()
+
+
+class Worker:
+    """The message loop of one worker process (see the module docstring)."""
+
+    def __init__(self, conn, spec: WorkerSpec, engine) -> None:
+        self.conn, self.spec, self.engine = conn, spec, engine
+        self.scheduler = engine.scheduler()
+        self.handles: dict[int, Any] = {}  # seq -> RequestHandle, while its pump runs
+        self.cancelled: set[int] = set()  # cancels that came before a resume had its handle
+        self._lock = threading.Lock()  # guards handles, cancelled and the pipe's send side
+        self._segments = itertools.count(1)  # next() is atomic: pumps name segments concurrently
+
+    def send(self, event: WorkerEvent) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):  # the router is gone: the loop ends soon
+            self.conn.send(event)
+
+    def run(self) -> None:
+        self.send(WorkerEvent("ready", None, {"rows": self.scheduler.rows}))
+        stop = threading.Event()
+        threading.Thread(target=self._beat, args=(stop,), name="kvforge-heartbeat", daemon=True).start()
+        try:
+            while True:
+                try:
+                    verb, seq, arg = self.conn.recv()
+                except (EOFError, OSError):
+                    break
+                if verb == SUBMIT:
+                    self._submit(seq, arg)
+                elif verb == RESUME:
+                    threading.Thread(target=self._decode, args=(seq, arg), daemon=True).start()
+                elif verb == CANCEL:
+                    self._cancel(seq)
+        finally:
+            stop.set()
+            self.scheduler.close(cancel=True)
+
+    # ------------------------------------------------------------------------------------ verbs
+
+    def _submit(self, seq: int, request) -> None:
+        try:
+            handle = self.scheduler.submit(
+                request.prompt_ids,
+                max_new_tokens=request.max_tokens,
+                sampling=request.sampling,
+                stop=request.stop,
+                hand_off=True,
+            )
+        except (ValueError, RuntimeError) as e:
+            self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e)}))
+            return
+        with self._lock:
+            self.handles[seq] = handle
+        threading.Thread(target=self._prefill, args=(seq, handle), daemon=True).start()
+
+    def _cancel(self, seq: int) -> None:
+        with self._lock:
+            handle = self.handles.get(seq)
+            if handle is None:
+                self.cancelled.add(seq)
+        if handle is not None:
+            handle.cancel()
+
+    # ------------------------------------------------------------------------------------ pumps
+
+    def _prefill(self, seq: int, handle) -> None:
+        try:
+            for chunk in handle:
+                self.send(WorkerEvent("chunk", seq, chunk))
+            result = handle.result()
+            if result.finish_reason != HANDOFF:
+                self.send(WorkerEvent("done", seq, result))
+                return
+            started = time.perf_counter()
+            ref, nbytes = transfer.put(result.handoff, self._segment_name())
+            self.send(
+                WorkerEvent(HANDOFF, seq, {"ref": ref, "nbytes": nbytes, "export_s": time.perf_counter() - started})
+            )
+        except Exception as e:  # this sequence fails; the worker goes on
+            self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e)}))
+        finally:
+            with self._lock:
+                self.handles.pop(seq, None)
+
+    def _decode(self, seq: int, ref) -> None:
+        try:
+            started = time.perf_counter()
+            try:
+                handle = self.scheduler.resume(transfer.take(ref))
+            finally:
+                transfer.release(ref)  # imported (or refused): the segment is no longer needed
+            self.send(WorkerEvent("resumed", seq, {"import_s": time.perf_counter() - started}))
+            with self._lock:
+                self.handles[seq] = handle
+                cancel = seq in self.cancelled
+                self.cancelled.discard(seq)
+            if cancel:
+                handle.cancel()
+            for chunk in handle:
+                self.send(WorkerEvent("chunk", seq, chunk))
+            self.send(WorkerEvent("done", seq, handle.result()))
+        except Exception as e:  # KVBlockError for a foreign or corrupted block; this sequence fails alone
+            self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e)}))
+        finally:
+            with self._lock:
+                self.handles.pop(seq, None)
+                self.cancelled.discard(seq)
+
+    # --------------------------------------------------------------------------------- heartbeat
+
+    def _segment_name(self) -> str:
+        return f"{self.spec.shm_prefix}{next(self._segments)}"
+
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.spec.heartbeat_s):
+            with self._lock:
+                states = [handle.generation.state for handle in self.handles.values()]
+            queued = states.count("waiting")
+            running = len(states) - queued - states.count("done")
+            self.send(WorkerEvent("beat", None, {"queued": queued, "running": running, "prefix_cache": self._pool()}))
+
+    def _pool(self):
+        pool = self.engine.prefix_pool
+        return None if pool is None else pool.stats()  # a PrefixPoolStats: plain data
