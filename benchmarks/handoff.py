@@ -14,6 +14,8 @@ the prefill engine's row 0; then each round, alternating, times:
   new one (``np.copy``: fresh pages, as a new segment has);
 
 and prints medians, GB/s (block bytes / seconds), the ratios, and the prefill the hand-off saves.
+``--ray`` adds the Ray roles' path (a local one-CPU Ray instance): ``export_kv`` into a new array,
+``ray.put`` into the object store, ``ray.get`` (a zero-copy view on this node), ``import_kv``.
 
     .venv/bin/kvforge compile /work/smollm2/hf -o /work/tmp-disagg-runtime/smollm2 --max-seq 2048
     .venv/bin/python benchmarks/handoff.py /work/tmp-disagg-runtime/smollm2 --tokens 1200 --rounds 20
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1200, help="prompt length (1,000-1,500 in issue 25)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ray", action="store_true", help="also time the hand-off through Ray's object store")
     args = ap.parse_args()
 
     pre = Engine.load(args.artifact, threads=args.threads, prefix_cache=0)
@@ -60,7 +63,25 @@ def main() -> None:
     own = shm.SegmentAllocator(arena_bytes=0)  # a new segment (new pages) per hand-off
     parts = ("export", "put", "take", "import")
     times: dict[str, list[float]] = collections.defaultdict(list)
+    if args.ray:
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     for _ in range(args.rounds):
+        if args.ray:
+            t = [time.perf_counter()]
+            block = pre.export_kv(0, ids)
+            t.append(time.perf_counter())
+            ref = ray.put(block.data)
+            t.append(time.perf_counter())
+            data = ray.get(ref)
+            t.append(time.perf_counter())
+            dec.import_kv(block.__class__(block.fingerprint, 0, block.token_ids, data), 0)
+            t.append(time.perf_counter())
+            del block, data, ref
+            for key, a, b in zip(("export", "put", "get", "import"), t, t[1:]):
+                times[f"ray {key}"].append(b - a)
+            times["ray handoff"].append(t[-1] - t[0])
         for mode, alloc in (("arena", arena), ("own", own)):
             t = [time.perf_counter()]
             block = pre.export_kv(0, ids, out=alloc(nbytes))
@@ -85,6 +106,8 @@ def main() -> None:
         times["memcpy (warm dst)"].append(t1 - t0)
         times["memcpy (new dst)"].append(t2 - t1)
     arena.close()
+    if args.ray:
+        ray.shutdown()
     assert not shm.segments(os.getpid()), "a segment was left behind"
 
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -93,7 +116,7 @@ def main() -> None:
     print(f"checksum: {ref.checksum.partition(':')[0]}; load average {os.getloadavg()[0]:.2f}")
     for key in med:
         print(f"  {key:18s} {med[key] * 1e3:8.2f} ms  {gbs[key]:6.2f} GB/s")
-    for mode in ("arena", "own"):
+    for mode in ("arena", "own", *(["ray"] if args.ray else [])):
         warm_ratio = gbs[f"{mode} handoff"] / gbs["memcpy (warm dst)"]
         new_ratio = gbs[f"{mode} handoff"] / gbs["memcpy (new dst)"]
         print(f"hand-off ({mode}) / memcpy bandwidth: {warm_ratio:.0%} (warm dst), {new_ratio:.0%} (new dst)")
