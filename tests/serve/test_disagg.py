@@ -206,9 +206,7 @@ def test_seeded_n_choices_stop_strings_and_logprobs_equal_colocated(client, engi
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
     got = r.choices[0].logprobs
     assert got.token_logprobs == pytest.approx([t.logprob for t in lp.logprobs], abs=1e-5)
-    assert [len(top) for top in got.top_logprobs] == [len({t for t, _ in e.top}) for e in lp.logprobs] or all(
-        0 < len(top) <= 3 for top in got.top_logprobs
-    )
+    assert all(0 < len(top) <= 3 for top in got.top_logprobs)  # distinct token texts among the top 3
 
 
 def test_first_token_end_stays_on_the_prefill_worker_and_metrics_count_handoffs(served, client, engine):
@@ -354,10 +352,11 @@ def test_kill_9_decode_worker_mid_stream_fails_its_request_only_and_restarts(ser
         deadline = time.monotonic() + 10
         target = None
         while target is None and time.monotonic() < deadline and victim.is_alive():
-            target = next((w for w in server.workers() if w["role"] == DECODE and w["held"]), None)
+            target = next((w for w in server.workers() if w["decoding"]), None)
         if target is not None:
             os.kill(target["pid"], signal.SIGSTOP)
-            if worker(server, target["name"])["held"]:
+            time.sleep(0.3)  # what it sent before it stopped (its "done", perhaps) reaches the router
+            if worker(server, target["name"])["decoding"]:  # resumed there, streaming from there
                 break
             os.kill(target["pid"], signal.SIGCONT)  # it finished first: try again
         victim.join(30)
@@ -427,7 +426,8 @@ def test_kill_9_of_the_prefill_worker_reruns_what_streamed_nothing(served, clien
         os.kill(pid, signal.SIGKILL)
         texts = [f.result(timeout=60).choices[0].text for f in runs]
     assert texts == [e.text for e in expected]  # re-run on the restarted prefill worker
-    assert worker(server, "prefill-0")["pid"] != pid and shm.segments(pid) == []
+    assert worker(server, "prefill-0")["pid"] != pid
+    wait_until(lambda: shm.segments(pid) == [], "the dead worker's arena to be unlinked")
     assert metric(httpx.get(url + "/metrics").text, "kvforge_sequence_reruns_total", role="prefill") >= 2
 
 
@@ -439,7 +439,7 @@ def test_decode_worker_refuses_corrupted_and_foreign_blocks(llama_chat_artifact,
     fingerprint is another artifact's are refused with KVBlockError; a good one decodes exactly."""
     prompt = engine.encode(PROMPTS[0])
     [expected] = engine.generate([prompt], max_new_tokens=6, sampling=GREEDY)
-    alloc = shm.SegmentAllocator()
+    alloc = shm.SegmentAllocator(arena_bytes=2**20)  # as a prefill worker's: blocks in slots of one arena
 
     def handoff():
         with engine.scheduler(block_alloc=alloc) as sched:
@@ -460,7 +460,7 @@ def test_decode_worker_refuses_corrupted_and_foreign_blocks(llama_chat_artifact,
         assert next_event({"ready", "failed"}).kind == "ready"
         corrupted = alloc.put(handoff())
         with open(shm.SHM_DIR / corrupted.name, "r+b") as f:
-            f.seek(corrupted.nbytes // 2)
+            f.seek(corrupted.offset + corrupted.nbytes // 2)
             f.write(b"\xff\xff\xff\xff")
         w.resume(1, corrupted)
         error = next_event({"error", "done"})
@@ -477,7 +477,7 @@ def test_decode_worker_refuses_corrupted_and_foreign_blocks(llama_chat_artifact,
         w.resume(3, alloc.put(handoff()))  # the worker goes on: a good block decodes exactly
         done = next_event({"error", "done"})
         assert done.kind == "done" and done.payload.token_ids == expected.token_ids
-        assert shm.segments(os.getpid()) == []  # every segment was taken (and unlinked) or refused
     finally:
         w.close()
         alloc.close()
+    assert shm.segments(os.getpid()) == [] and shm.segments(w.pid) == []

@@ -68,6 +68,17 @@ MAX_RESTARTS = 3  # restarts in a row of a slot whose process dies before it is 
 MAX_TRIES = 3  # times one sequence is started (re-runs after its worker died)
 
 
+def _ref_name(ref: Any) -> str | None:
+    """The shared-memory segment a block ref points into (None for a Ray object)."""
+    return ref.name if isinstance(ref, shm.ShmRef) else None
+
+
+def _discard(ref: Any) -> None:
+    """Free a block nobody will take (Ray frees an object with its last reference)."""
+    if isinstance(ref, shm.ShmRef):
+        shm.discard(ref)
+
+
 class WorkerLost(RuntimeError):
     """A worker died, or refused, while holding a sequence that cannot be re-run."""
 
@@ -194,12 +205,13 @@ class DisaggServer:
         self._ids = itertools.count()
         self._seqs: dict[int, _Seq] = {}
         self._pending: dict[str, deque[_Seq]] = {role: deque() for role in ROLES}
+        self._orphans: list[PipeWorker] = []  # dead workers whose shared memory is not unlinked yet
         self._closed = False
         self._stop = threading.Event()
         self.slots: list[_Slot] = []
         for role, count in ((PREFILL, prefill_workers), (DECODE, decode_workers)):
             for index in range(count):
-                self.slots.append(_Slot(role, index, self._new_worker(role, index)))
+                self.slots.append(_Slot(role, index, self._new_worker(role, index, 0)))
         if prefix_cache not in (0, "0"):
             self.engine.prefix_pool = _PrefillPools(self.slots)
         self.metrics = ServeMetrics(self)
@@ -236,7 +248,8 @@ class DisaggServer:
             time.sleep(0.05)
         self._supervisor.start()
 
-    def _new_worker(self, role: str, index: int) -> PipeWorker:
+    def _new_worker(self, role: str, index: int, generation: int) -> PipeWorker:
+        """The worker client of slot ``role``-``index``; ``generation``: its restarts so far (0 first)."""
         spec = WorkerSpec(
             role=role,
             name=f"{role}-{index}",
@@ -358,7 +371,7 @@ class DisaggServer:
         if seq.slot is not None:
             seq.slot.held.discard(seq)
         if seq.ref is not None:
-            shm.discard(seq.ref)
+            _discard(seq.ref)
             seq.ref = None
         self._seqs.pop(seq.id, None)
         if event is not None:
@@ -388,14 +401,14 @@ class DisaggServer:
             seq = self._seqs.get(event.seq)
             if seq is None or seq.slot is not slot:  # finished, or re-run elsewhere meanwhile
                 if kind == "handoff":
-                    shm.discard(event.payload["ref"])
+                    _discard(event.payload["ref"])
                 return
             if kind == "chunk":
                 self._on_chunk(seq, event.payload)
             elif kind == "handoff":
                 self._on_handoff(slot, seq, event.payload)
             elif kind == "resumed":
-                seq.ref = None  # the decode worker imported the block and unlinked its segment
+                seq.ref = None  # the decode worker took the block (it frees the memory once imported)
                 self.disagg_metrics.handoff_seconds.observe(time.perf_counter() - seq.handed)
             elif kind == "done":
                 self._on_done(seq, event.payload)
@@ -474,27 +487,37 @@ class DisaggServer:
             slot.held.discard(seq)
             seq.slot = None
             self._recover(seq, f"{slot.role} worker {slot.name} (pid {worker.pid}) {worker.exit_reason}")
-        keep = {s.ref.name for s in self._seqs.values() if s.ref is not None}
-        removed = worker.unlink_segments(keep)
-        if removed:
-            log.warning("unlinked %d shared-memory segment(s) %s left", len(removed), slot.name)
+        self._orphans.append(worker)  # its shared memory goes once no block in flight is in it
+        self._unlink_orphans()
         slot.failures = 0 if was_ready else slot.failures + 1
         if slot.failures > MAX_RESTARTS:
             log.error("%s died %d times before it was ready; not restarting it", slot.name, slot.failures)
             return
         slot.restart_at = time.monotonic() + (0.0 if was_ready else min(2.0**slot.failures, 10.0))
 
+    def _unlink_orphans(self) -> None:
+        """Unlink the shared memory of dead workers, once no block in flight is in it (a decode
+        worker may still take one from a dead prefill worker's arena)."""
+        in_flight = {_ref_name(s.ref) for s in self._seqs.values() if s.ref is not None}
+        for worker in list(self._orphans):
+            removed = worker.unlink_segments(keep=in_flight)
+            if removed:
+                log.warning("unlinked the shared memory %s (pid %s) left: %s", worker.name, worker.pid, removed)
+            left = shm.segments(worker.pid) if isinstance(worker, PipeWorker) and worker.pid is not None else []
+            if not left:
+                self._orphans.remove(worker)
+
     def _recover(self, seq: _Seq, why: str) -> None:
         """A sequence whose worker is gone or stuck: resume, re-run or fail it."""
         if seq.cancelled:
             self._finish(seq)
-        elif seq.phase == DECODE and seq.ref is not None and (shm.SHM_DIR / seq.ref.name).exists():
+        elif seq.phase == DECODE and seq.ref is not None:
             self.disagg_metrics.reruns.labels(role=DECODE).inc()
-            self._route(seq, DECODE)  # not imported yet: its block is still in shared memory
+            self._route(seq, DECODE)  # not resumed there: its block is still in shared memory (else refused)
         elif not seq.streamed and seq.tries < MAX_TRIES:
             self.disagg_metrics.reruns.labels(role=PREFILL).inc()
             if seq.ref is not None:
-                shm.discard(seq.ref)
+                _discard(seq.ref)
                 seq.ref = None
             self._route(seq, PREFILL)
         else:
@@ -509,6 +532,7 @@ class DisaggServer:
             with self._lock:
                 if self._closed:
                     return
+                self._unlink_orphans()
                 for slot in self.slots:
                     worker = slot.worker
                     if worker.state == "ready" and now - worker.last_seen > self.worker_timeout:
@@ -516,7 +540,7 @@ class DisaggServer:
                     elif worker.state == "dead" and slot.restart_at is not None and now >= slot.restart_at:
                         slot.restart_at = None
                         slot.restarts += 1
-                        slot.worker = self._new_worker(slot.role, slot.index)
+                        slot.worker = self._new_worker(slot.role, slot.index, slot.restarts)
                         self.disagg_metrics.restarts.labels(role=slot.role).inc()
                         log.warning("restarting %s worker %s (restart %d)", slot.role, slot.name, slot.restarts)
                         slot.worker.start(self._on_event)

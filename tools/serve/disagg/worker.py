@@ -60,7 +60,9 @@ class Worker:
     def __init__(self, conn, spec: WorkerSpec, engine, shm) -> None:
         self.conn, self.spec, self.engine, self.shm = conn, spec, engine, shm
         # A prefill worker exports each hand-off's KV straight into a new shared-memory segment.
-        self.segments = shm.SegmentAllocator() if spec.role == PREFILL else None
+        # Its arena holds two full-length blocks per row (at most 256 MiB); a larger block gets its own segment.
+        arena = min(256 * 2**20, 2 * engine.max_batch * (engine.kv_nbytes(engine.max_seq) + shm.SLOT_HEADER))
+        self.segments = shm.SegmentAllocator(arena) if spec.role == PREFILL else None
         self.scheduler = engine.scheduler(block_alloc=self.segments)
         self.handles: dict[int, Any] = {}  # seq -> RequestHandle, while its pump runs
         self.cancelled: set[int] = set()  # cancels that came before a resume had its handle
