@@ -79,8 +79,8 @@ def _discard(ref: Any) -> None:
         shm.discard(ref)
 
 
-class WorkerLost(RuntimeError):
-    """A worker died, or refused, while holding a sequence that cannot be re-run."""
+class WorkerError(RuntimeError):
+    """A worker failed, refused or died while holding a sequence (that could not be re-run)."""
 
 
 @dataclass
@@ -221,7 +221,7 @@ class DisaggServer:
     @classmethod
     def load(cls, artifact_dir: str | Path, *, start_timeout: float = 300.0, **options) -> DisaggServer:
         """Start the workers (see ``__init__`` for ``options``) and wait until each has loaded its
-        engine; a worker that cannot start stops them all and raises RuntimeError with its error."""
+        engine; a worker that cannot start stops them all and raises ValueError with its error."""
         server = cls(artifact_dir, **options)
         try:
             server.start_workers(start_timeout)
@@ -239,12 +239,12 @@ class DisaggServer:
             failed = [(n, w) for n, w in states.items() if w.state in ("failed", "dead")]
             if failed:
                 name, worker = failed[0]
-                raise RuntimeError(f"worker {name} could not start: {worker.exit_reason}")
+                raise ValueError(f"worker {name} could not start: {worker.exit_reason}")
             if all(w.state == "ready" for w in states.values()):
                 break
             if time.monotonic() > deadline:
                 slow = [n for n, w in states.items() if w.state != "ready"]
-                raise RuntimeError(f"workers {', '.join(slow)} did not load the model within {timeout:.0f} s")
+                raise ValueError(f"workers {', '.join(slow)} did not load the model within {timeout:.0f} s")
             time.sleep(0.05)
         self._supervisor.start()
 
@@ -414,7 +414,7 @@ class DisaggServer:
                 self._on_done(seq, event.payload)
             elif kind == "error":
                 what = "refused the sequence's KV block" if event.payload["type"] == "KVBlockError" else "failed"
-                error = WorkerLost(
+                error = WorkerError(
                     f"{slot.role} worker {slot.name} (pid {worker.pid}) {what}: "
                     f"{event.payload['type']}: {event.payload['message']}"
                 )
@@ -522,7 +522,7 @@ class DisaggServer:
             self._route(seq, PREFILL)
         else:
             detail = "after it streamed output" if seq.streamed else f"after {seq.tries} tries"
-            error = WorkerLost(f"{why} while it held this sequence ({detail}); the sequence cannot go on: retry it")
+            error = WorkerError(f"{why} while it held this sequence ({detail}); the sequence cannot go on: retry it")
             self._finish(seq, Event("error", seq.index, error))
 
     def _supervise(self) -> None:
