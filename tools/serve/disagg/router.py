@@ -376,7 +376,8 @@ class DisaggServer:
         self._seqs.pop(seq.id, None)
         if event is not None:
             self._post(seq, event)
-        seq.loop.call_soon_threadsafe(self._release)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is going away
+            seq.loop.call_soon_threadsafe(self._release)
 
     def _release(self) -> None:
         with self._lock:

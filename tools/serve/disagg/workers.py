@@ -32,6 +32,7 @@ and its pipe is full). Shared memory: a worker's segments are named after its pi
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import queue
@@ -41,6 +42,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+log = logging.getLogger("kvforge.serve")
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -200,7 +203,10 @@ class PipeWorker:
             except (EOFError, OSError):
                 break
             self.last_seen = time.monotonic()
-            on_event(self, event)
+            try:
+                on_event(self, event)
+            except Exception:  # a bug in handling one event must not deafen the router to this worker
+                log.exception("%s: handling its %r event failed", self.name, event.kind)
         self._outbox.put(None)  # ends the writer
         with contextlib.suppress(OSError):
             conn.close()
