@@ -250,9 +250,11 @@ def test_shm_arena_export_in_place_and_slot_reuse(engines):
             ref = alloc.put(r1.handoff)
             assert ref.name == alloc.arena_name and ref.nbytes == pre.kv_nbytes(r1.prompt_tokens)
             assert len(pickle.dumps(ref)) < 4096 + 8 * r1.prompt_tokens
+            assert shm.pending(ref)
             handoff = shm.take(ref, dec.kv_fingerprint)
             assert not handoff.block.data.flags.writeable and (handoff.block.data == r1.handoff.block.data).all()
             assert sd.resume(handoff).result().token_ids[0] == r1.token_ids[0]
+            assert not shm.pending(ref)
             with pytest.raises(KVBlockError, match="was freed"):
                 shm.take(ref)
             again = alloc.put(sp.submit("Another prompt", 8, hand_off=True).result().handoff)
@@ -275,8 +277,9 @@ def test_shm_own_segments_unlinked_at_take(engines):
     [name] = shm.segments(pid)  # the export went straight into it
     ref = alloc.put(r1.handoff)
     assert ref.name == name and ref.slot is None
+    assert shm.pending(ref)
     handoff = shm.take(ref)
-    assert shm.segments(pid) == [] and (handoff.block.data == r1.handoff.block.data).all()
+    assert not shm.pending(ref) and shm.segments(pid) == [] and (handoff.block.data == r1.handoff.block.data).all()
     with pytest.raises(KVBlockError, match="is gone"):
         shm.take(ref)
     refs = [alloc.put(r1.handoff) for _ in range(2)]  # copies: r1's data is not in new memory
