@@ -53,9 +53,9 @@ from typing import Any
 
 from kvforge.graphs import manifest as mf
 from kvforge.runtime.chat import ChatTemplate
+from kvforge.runtime.kv import shm
 from kvforge.runtime.kv.prefix_pool import PrefixPoolStats
 from kvforge.runtime.tokenizer import Tokenizer
-from kvforge.tools.serve.disagg import transfer
 from kvforge.tools.serve.disagg.metrics import DisaggMetrics
 from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, ROLES, PipeWorker, WorkerEvent, WorkerSpec
 from kvforge.tools.serve.metrics import ServeMetrics
@@ -199,7 +199,7 @@ class DisaggServer:
         self.slots: list[_Slot] = []
         for role, count in ((PREFILL, prefill_workers), (DECODE, decode_workers)):
             for index in range(count):
-                self.slots.append(_Slot(role, index, self._new_worker(role, index, 0)))
+                self.slots.append(_Slot(role, index, self._new_worker(role, index)))
         if prefix_cache not in (0, "0"):
             self.engine.prefix_pool = _PrefillPools(self.slots)
         self.metrics = ServeMetrics(self)
@@ -236,14 +236,13 @@ class DisaggServer:
             time.sleep(0.05)
         self._supervisor.start()
 
-    def _new_worker(self, role: str, index: int, generation: int) -> PipeWorker:
+    def _new_worker(self, role: str, index: int) -> PipeWorker:
         spec = WorkerSpec(
             role=role,
             name=f"{role}-{index}",
             artifact_dir=str(self.engine.artifact_dir),
             threads=self._threads,
             prefix_cache=self._prefix_cache,
-            shm_prefix=f"kvf{os.getpid()}{role[0]}{index}g{generation}x",
             heartbeat_s=self._heartbeat_s,
         )
         return PipeWorker(spec)
@@ -296,9 +295,20 @@ class DisaggServer:
         return ModelServer.prefix_cache_stats(self)
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each worker's name, role, pid, state, rows, load and restarts, for ``/health``."""
+        """Each worker's name, role, pid, state, rows, scheduler queue and running rows (its latest
+        heartbeat), sequences it holds (of which ``decoding``: resumed from their block) and routed to it so
+        far, restarts of its slot: for ``/health``."""
         with self._lock:
-            return [{**s.worker.health(), "held": len(s.held), "restarts": s.restarts} for s in self.slots]
+            return [
+                {
+                    **s.worker.health(),
+                    "held": len(s.held),
+                    "decoding": sum(1 for q in s.held if q.phase == DECODE and q.ref is None),
+                    "routed": s.given,
+                    "restarts": s.restarts,
+                }
+                for s in self.slots
+            ]
 
     # ---------------------------------------------------------------------------------- routing
 
@@ -348,7 +358,7 @@ class DisaggServer:
         if seq.slot is not None:
             seq.slot.held.discard(seq)
         if seq.ref is not None:
-            transfer.release(seq.ref)
+            shm.discard(seq.ref)
             seq.ref = None
         self._seqs.pop(seq.id, None)
         if event is not None:
@@ -378,7 +388,7 @@ class DisaggServer:
             seq = self._seqs.get(event.seq)
             if seq is None or seq.slot is not slot:  # finished, or re-run elsewhere meanwhile
                 if kind == "handoff":
-                    transfer.release(event.payload["ref"])
+                    shm.discard(event.payload["ref"])
                 return
             if kind == "chunk":
                 self._on_chunk(seq, event.payload)
@@ -464,7 +474,7 @@ class DisaggServer:
             slot.held.discard(seq)
             seq.slot = None
             self._recover(seq, f"{slot.role} worker {slot.name} (pid {worker.pid}) {worker.exit_reason}")
-        keep = {transfer.segment_name(s.ref) for s in self._seqs.values() if s.ref is not None}
+        keep = {s.ref.name for s in self._seqs.values() if s.ref is not None}
         removed = worker.unlink_segments(keep)
         if removed:
             log.warning("unlinked %d shared-memory segment(s) %s left", len(removed), slot.name)
@@ -478,13 +488,13 @@ class DisaggServer:
         """A sequence whose worker is gone or stuck: resume, re-run or fail it."""
         if seq.cancelled:
             self._finish(seq)
-        elif seq.phase == DECODE and seq.ref is not None and transfer.exists(seq.ref):
+        elif seq.phase == DECODE and seq.ref is not None and (shm.SHM_DIR / seq.ref.name).exists():
             self.disagg_metrics.reruns.labels(role=DECODE).inc()
             self._route(seq, DECODE)  # not imported yet: its block is still in shared memory
         elif not seq.streamed and seq.tries < MAX_TRIES:
             self.disagg_metrics.reruns.labels(role=PREFILL).inc()
             if seq.ref is not None:
-                transfer.release(seq.ref)
+                shm.discard(seq.ref)
                 seq.ref = None
             self._route(seq, PREFILL)
         else:
@@ -506,7 +516,7 @@ class DisaggServer:
                     elif worker.state == "dead" and slot.restart_at is not None and now >= slot.restart_at:
                         slot.restart_at = None
                         slot.restarts += 1
-                        slot.worker = self._new_worker(slot.role, slot.index, slot.restarts)
+                        slot.worker = self._new_worker(slot.role, slot.index)
                         self.disagg_metrics.restarts.labels(role=slot.role).inc()
                         log.warning("restarting %s worker %s (restart %d)", slot.role, slot.name, slot.restarts)
                         slot.worker.start(self._on_event)
