@@ -333,6 +333,18 @@ def discard(ref: ShmRef) -> bool:
     return True
 
 
+def pending(ref: ShmRef) -> bool:
+    """Whether ``ref``'s block is still there to take (not taken, discarded or cleaned up): e.g.
+    to resume a sequence on another decode worker when the one it was sent to died."""
+    if ref.slot is None:
+        return (SHM_DIR / ref.name).exists()
+    try:
+        _slot_state(ref)
+    except KVBlockError:
+        return False
+    return True
+
+
 def segments(pid: int | None = None) -> list[str]:
     """Names of the kvforge segments that exist now, of process ``pid`` (None: every process's)."""
     prefix = PREFIX if pid is None else segment_prefix(pid)

@@ -10,7 +10,8 @@ the first and second tokens, and a later one, and a grammar-constrained request;
 handle streams one chunk (the first token, finish_reason ``handoff``) and the decode handle the
 rest, together the colocated chunks' text; ``max_new_tokens=1``, eos or a stop string at the first
 token end on the prefill side with no hand-off; a resume while another prompt is being filled in
-chunks leaves both right; a resumed request can be cancelled; the prefix cache works on both
+chunks leaves both right; a resumed request can be cancelled; a decode engine that drafts
+(speculative decoding) keeps the plain tokens; the prefix cache works on both
 sides (hits counted in ``cached_tokens``, the decode side's finished rows offered); the header
 round-trips through JSON; the block goes through ``/dev/shm`` with the export written straight
 into the segment, the segment unlinked at take, a dead worker's segments found and unlinked by
@@ -210,6 +211,20 @@ def test_prefix_cache_on_both_sides(tiny_artifact, engines):
         assert local.cached_tokens >= 32 and local.token_ids == expected.token_ids
 
 
+def test_resumed_on_a_speculative_engine(tiny_onnx_artifact):
+    """The decode side may draft (n-gram speculative decoding over prompt + first token): the
+    tokens stay the plain ones."""
+    prompt = " ".join(["the list of the values in the context manager"] * 4)
+    with (
+        Engine.load(tiny_onnx_artifact, threads=1, prefix_cache=0) as pre,
+        Engine.load(tiny_onnx_artifact, threads=1, prefix_cache=0, speculative="ngram:4") as dec,
+    ):
+        [(_, expected)] = colocated(pre, [prompt], 40)
+        [(_, r1, _, r2)] = disaggregated(pre, dec, [prompt], 40)
+    assert r1.finish_reason == "handoff"
+    assert r2.token_ids == expected.token_ids and r2.drafted_tokens > 0
+
+
 def test_header_round_trips_through_json(engines):
     pre, dec, _ = engines
     [(_, r1, _, _)] = disaggregated(pre, dec, [PROMPT], 8, [PENALTIES], through_shm=False)
@@ -235,9 +250,11 @@ def test_shm_arena_export_in_place_and_slot_reuse(engines):
             ref = alloc.put(r1.handoff)
             assert ref.name == alloc.arena_name and ref.nbytes == pre.kv_nbytes(r1.prompt_tokens)
             assert len(pickle.dumps(ref)) < 4096 + 8 * r1.prompt_tokens
+            assert shm.pending(ref)
             handoff = shm.take(ref, dec.kv_fingerprint)
             assert not handoff.block.data.flags.writeable and (handoff.block.data == r1.handoff.block.data).all()
             assert sd.resume(handoff).result().token_ids[0] == r1.token_ids[0]
+            assert not shm.pending(ref)
             with pytest.raises(KVBlockError, match="was freed"):
                 shm.take(ref)
             again = alloc.put(sp.submit("Another prompt", 8, hand_off=True).result().handoff)
@@ -260,8 +277,9 @@ def test_shm_own_segments_unlinked_at_take(engines):
     [name] = shm.segments(pid)  # the export went straight into it
     ref = alloc.put(r1.handoff)
     assert ref.name == name and ref.slot is None
+    assert shm.pending(ref)
     handoff = shm.take(ref)
-    assert shm.segments(pid) == [] and (handoff.block.data == r1.handoff.block.data).all()
+    assert not shm.pending(ref) and shm.segments(pid) == [] and (handoff.block.data == r1.handoff.block.data).all()
     with pytest.raises(KVBlockError, match="is gone"):
         shm.take(ref)
     refs = [alloc.put(r1.handoff) for _ in range(2)]  # copies: r1's data is not in new memory

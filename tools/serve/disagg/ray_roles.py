@@ -33,7 +33,7 @@ import secrets
 import signal
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,19 @@ from kvforge.tools.serve.ray_app import ReplicaSettings
 APP_NAME = "kvforge-disagg"
 HANDOFF = "handoff"
 ROLE_CALLS = 1000  # a role's max_ongoing_requests: its sequences' streams plus heartbeats and cancels
+
+
+@dataclass(frozen=True)
+class RayRef:
+    """A hand-off in Ray's object store: its header (plain data) and its block's ObjectRef. The
+    router handles it as it handles a shared-memory ref: ``name`` and ``slot`` (None) make its
+    discard and clean-up find no segment; Ray frees the object with its last reference."""
+
+    name: str
+    header: dict[str, Any]
+    block: Any  # ray.ObjectRef of the block's [L, 2, H_kv, n, D] array
+    nbytes: int
+    slot: None = None
 
 
 class _Role:
@@ -117,12 +130,9 @@ class PrefillRole(_Role):
                 return
             started = time.perf_counter()
             handoff = result.handoff
-            ref = {
-                "name": f"ray-{secrets.token_hex(6)}",  # no /dev/shm segment: the router's clean-up finds nothing
-                "header": handoff.header(),
-                "block": ray.put(handoff.block.data),  # one numpy array into the object store
-            }
-            payload = {"ref": ref, "nbytes": handoff.nbytes, "export_s": time.perf_counter() - started}
+            block = ray.put(handoff.block.data)  # one numpy array into the object store
+            ref = RayRef(f"ray-{secrets.token_hex(6)}", handoff.header(), block, handoff.nbytes)
+            payload = {"ref": ref, "nbytes": ref.nbytes, "export_s": time.perf_counter() - started}
             yield WorkerEvent(HANDOFF, seq, payload)
         except Exception as error:  # this sequence fails alone
             yield _error(seq, error)
@@ -132,14 +142,14 @@ class PrefillRole(_Role):
 class DecodeRole(_Role):
     role = DECODE
 
-    async def run(self, seq: int, ref: dict[str, Any]):
-        """Continue the sequence handed off as ``ref`` (its header and its block's ObjectRef)."""
+    async def run(self, seq: int, ref: RayRef):
+        """Continue the sequence handed off as ``ref``."""
         from kvforge.runtime.kv.handoff import Handoff
 
         try:
             started = time.perf_counter()
-            data = await ref["block"]  # read-only; zero-copy from this node's object store
-            handle = self.scheduler.resume(Handoff.from_parts(ref["header"], data))  # KVBlockError: foreign
+            data = await ref.block  # read-only; zero-copy from this node's object store
+            handle = self.scheduler.resume(Handoff.from_parts(ref.header, data))  # KVBlockError: foreign
             del data
             yield WorkerEvent("resumed", seq, {"import_s": time.perf_counter() - started})
             async for event in self._chunks(seq, handle):
@@ -241,7 +251,7 @@ class RayDisaggServer(DisaggServer):
         self._handles = {PREFILL: list(prefill), DECODE: list(decode)}
         super().__init__(artifact_dir, prefill_workers=len(prefill), decode_workers=len(decode), **options)
 
-    def _new_worker(self, role: str, index: int, generation: int) -> RayWorker:
+    def _new_worker(self, role: str, index: int) -> RayWorker:
         return RayWorker(role, f"{role}-{index}", self._handles[role][index], self._heartbeat_s)
 
 
