@@ -73,6 +73,11 @@ def _ref_name(ref: Any) -> str | None:
     return ref.name if isinstance(ref, shm.ShmRef) else None
 
 
+def _pending(ref: Any) -> bool:
+    """Whether a block is still there to take (a Ray object: while referenced)."""
+    return shm.pending(ref) if isinstance(ref, shm.ShmRef) else True
+
+
 def _discard(ref: Any) -> None:
     """Free a block nobody will take (Ray frees an object with its last reference)."""
     if isinstance(ref, shm.ShmRef):
@@ -211,7 +216,7 @@ class DisaggServer:
         self.slots: list[_Slot] = []
         for role, count in ((PREFILL, prefill_workers), (DECODE, decode_workers)):
             for index in range(count):
-                self.slots.append(_Slot(role, index, self._new_worker(role, index, 0)))
+                self.slots.append(_Slot(role, index, self._new_worker(role, index)))
         if prefix_cache not in (0, "0"):
             self.engine.prefix_pool = _PrefillPools(self.slots)
         self.metrics = ServeMetrics(self)
@@ -248,8 +253,8 @@ class DisaggServer:
             time.sleep(0.05)
         self._supervisor.start()
 
-    def _new_worker(self, role: str, index: int, generation: int) -> PipeWorker:
-        """The worker client of slot ``role``-``index``; ``generation``: its restarts so far (0 first)."""
+    def _new_worker(self, role: str, index: int) -> PipeWorker:
+        """A new worker client for slot ``role``-``index`` (at the start, and at each restart)."""
         spec = WorkerSpec(
             role=role,
             name=f"{role}-{index}",
@@ -512,9 +517,9 @@ class DisaggServer:
         """A sequence whose worker is gone or stuck: resume, re-run or fail it."""
         if seq.cancelled:
             self._finish(seq)
-        elif seq.phase == DECODE and seq.ref is not None:
+        elif seq.phase == DECODE and seq.ref is not None and _pending(seq.ref):
             self.disagg_metrics.reruns.labels(role=DECODE).inc()
-            self._route(seq, DECODE)  # not resumed there: its block is still in shared memory (else refused)
+            self._route(seq, DECODE)  # not taken there: its block is still in shared memory
         elif not seq.streamed and seq.tries < MAX_TRIES:
             self.disagg_metrics.reruns.labels(role=PREFILL).inc()
             if seq.ref is not None:
@@ -541,7 +546,7 @@ class DisaggServer:
                     elif worker.state == "dead" and slot.restart_at is not None and now >= slot.restart_at:
                         slot.restart_at = None
                         slot.restarts += 1
-                        slot.worker = self._new_worker(slot.role, slot.index, slot.restarts)
+                        slot.worker = self._new_worker(slot.role, slot.index)
                         self.disagg_metrics.restarts.labels(role=slot.role).inc()
                         log.warning("restarting %s worker %s (restart %d)", slot.role, slot.name, slot.restarts)
                         slot.worker.start(self._on_event)
