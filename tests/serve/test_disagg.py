@@ -10,7 +10,8 @@ role, pid and state and ``/metrics`` counts hand-offs and their bytes per role; 
 disconnects has its sequence cancelled on the decode worker that holds it; 429 when full.
 
 Faults, with real signals: a decode worker stopped (SIGSTOP) leaves routing after the timeout,
-the others serve meanwhile, and it comes back after SIGCONT; kill -9 of a decode worker holding a
+the others serve meanwhile, and it comes back after SIGCONT; a stopped prefill worker's requests
+are run again, exactly once, when it answers; kill -9 of a decode worker holding a
 sequence mid-stream ends that request with an error naming the worker and the signal, while
 the requests on the other worker finish exactly, and the front end restarts it and unlinks its
 segments; a block not yet imported by a killed decode worker is resumed on another; kill -9 of
@@ -269,6 +270,11 @@ def resume(pids) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+def handed_off(server: DisaggServer) -> bool:
+    decode = [w for w in server.workers() if w["role"] == DECODE]
+    return sum(w["held"] for w in decode) == 1 or any(w["state"] == "unresponsive" for w in decode)
+
+
 def test_client_disconnect_cancels_on_the_decode_worker(served, engine):
     url, server = served
     before = httpx.get(url + "/metrics").text
@@ -279,7 +285,9 @@ def test_client_disconnect_cancels_on_the_decode_worker(served, engine):
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
             first = next(line for line in r.iter_lines() if line.startswith("data: "))  # from the prefill worker
             assert len(json.loads(first[6:])["choices"][0]["logprobs"]["tokens"]) == 1
-            wait_until(lambda: sum(w["held"] for w in server.workers() if w["role"] == DECODE) == 1, "the hand-off")
+            # Handed off: held by a stopped decode worker, or (a slow machine) waiting in the router
+            # because both were taken out of routing after the timeout. Either way the cancel reaches it.
+            wait_until(lambda: handed_off(server), "the hand-off")
     finally:
         resume(pids)  # the worker resumes the sequence, then reads the cancel
     wait_until(lambda: server.in_flight == 0, "the sequence to be released")
@@ -338,6 +346,31 @@ def test_stopped_decode_worker_leaves_routing_then_comes_back(served, client, en
         os.kill(pid, signal.SIGCONT)
     wait_until(lambda: worker(server, "decode-1")["state"] == "ready", "the worker to answer again")
     assert worker(server, "decode-1")["pid"] == pid  # the same process: it was never restarted
+
+
+def test_stopped_prefill_worker_past_the_timeout_runs_its_requests_once_back(served, client, engine):
+    """Its requests (nothing streamed) are taken back after the timeout and, with no other prefill
+    worker, given to it again when it answers: what it did with the first submissions is ignored."""
+    url, server = served
+    wait_until(lambda: all_ready(server), "every worker ready")
+    expected = engine.generate(PROMPTS, max_new_tokens=10, sampling=GREEDY)
+    before = metric(httpx.get(url + "/metrics").text, "kvforge_sequence_reruns_total", role="prefill")
+    pid = worker(server, "prefill-0")["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [
+                pool.submit(client.completions.create, model=MODEL, prompt=p, max_tokens=10, temperature=0)
+                for p in PROMPTS
+            ]
+            wait_until(lambda: worker(server, "prefill-0")["state"] == "unresponsive", "the timeout", TIMEOUT * 5)
+            os.kill(pid, signal.SIGCONT)
+            texts = [f.result(timeout=60).choices[0].text for f in runs]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert texts == [e.text for e in expected]
+    after = metric(httpx.get(url + "/metrics").text, "kvforge_sequence_reruns_total", role="prefill")
+    assert after - before == 2 and worker(server, "prefill-0")["pid"] == pid
 
 
 def test_kill_9_decode_worker_mid_stream_fails_its_request_only_and_restarts(served, engine):

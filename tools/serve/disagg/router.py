@@ -131,6 +131,8 @@ class _Seq:
     streamed: bool = False  # a chunk reached its request
     cancelled: bool = False
     tries: int = 0
+    wire: int | None = None  # the id its current worker knows it by (new at each routing: a retried
+    # sequence never takes the events of an earlier attempt, even from the same worker)
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     handed: float | None = None  # when its "handoff" arrived
@@ -208,7 +210,8 @@ class DisaggServer:
         self._heartbeat_s = min(0.5, worker_timeout / 4)
         self._lock = threading.RLock()
         self._ids = itertools.count()
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, _Seq] = {}  # wire id -> sequence, while a worker holds it
+        self._live: set[_Seq] = set()  # every unfinished sequence, held or waiting in the router
         self._pending: dict[str, deque[_Seq]] = {role: deque() for role in ROLES}
         self._orphans: list[PipeWorker] = []  # dead workers whose shared memory is not unlinked yet
         self._closed = False
@@ -294,7 +297,7 @@ class DisaggServer:
         with self._lock:
             for index, request in enumerate(sequences):
                 seq = _Seq(next(self._ids), index, request, flight, loop, self)
-                self._seqs[seq.id] = seq
+                self._live.add(seq)
                 flight.handles.append(seq)
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
                 self._route(seq, PREFILL)
@@ -334,24 +337,27 @@ class DisaggServer:
         """Give ``seq`` to the least-loaded ready worker of ``role``, or queue it until one is ready."""
         ready = [s for s in self.slots if s.role == role and s.worker.state == "ready"]
         if not ready:
+            self._seqs.pop(seq.wire, None)  # what its last worker still sends about it is stale
             self._pending[role].append(seq)
             return
         slot = min(ready, key=lambda s: (len(s.held), s.given))
         slot.held.add(seq)
         slot.given += 1
-        seq.slot, seq.phase = slot, role
+        self._seqs.pop(seq.wire, None)
+        seq.slot, seq.phase, seq.wire = slot, role, next(self._ids)
+        self._seqs[seq.wire] = seq
         if role == PREFILL:
             seq.tries += 1
-            slot.worker.submit(seq.id, seq.request)
+            slot.worker.submit(seq.wire, seq.request)
         else:
-            slot.worker.resume(seq.id, seq.ref)
+            slot.worker.resume(seq.wire, seq.ref)
 
     def _drain_pending(self) -> None:
         for role, waiting in self._pending.items():
             while waiting and any(s.role == role and s.worker.state == "ready" for s in self.slots):
                 seq = waiting.popleft()
                 if seq.cancelled:
-                    self._finish(seq)
+                    self._finish(seq, cancelled=True)
                 else:
                     self._route(seq, role)
 
@@ -361,24 +367,28 @@ class DisaggServer:
                 return
             seq.cancelled = True
             if seq.slot is not None:
-                seq.slot.worker.cancel(seq.id)  # it ends with "done" (cancelled) from there
+                seq.slot.worker.cancel(seq.wire)  # it ends with "done" (cancelled) from there
                 return
             for waiting in self._pending.values():  # waiting in the router for a worker
                 if seq in waiting:
                     waiting.remove(seq)
-            self._finish(seq)
+            self._finish(seq, cancelled=True)
 
-    def _finish(self, seq: _Seq, event: Event | None = None) -> None:
-        """``seq`` is over: post its last event, free its place and its segment."""
+    def _finish(self, seq: _Seq, event: Event | None = None, *, cancelled: bool = False) -> None:
+        """``seq`` is over: post its last event, free its place and its segment. ``cancelled``: it
+        was cancelled while no worker held it (counted as the scheduler counts a cancel)."""
         if seq.phase == "done":
             return
+        if cancelled:
+            self.metrics.finished.labels(reason="cancelled").inc()
         seq.phase = "done"
+        self._live.discard(seq)
         if seq.slot is not None:
             seq.slot.held.discard(seq)
         if seq.ref is not None:
             _discard(seq.ref)
             seq.ref = None
-        self._seqs.pop(seq.id, None)
+        self._seqs.pop(seq.wire, None)
         if event is not None:
             self._post(seq, event)
         with contextlib.suppress(RuntimeError):  # the loop is closed: the server is going away
@@ -443,7 +453,7 @@ class DisaggServer:
         self.disagg_metrics.handoff_bytes.inc(payload["nbytes"])
         self.disagg_metrics.export_seconds.observe(payload["export_s"])
         if seq.cancelled:
-            self._finish(seq)
+            self._finish(seq, cancelled=True)
         else:
             self._route(seq, DECODE)
 
@@ -504,7 +514,7 @@ class DisaggServer:
     def _unlink_orphans(self) -> None:
         """Unlink the shared memory of dead workers, once no block in flight is in it (a decode
         worker may still take one from a dead prefill worker's arena)."""
-        in_flight = {_ref_name(s.ref) for s in self._seqs.values() if s.ref is not None}
+        in_flight = {_ref_name(s.ref) for s in self._live if s.ref is not None}
         for worker in list(self._orphans):
             removed = worker.unlink_segments(keep=in_flight)
             if removed:
@@ -516,7 +526,7 @@ class DisaggServer:
     def _recover(self, seq: _Seq, why: str) -> None:
         """A sequence whose worker is gone or stuck: resume, re-run or fail it."""
         if seq.cancelled:
-            self._finish(seq)
+            self._finish(seq, cancelled=True)
         elif seq.phase == DECODE and seq.ref is not None and _pending(seq.ref):
             self.disagg_metrics.reruns.labels(role=DECODE).inc()
             self._route(seq, DECODE)  # not taken there: its block is still in shared memory
@@ -568,7 +578,7 @@ class DisaggServer:
         self.disagg_metrics.unresponsive.labels(role=slot.role).inc()
         for seq in sorted(slot.held, key=lambda s: s.id):
             if not seq.streamed and seq.phase == PREFILL:
-                worker.cancel(seq.id)
+                worker.cancel(seq.wire)
                 slot.held.discard(seq)
                 seq.slot = None
                 self._recover(seq, f"{slot.role} worker {slot.name} (pid {worker.pid}) stopped answering")
