@@ -42,7 +42,7 @@ Disaggregated prefill/decode (:mod:`kvforge.runtime.kv.handoff`). A request with
 leaves its row right after its first token, unless that token ends it: the KV of its prompt
 (positions ``[0, len(prompt))``) is exported first, into memory from ``block_alloc(nbytes)`` when
 given (e.g. a shared-memory segment), and the request finishes with a :class:`Handoff`. A resumed
-request (``Generation.resume_block`` set) is admitted before any prefill of its step: its block is
+request (``Generation.resume_from`` set) is admitted before any prefill of its step: its block is
 imported into the next free row and it joins the decoding rows directly, its first token fed at
 that step's decode (the request being filled, if any, moves up one row to make room).
 
@@ -104,7 +104,7 @@ class BatchLoop:
         return len(self.decoding) + (self.filling is not None)
 
     def add(self, gen: Generation) -> None:
-        (self.resuming if gen.resume_block is not None else self.waiting).append(gen)
+        (self.resuming if gen.resume_from is not None else self.waiting).append(gen)
 
     def step(self) -> None:
         """One iteration: cancellations, resumed requests in, at most one prefill chunk, one decode
@@ -118,6 +118,7 @@ class BatchLoop:
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in the loop (an unexpected error outside any one request)."""
         for gen in [*self.decoding, *([self.filling] if self.filling else []), *self.waiting, *self.resuming]:
+            gen.drop_handoff()
             gen.fail(error)
         self.decoding, self.filling = [], None
         self.waiting.clear()
@@ -130,6 +131,7 @@ class BatchLoop:
             if any(g.cancel_requested for g in queued):
                 for g in [g for g in queued if g.cancel_requested]:
                     queued.remove(g)
+                    g.drop_handoff()
                     g.finish_cancelled()
         if self.filling is not None and self.filling.cancel_requested:
             self.filling.finish_cancelled()
@@ -149,14 +151,14 @@ class BatchLoop:
                 self.engine.move_row(row, row + 1)  # the request being filled stays right after the decoding rows
             g.admit()
             try:
-                self.engine.import_kv(g.resume_block, row)
+                self.engine.import_kv(g.resume_from.block, row)
             except Exception as error:
                 g.fail(error)
                 if self.filling is not None:
                     self.engine.move_row(row + 1, row)
                 continue
             finally:
-                g.resume_block = None  # the block's data may be a view on shared memory: let it go
+                g.drop_handoff()  # the block's data may be a view on shared memory: let it go
             g.state = "decoding"
             g.first_token = g.admitted  # on this side, the first token is ready once its KV is in
             self.decoding.append(g)

@@ -169,7 +169,7 @@ class Generation:
         self.constraint = constraint  # the output's grammar (kvforge.runtime.constraints), None when free
         self.hand_off = False  # end with a Handoff after the first token (disaggregated prefill)
         self.handoff: Handoff | None = None
-        self.resume_block: KVBlock | None = None  # a resumed request's prompt KV, imported at admission
+        self.resume_from: Handoff | None = None  # a resumed request's hand-off, its KV imported at admission
         self._handoff_chunk: StreamChunk | None = None
         self.state = "waiting"
         self.token_ids: list[int] = []
@@ -282,7 +282,13 @@ class Generation:
             self.text_parts.append(text)
         self.prefilled = len(self.prompt_ids)
         self.cached_tokens = handoff.cached_tokens
-        self.resume_block = handoff.block
+        self.resume_from = handoff
+
+    def drop_handoff(self) -> None:
+        """The resumed request's block is imported (or never will be): release its memory."""
+        handoff, self.resume_from = self.resume_from, None
+        if handoff is not None:
+            handoff.release()
 
     def cancel(self) -> None:
         """Ask to stop (thread-safe); the loop retires the request at its next step."""

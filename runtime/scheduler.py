@@ -137,11 +137,16 @@ class Scheduler:
     def resume(self, handoff: Handoff) -> RequestHandle:
         """Continue a request handed off by another engine of the same artifact (thread-safe; see
         the module docstring). Raises KVBlockError for a block of another artifact (or too long
-        for a row), ValueError for parameters this engine refuses, before anything is imported."""
-        self.engine.check_kv(handoff.block)
-        gen = self.engine.request(handoff.prompt_ids, handoff.max_new_tokens, handoff.sampling, handoff.stop)
-        gen.replay_first(handoff)
-        return self._queue(gen)
+        for a row), ValueError for parameters this engine refuses, before anything is imported;
+        the hand-off is released then (``Handoff.release``: a shared-memory slot is freed)."""
+        try:
+            self.engine.check_kv(handoff.block)
+            gen = self.engine.request(handoff.prompt_ids, handoff.max_new_tokens, handoff.sampling, handoff.stop)
+            gen.replay_first(handoff)
+            return self._queue(gen)
+        except BaseException:
+            handoff.release()  # refused: its memory (a shared-memory slot) is freed
+            raise
 
     def _queue(self, gen: Generation) -> RequestHandle:
         handle = RequestHandle(self)

@@ -645,11 +645,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="a worker silent this many seconds (no heartbeat) leaves routing until it answers again (default 5)",
     )
     ray = p.add_argument_group("Ray Serve (scale-out)")
-    ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead of one process")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="deploy on Ray Serve instead of one process (with --prefill-workers/--decode-workers: the two roles "
+        "and an ingress as deployments, the KV through Ray's object store)",
+    )
     ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine (default 1)")
     ray.add_argument("--address", default=None, help="join this Ray cluster (auto, ray://HOST:10001); default: local")
     ray.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local cluster (default: all)")
-    ray.add_argument("--replica-cpus", type=float, default=None, help="CPUs reserved per replica (fractions allowed)")
+    ray.add_argument(
+        "--replica-cpus", type=float, default=None, help="CPUs reserved per replica or worker (fractions allowed)"
+    )
     p.set_defaults(run=_run_serve)
 
 
@@ -666,21 +673,36 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     speculative = _speculative(args)
     if args.ray:
-        if args.prefill_workers is not None or args.decode_workers is not None:
-            raise ValueError("--prefill-workers/--decode-workers start processes on this machine; drop --ray or them")
         if args.speculative or args.draft:
             raise ValueError("--speculative/--draft run in the one-process server for now; drop --ray or them")
         from kvforge.tools.serve.ray_app import ReplicaSettings, serve_ray
 
+        disagg = args.prefill_workers is not None or args.decode_workers is not None
         settings = ReplicaSettings(
             args.artifact,
-            args.threads,
+            args.threads_per_worker if disagg else args.threads,
             args.served_model_name,
             args.max_queue,
             args.api_key,
             args.strict_fields,
             args.prefix_cache,
         )
+        if disagg:  # the prefill, decode and ingress roles as Ray Serve deployments
+            if args.prefill_workers is None or args.decode_workers is None:
+                raise ValueError("--ray with workers needs both --prefill-workers and --decode-workers (each >= 1)")
+            from kvforge.tools.serve.disagg.ray_roles import serve_disagg_ray
+
+            serve_disagg_ray(
+                settings,
+                prefill_workers=args.prefill_workers,
+                decode_workers=args.decode_workers,
+                host=args.host,
+                port=args.port,
+                address=args.address,
+                num_cpus=args.num_cpus,
+                worker_cpus=args.replica_cpus,
+            )
+            return 0
         serve_ray(
             settings,
             replicas=args.replicas,

@@ -1,7 +1,9 @@
 """The KV side of the runtime that lives above the cache: blocks of a sequence's KV as objects of
 their own (:mod:`.block`: format, artifact fingerprint, file round trip) and the prefix pool that
 reuses them between requests (:mod:`.prefix_pool`: token-block index, byte budget, LRU eviction,
-pinning). Neither imports the engine nor ONNX Runtime; the batch loop calls them."""
+pinning), and the hand-off of disaggregated prefill/decode (:mod:`.handoff`: a request after its
+first token as plain data plus one block; :mod:`.shm`: its block in POSIX shared memory between
+processes). None imports the engine nor ONNX Runtime; the batch loop calls them."""
 
 from kvforge.runtime.kv.block import KVBlock, KVBlockError, fingerprint
 from kvforge.runtime.kv.prefix_pool import PrefixHit, PrefixPool, PrefixPoolStats, parse_bytes

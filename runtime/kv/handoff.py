@@ -19,8 +19,8 @@ an object in Ray's store). Neither copies the data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,15 @@ class Handoff:
     rng_state: dict[str, Any]  # the sampler's numpy PCG64 state after its first draw
     block: KVBlock  # positions [0, len(prompt_ids))
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache
+    # Called once the block's data is no longer needed (imported, or the request dropped): a
+    # transport's hook that frees the memory the data is a view of (shm.take sets it).
+    on_release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """The block's data will not be read again: run ``on_release`` (once)."""
+        hook, self.on_release = self.on_release, None
+        if hook is not None:
+            hook()
 
     @property
     def nbytes(self) -> int:

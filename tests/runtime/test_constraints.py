@@ -262,3 +262,17 @@ def test_without_llguidance_names_the_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'kvforge[structured]'" in out
+
+
+def test_warm_builds_the_tokenizer_off_the_calling_thread(tiny_artifact):
+    """A server warms the grammar tokenizer at start-up, so its first constrained request does not
+    build it on the event loop; without a tokenizer.json there is nothing to warm."""
+    from kvforge.runtime.constraints import GrammarFactory
+
+    factory = GrammarFactory(tiny_artifact / "tokenizer.json", 4096, [0])
+    thread = factory.warm()
+    assert thread is not None and thread.name == "kvforge-grammar-warm"
+    thread.join(30)
+    assert factory._tok is not None
+    assert factory.tokenizer() is factory._tok  # built once
+    assert GrammarFactory(None, 4096, [0]).warm() is None

@@ -282,6 +282,7 @@ class ModelServer:
         # None: the model has no template, and /v1/chat/completions answers 400 saying so.
         self.chat_template = ChatTemplate.from_artifact(Path(engine.artifact_dir))
         self.scheduler = engine.scheduler()
+        engine.grammars.warm()  # structured output's tokenizer, off the event loop (None without llguidance)
         self.capacity = self.scheduler.rows + max_queue  # sequences in flight: in a row or queued for one
         self.in_flight = 0  # sequences admitted and not yet finished by the scheduler (loop thread)
         self.live: set[Any] = set()  # RequestHandles submitted and not yet drained by their pump (loop thread)

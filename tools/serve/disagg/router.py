@@ -53,9 +53,9 @@ from typing import Any
 
 from kvforge.graphs import manifest as mf
 from kvforge.runtime.chat import ChatTemplate
+from kvforge.runtime.kv import shm
 from kvforge.runtime.kv.prefix_pool import PrefixPoolStats
 from kvforge.runtime.tokenizer import Tokenizer
-from kvforge.tools.serve.disagg import transfer
 from kvforge.tools.serve.disagg.metrics import DisaggMetrics
 from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, ROLES, PipeWorker, WorkerEvent, WorkerSpec
 from kvforge.tools.serve.metrics import ServeMetrics
@@ -68,8 +68,24 @@ MAX_RESTARTS = 3  # restarts in a row of a slot whose process dies before it is 
 MAX_TRIES = 3  # times one sequence is started (re-runs after its worker died)
 
 
-class WorkerLost(RuntimeError):
-    """A worker died, or refused, while holding a sequence that cannot be re-run."""
+def _ref_name(ref: Any) -> str | None:
+    """The shared-memory segment a block ref points into (None for a Ray object)."""
+    return ref.name if isinstance(ref, shm.ShmRef) else None
+
+
+def _pending(ref: Any) -> bool:
+    """Whether a block is still there to take (a Ray object: while referenced)."""
+    return shm.pending(ref) if isinstance(ref, shm.ShmRef) else True
+
+
+def _discard(ref: Any) -> None:
+    """Free a block nobody will take (Ray frees an object with its last reference)."""
+    if isinstance(ref, shm.ShmRef):
+        shm.discard(ref)
+
+
+class WorkerError(RuntimeError):
+    """A worker failed, refused or died while holding a sequence (that could not be re-run)."""
 
 
 @dataclass
@@ -115,6 +131,8 @@ class _Seq:
     streamed: bool = False  # a chunk reached its request
     cancelled: bool = False
     tries: int = 0
+    wire: int | None = None  # the id its current worker knows it by (new at each routing: a retried
+    # sequence never takes the events of an earlier attempt, even from the same worker)
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     handed: float | None = None  # when its "handoff" arrived
@@ -192,14 +210,16 @@ class DisaggServer:
         self._heartbeat_s = min(0.5, worker_timeout / 4)
         self._lock = threading.RLock()
         self._ids = itertools.count()
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, _Seq] = {}  # wire id -> sequence, while a worker holds it
+        self._live: set[_Seq] = set()  # every unfinished sequence, held or waiting in the router
         self._pending: dict[str, deque[_Seq]] = {role: deque() for role in ROLES}
+        self._orphans: list[PipeWorker] = []  # dead workers whose shared memory is not unlinked yet
         self._closed = False
         self._stop = threading.Event()
         self.slots: list[_Slot] = []
         for role, count in ((PREFILL, prefill_workers), (DECODE, decode_workers)):
             for index in range(count):
-                self.slots.append(_Slot(role, index, self._new_worker(role, index, 0)))
+                self.slots.append(_Slot(role, index, self._new_worker(role, index)))
         if prefix_cache not in (0, "0"):
             self.engine.prefix_pool = _PrefillPools(self.slots)
         self.metrics = ServeMetrics(self)
@@ -209,7 +229,7 @@ class DisaggServer:
     @classmethod
     def load(cls, artifact_dir: str | Path, *, start_timeout: float = 300.0, **options) -> DisaggServer:
         """Start the workers (see ``__init__`` for ``options``) and wait until each has loaded its
-        engine; a worker that cannot start stops them all and raises RuntimeError with its error."""
+        engine; a worker that cannot start stops them all and raises ValueError with its error."""
         server = cls(artifact_dir, **options)
         try:
             server.start_workers(start_timeout)
@@ -227,23 +247,23 @@ class DisaggServer:
             failed = [(n, w) for n, w in states.items() if w.state in ("failed", "dead")]
             if failed:
                 name, worker = failed[0]
-                raise RuntimeError(f"worker {name} could not start: {worker.exit_reason}")
+                raise ValueError(f"worker {name} could not start: {worker.exit_reason}")
             if all(w.state == "ready" for w in states.values()):
                 break
             if time.monotonic() > deadline:
                 slow = [n for n, w in states.items() if w.state != "ready"]
-                raise RuntimeError(f"workers {', '.join(slow)} did not load the model within {timeout:.0f} s")
+                raise ValueError(f"workers {', '.join(slow)} did not load the model within {timeout:.0f} s")
             time.sleep(0.05)
         self._supervisor.start()
 
-    def _new_worker(self, role: str, index: int, generation: int) -> PipeWorker:
+    def _new_worker(self, role: str, index: int) -> PipeWorker:
+        """A new worker client for slot ``role``-``index`` (at the start, and at each restart)."""
         spec = WorkerSpec(
             role=role,
             name=f"{role}-{index}",
             artifact_dir=str(self.engine.artifact_dir),
             threads=self._threads,
             prefix_cache=self._prefix_cache,
-            shm_prefix=f"kvf{os.getpid()}{role[0]}{index}g{generation}x",
             heartbeat_s=self._heartbeat_s,
         )
         return PipeWorker(spec)
@@ -277,7 +297,7 @@ class DisaggServer:
         with self._lock:
             for index, request in enumerate(sequences):
                 seq = _Seq(next(self._ids), index, request, flight, loop, self)
-                self._seqs[seq.id] = seq
+                self._live.add(seq)
                 flight.handles.append(seq)
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
                 self._route(seq, PREFILL)
@@ -296,9 +316,20 @@ class DisaggServer:
         return ModelServer.prefix_cache_stats(self)
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each worker's name, role, pid, state, rows, load and restarts, for ``/health``."""
+        """Each worker's name, role, pid, state, rows, scheduler queue and running rows (its latest
+        heartbeat), sequences it holds (of which ``decoding``: resumed from their block) and routed to it so
+        far, restarts of its slot: for ``/health``."""
         with self._lock:
-            return [{**s.worker.health(), "held": len(s.held), "restarts": s.restarts} for s in self.slots]
+            return [
+                {
+                    **s.worker.health(),
+                    "held": len(s.held),
+                    "decoding": sum(1 for q in s.held if q.phase == DECODE and q.ref is None),
+                    "routed": s.given,
+                    "restarts": s.restarts,
+                }
+                for s in self.slots
+            ]
 
     # ---------------------------------------------------------------------------------- routing
 
@@ -306,24 +337,27 @@ class DisaggServer:
         """Give ``seq`` to the least-loaded ready worker of ``role``, or queue it until one is ready."""
         ready = [s for s in self.slots if s.role == role and s.worker.state == "ready"]
         if not ready:
+            self._seqs.pop(seq.wire, None)  # what its last worker still sends about it is stale
             self._pending[role].append(seq)
             return
         slot = min(ready, key=lambda s: (len(s.held), s.given))
         slot.held.add(seq)
         slot.given += 1
-        seq.slot, seq.phase = slot, role
+        self._seqs.pop(seq.wire, None)
+        seq.slot, seq.phase, seq.wire = slot, role, next(self._ids)
+        self._seqs[seq.wire] = seq
         if role == PREFILL:
             seq.tries += 1
-            slot.worker.submit(seq.id, seq.request)
+            slot.worker.submit(seq.wire, seq.request)
         else:
-            slot.worker.resume(seq.id, seq.ref)
+            slot.worker.resume(seq.wire, seq.ref)
 
     def _drain_pending(self) -> None:
         for role, waiting in self._pending.items():
             while waiting and any(s.role == role and s.worker.state == "ready" for s in self.slots):
                 seq = waiting.popleft()
                 if seq.cancelled:
-                    self._finish(seq)
+                    self._finish(seq, cancelled=True)
                 else:
                     self._route(seq, role)
 
@@ -333,27 +367,32 @@ class DisaggServer:
                 return
             seq.cancelled = True
             if seq.slot is not None:
-                seq.slot.worker.cancel(seq.id)  # it ends with "done" (cancelled) from there
+                seq.slot.worker.cancel(seq.wire)  # it ends with "done" (cancelled) from there
                 return
             for waiting in self._pending.values():  # waiting in the router for a worker
                 if seq in waiting:
                     waiting.remove(seq)
-            self._finish(seq)
+            self._finish(seq, cancelled=True)
 
-    def _finish(self, seq: _Seq, event: Event | None = None) -> None:
-        """``seq`` is over: post its last event, free its place and its segment."""
+    def _finish(self, seq: _Seq, event: Event | None = None, *, cancelled: bool = False) -> None:
+        """``seq`` is over: post its last event, free its place and its segment. ``cancelled``: it
+        was cancelled while no worker held it (counted as the scheduler counts a cancel)."""
         if seq.phase == "done":
             return
+        if cancelled:
+            self.metrics.finished.labels(reason="cancelled").inc()
         seq.phase = "done"
+        self._live.discard(seq)
         if seq.slot is not None:
             seq.slot.held.discard(seq)
         if seq.ref is not None:
-            transfer.release(seq.ref)
+            _discard(seq.ref)
             seq.ref = None
-        self._seqs.pop(seq.id, None)
+        self._seqs.pop(seq.wire, None)
         if event is not None:
             self._post(seq, event)
-        seq.loop.call_soon_threadsafe(self._release)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is going away
+            seq.loop.call_soon_threadsafe(self._release)
 
     def _release(self) -> None:
         with self._lock:
@@ -378,20 +417,20 @@ class DisaggServer:
             seq = self._seqs.get(event.seq)
             if seq is None or seq.slot is not slot:  # finished, or re-run elsewhere meanwhile
                 if kind == "handoff":
-                    transfer.release(event.payload["ref"])
+                    _discard(event.payload["ref"])
                 return
             if kind == "chunk":
                 self._on_chunk(seq, event.payload)
             elif kind == "handoff":
                 self._on_handoff(slot, seq, event.payload)
             elif kind == "resumed":
-                seq.ref = None  # the decode worker imported the block and unlinked its segment
+                seq.ref = None  # the decode worker took the block (it frees the memory once imported)
                 self.disagg_metrics.handoff_seconds.observe(time.perf_counter() - seq.handed)
             elif kind == "done":
                 self._on_done(seq, event.payload)
             elif kind == "error":
                 what = "refused the sequence's KV block" if event.payload["type"] == "KVBlockError" else "failed"
-                error = WorkerLost(
+                error = WorkerError(
                     f"{slot.role} worker {slot.name} (pid {worker.pid}) {what}: "
                     f"{event.payload['type']}: {event.payload['message']}"
                 )
@@ -414,7 +453,7 @@ class DisaggServer:
         self.disagg_metrics.handoff_bytes.inc(payload["nbytes"])
         self.disagg_metrics.export_seconds.observe(payload["export_s"])
         if seq.cancelled:
-            self._finish(seq)
+            self._finish(seq, cancelled=True)
         else:
             self._route(seq, DECODE)
 
@@ -464,32 +503,42 @@ class DisaggServer:
             slot.held.discard(seq)
             seq.slot = None
             self._recover(seq, f"{slot.role} worker {slot.name} (pid {worker.pid}) {worker.exit_reason}")
-        keep = {transfer.segment_name(s.ref) for s in self._seqs.values() if s.ref is not None}
-        removed = worker.unlink_segments(keep)
-        if removed:
-            log.warning("unlinked %d shared-memory segment(s) %s left", len(removed), slot.name)
+        self._orphans.append(worker)  # its shared memory goes once no block in flight is in it
+        self._unlink_orphans()
         slot.failures = 0 if was_ready else slot.failures + 1
         if slot.failures > MAX_RESTARTS:
             log.error("%s died %d times before it was ready; not restarting it", slot.name, slot.failures)
             return
         slot.restart_at = time.monotonic() + (0.0 if was_ready else min(2.0**slot.failures, 10.0))
 
+    def _unlink_orphans(self) -> None:
+        """Unlink the shared memory of dead workers, once no block in flight is in it (a decode
+        worker may still take one from a dead prefill worker's arena)."""
+        in_flight = {_ref_name(s.ref) for s in self._live if s.ref is not None}
+        for worker in list(self._orphans):
+            removed = worker.unlink_segments(keep=in_flight)
+            if removed:
+                log.warning("unlinked the shared memory %s (pid %s) left: %s", worker.name, worker.pid, removed)
+            left = shm.segments(worker.pid) if isinstance(worker, PipeWorker) and worker.pid is not None else []
+            if not left:
+                self._orphans.remove(worker)
+
     def _recover(self, seq: _Seq, why: str) -> None:
         """A sequence whose worker is gone or stuck: resume, re-run or fail it."""
         if seq.cancelled:
-            self._finish(seq)
-        elif seq.phase == DECODE and seq.ref is not None and transfer.exists(seq.ref):
+            self._finish(seq, cancelled=True)
+        elif seq.phase == DECODE and seq.ref is not None and _pending(seq.ref):
             self.disagg_metrics.reruns.labels(role=DECODE).inc()
-            self._route(seq, DECODE)  # not imported yet: its block is still in shared memory
+            self._route(seq, DECODE)  # not taken there: its block is still in shared memory
         elif not seq.streamed and seq.tries < MAX_TRIES:
             self.disagg_metrics.reruns.labels(role=PREFILL).inc()
             if seq.ref is not None:
-                transfer.release(seq.ref)
+                _discard(seq.ref)
                 seq.ref = None
             self._route(seq, PREFILL)
         else:
             detail = "after it streamed output" if seq.streamed else f"after {seq.tries} tries"
-            error = WorkerLost(f"{why} while it held this sequence ({detail}); the sequence cannot go on: retry it")
+            error = WorkerError(f"{why} while it held this sequence ({detail}); the sequence cannot go on: retry it")
             self._finish(seq, Event("error", seq.index, error))
 
     def _supervise(self) -> None:
@@ -499,6 +548,7 @@ class DisaggServer:
             with self._lock:
                 if self._closed:
                     return
+                self._unlink_orphans()
                 for slot in self.slots:
                     worker = slot.worker
                     if worker.state == "ready" and now - worker.last_seen > self.worker_timeout:
@@ -506,7 +556,7 @@ class DisaggServer:
                     elif worker.state == "dead" and slot.restart_at is not None and now >= slot.restart_at:
                         slot.restart_at = None
                         slot.restarts += 1
-                        slot.worker = self._new_worker(slot.role, slot.index, slot.restarts)
+                        slot.worker = self._new_worker(slot.role, slot.index)
                         self.disagg_metrics.restarts.labels(role=slot.role).inc()
                         log.warning("restarting %s worker %s (restart %d)", slot.role, slot.name, slot.restarts)
                         slot.worker.start(self._on_event)
@@ -528,7 +578,7 @@ class DisaggServer:
         self.disagg_metrics.unresponsive.labels(role=slot.role).inc()
         for seq in sorted(slot.held, key=lambda s: s.id):
             if not seq.streamed and seq.phase == PREFILL:
-                worker.cancel(seq.id)
+                worker.cancel(seq.wire)
                 slot.held.discard(seq)
                 seq.slot = None
                 self._recover(seq, f"{slot.role} worker {slot.name} (pid {worker.pid}) stopped answering")

@@ -4,39 +4,43 @@
 
 Loads ``Engine.load(spec.artifact_dir, threads=spec.threads)`` (the prefix cache on prefill
 workers only: decode workers never prefill), sends "ready", then serves the messages of
-:mod:`.workers` until its pipe closes (the router closed it, or the router is gone), when it
-cancels what it holds and exits.
+:mod:`.workers` until "close" or the end of its pipe (the router is gone), when it cancels what it
+holds and exits.
 
 - prefill (``submit``): ``scheduler.submit(..., hand_off=True)``; the first chunk goes back as it
-  comes; a sequence that goes on is handed off: its KV block is put in a shared-memory segment
-  named with this worker's prefix and the reference goes back ("handoff").
-- decode (``resume``): take the block from shared memory, ``scheduler.resume`` it (the import
-  checks the block: KVBlockError for a foreign or corrupted one), unlink the segment, stream the
-  chunks, send the result.
+  comes; a sequence that goes on is handed off: the scheduler exports its KV straight into a new
+  shared-memory segment (:mod:`kvforge.runtime.kv.shm`, named after this process's pid) and the
+  reference goes back ("handoff").
+- decode (``resume``): take the block from shared memory (``shm.take`` checks its checksum and
+  fingerprint: KVBlockError for a corrupted or foreign one; it unlinks the segment), ``resume`` it
+  in the scheduler, stream the chunks, send the result.
 
 Each sequence has its own pump thread (the scheduler's handles block); a heartbeat thread sends
 the scheduler's queue and running rows every ``spec.heartbeat_s``. SIGINT is ignored: a Ctrl-C in
 the terminal reaches the whole process group, and the front end decides when workers stop.
+SIGUSR1 prints every thread's stack to the worker's stderr (to see where a hung worker is).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import faulthandler
 import signal
+import sys
 import threading
 import time
 from typing import Any
 
-from kvforge.tools.serve.disagg import transfer
-from kvforge.tools.serve.disagg.workers import CANCEL, PREFILL, RESUME, SUBMIT, WorkerEvent, WorkerSpec
+from kvforge.tools.serve.disagg.workers import CANCEL, CLOSE, PREFILL, RESUME, SUBMIT, WorkerEvent, WorkerSpec
 
 HANDOFF = "handoff"  # the finish_reason of a sequence a prefill worker handed off
 
 
 def main(conn, spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # where a hung worker is stuck
     from kvforge.runtime import Engine
+    from kvforge.runtime.kv import shm
 
     try:
         prefix_cache = spec.prefix_cache if spec.role == PREFILL else 0
@@ -45,7 +49,7 @@ def main(conn, spec: WorkerSpec) -> None:
         conn.send(WorkerEvent("failed", None, f"{type(e).__name__}: {e}"))
         return
     try:
-        Worker(conn, spec, engine).run()
+        Worker(conn, spec, engine, shm).run()
     finally:
         engine.close()
 
@@ -53,13 +57,16 @@ def main(conn, spec: WorkerSpec) -> None:
 class Worker:
     """The message loop of one worker process (see the module docstring)."""
 
-    def __init__(self, conn, spec: WorkerSpec, engine) -> None:
-        self.conn, self.spec, self.engine = conn, spec, engine
-        self.scheduler = engine.scheduler()
+    def __init__(self, conn, spec: WorkerSpec, engine, shm) -> None:
+        self.conn, self.spec, self.engine, self.shm = conn, spec, engine, shm
+        # A prefill worker exports each hand-off's KV straight into a new shared-memory segment.
+        # Its arena holds two full-length blocks per row (at most 256 MiB); a larger block gets its own segment.
+        arena = min(256 * 2**20, 2 * engine.max_batch * (engine.kv_nbytes(engine.max_seq) + shm.SLOT_HEADER))
+        self.segments = shm.SegmentAllocator(arena) if spec.role == PREFILL else None
+        self.scheduler = engine.scheduler(block_alloc=self.segments)
         self.handles: dict[int, Any] = {}  # seq -> RequestHandle, while its pump runs
         self.cancelled: set[int] = set()  # cancels that came before a resume had its handle
         self._lock = threading.Lock()  # guards handles, cancelled and the pipe's send side
-        self._segments = itertools.count(1)  # next() is atomic: pumps name segments concurrently
 
     def send(self, event: WorkerEvent) -> None:
         with self._lock, contextlib.suppress(OSError, ValueError):  # the router is gone: the loop ends soon
@@ -75,6 +82,8 @@ class Worker:
                     verb, seq, arg = self.conn.recv()
                 except (EOFError, OSError):
                     break
+                if verb == CLOSE:
+                    break
                 if verb == SUBMIT:
                     self._submit(seq, arg)
                 elif verb == RESUME:
@@ -84,6 +93,8 @@ class Worker:
         finally:
             stop.set()
             self.scheduler.close(cancel=True)
+            if self.segments is not None:
+                self.segments.close()  # hand-offs exported and never sent
 
     # ------------------------------------------------------------------------------------ verbs
 
@@ -122,9 +133,9 @@ class Worker:
                 self.send(WorkerEvent("done", seq, result))
                 return
             started = time.perf_counter()
-            ref, nbytes = transfer.put(result.handoff, self._segment_name())
+            ref = self.segments.put(result.handoff)  # the KV is in its segment already: this hashes it
             self.send(
-                WorkerEvent(HANDOFF, seq, {"ref": ref, "nbytes": nbytes, "export_s": time.perf_counter() - started})
+                WorkerEvent(HANDOFF, seq, {"ref": ref, "nbytes": ref.nbytes, "export_s": time.perf_counter() - started})
             )
         except Exception as e:  # this sequence fails; the worker goes on
             self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e)}))
@@ -135,10 +146,8 @@ class Worker:
     def _decode(self, seq: int, ref) -> None:
         try:
             started = time.perf_counter()
-            try:
-                handle = self.scheduler.resume(transfer.take(ref))
-            finally:
-                transfer.release(ref)  # imported (or refused): the segment is no longer needed
+            # take: checks the checksum and the fingerprint (KVBlockError), unlinks the segment
+            handle = self.scheduler.resume(self.shm.take(ref, self.engine.kv_fingerprint))
             self.send(WorkerEvent("resumed", seq, {"import_s": time.perf_counter() - started}))
             with self._lock:
                 self.handles[seq] = handle
@@ -157,9 +166,6 @@ class Worker:
                 self.cancelled.discard(seq)
 
     # --------------------------------------------------------------------------------- heartbeat
-
-    def _segment_name(self) -> str:
-        return f"{self.spec.shm_prefix}{next(self._segments)}"
 
     def _beat(self, stop: threading.Event) -> None:
         while not stop.wait(self.spec.heartbeat_s):

@@ -25,13 +25,14 @@ the same ``on_event``; the router does not know which it drives.
 
 Threads of a :class:`PipeWorker`: a reader (``conn.recv`` -> ``on_event``; end of file means the
 process is gone) and a writer (the router's sends never block, even when the process is stopped
-and its pipe is full). Shared memory: the worker names every segment it creates with its own
-``shm_prefix``; :meth:`PipeWorker.unlink_segments` removes what a dead worker left behind.
+and its pipe is full). Shared memory: a worker's segments are named after its pid
+(:mod:`kvforge.runtime.kv.shm`); :meth:`PipeWorker.unlink_segments` removes what a dead one left.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import queue
@@ -40,12 +41,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger("kvforge.serve")
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
-SHM_DIR = Path("/dev/shm")  # where POSIX shared memory segments are visible by name (Linux)
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,11 @@ class WorkerSpec:
     artifact_dir: str
     threads: int | None  # ONNX Runtime intra-op threads of its engine
     prefix_cache: int | str | None  # the engine's prefix-cache budget (prefill workers)
-    shm_prefix: str  # every shared-memory segment this process creates starts with it
     heartbeat_s: float  # how often it sends "beat"
 
 
 # the messages to a worker (tuples: small and cheap to pickle)
-SUBMIT, RESUME, CANCEL = "submit", "resume", "cancel"
+SUBMIT, RESUME, CANCEL, CLOSE = "submit", "resume", "cancel", "close"
 
 
 class WorkerClient(Protocol):
@@ -173,21 +173,21 @@ class PipeWorker:
                 os.kill(self.pid, signal.SIGKILL)
 
     def unlink_segments(self, keep: set[str] = frozenset()) -> list[str]:
-        """Unlink every ``/dev/shm`` segment named with this worker's prefix (blocks it exported and
-        no decode worker imported) but those in ``keep``; returns their names."""
-        removed = []
-        for path in SHM_DIR.glob(self.spec.shm_prefix + "*"):
-            if path.name not in keep and unlink_segment(path.name):
-                removed.append(path.name)
-        return removed
+        """Unlink the shared-memory segments this worker's process created (blocks it exported and
+        no decode worker took) but those in ``keep``; returns their names."""
+        from kvforge.runtime.kv import shm
+
+        if self.pid is None:
+            return []
+        return [name for name in shm.segments(self.pid) if name not in keep and unlink_segment(name)]
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask the process to finish (closing its pipe ends its loop), then wait; SIGKILL after ``timeout``."""
+        """Ask the process to finish (a "close" message ends its loop), then wait; SIGKILL after ``timeout``."""
         if self._closing:
             return
         self._closing = True
         self._outbox.put(None)
-        if self._process is not None:
+        if self._process is not None and self.pid is not None:
             self._process.join(timeout)
             if self._process.is_alive():
                 self.kill()
@@ -203,8 +203,13 @@ class PipeWorker:
             except (EOFError, OSError):
                 break
             self.last_seen = time.monotonic()
-            on_event(self, event)
+            try:
+                on_event(self, event)
+            except Exception:  # a bug in handling one event must not deafen the router to this worker
+                log.exception("%s: handling its %r event failed", self.name, event.kind)
         self._outbox.put(None)  # ends the writer
+        with contextlib.suppress(OSError):
+            conn.close()
         self._process.join(5)
         code = self._process.exitcode
         if code is not None and code < 0:
@@ -214,17 +219,20 @@ class PipeWorker:
         on_event(self, WorkerEvent("exit", None, self.exit_reason))
 
     def _write(self) -> None:
-        while (message := self._outbox.get()) is not None:
+        while True:
+            message = self._outbox.get()
             try:
-                self._conn.send(message)
+                self._conn.send((CLOSE, None, None) if message is None else message)
             except (OSError, ValueError):  # the process is gone: the reader reports it
                 return
-        with contextlib.suppress(OSError):
-            self._conn.close()
+            if message is None:  # the process ends its loop; the reader sees the end of its pipe
+                return
 
 
 def unlink_segment(name: str) -> bool:
     """Unlink the shared-memory segment ``name`` (False when it is already gone)."""
+    from kvforge.runtime.kv.shm import SHM_DIR
+
     try:
         os.unlink(SHM_DIR / name)
     except FileNotFoundError:

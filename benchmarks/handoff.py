@@ -1,0 +1,138 @@
+"""Hand-off of a prompt's KV from a prefill engine to a decode engine through shared memory, against
+memcpy of the same bytes (issue 25's "hand-off ms and GB/s against the measured memcpy bandwidth").
+
+Two engines of one artifact (a prefill and a decode worker's, in one process: the copies and page
+mappings are what they are across processes). The prompt (``--tokens`` long) is prefilled once into
+the prefill engine's row 0; then each round, alternating, times:
+
+- hand-off: ``export_kv`` straight into shared memory (``SegmentAllocator``, what the scheduler's
+  ``block_alloc`` does), ``put`` (hash), ``take`` (check fingerprint and hash), ``import_kv`` into
+  the decode engine's row 0 and ``release``: the whole path and each part, once into an arena slot
+  (pages populated once and reused: what a worker does) and once into a new segment of its own
+  (new pages each time: the cost the arena avoids);
+- memcpy: ``np.copyto`` of the same number of bytes into a preallocated (warm) array, and into a
+  new one (``np.copy``: fresh pages, as a new segment has);
+
+and prints medians, GB/s (block bytes / seconds), the ratios, and the prefill the hand-off saves.
+``--ray`` adds the Ray roles' path (a local one-CPU Ray instance): ``export_kv`` into a new array,
+``ray.put`` into the object store, ``ray.get`` (a zero-copy view on this node), ``import_kv``.
+
+    .venv/bin/kvforge compile /work/smollm2/hf -o /work/tmp-disagg-runtime/smollm2 --max-seq 2048
+    .venv/bin/python benchmarks/handoff.py /work/tmp-disagg-runtime/smollm2 --tokens 1200 --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvforge.runtime import Engine
+from kvforge.runtime.kv import shm
+
+TEXT = (
+    "The decoder reads the prompt once and keeps, for every layer, the keys and values of every "
+    "position in a cache; each new token then attends to that cache instead of the whole prompt. "
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--tokens", type=int, default=1200, help="prompt length (1,000-1,500 in issue 25)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ray", action="store_true", help="also time the hand-off through Ray's object store")
+    args = ap.parse_args()
+
+    pre = Engine.load(args.artifact, threads=args.threads, prefix_cache=0)
+    dec = Engine.load(args.artifact, threads=args.threads, prefix_cache=0)
+    ids = (pre.tokenizer.encode(TEXT * (args.tokens // 20 + 1)) * 2)[: args.tokens]
+    t0 = time.perf_counter()
+    pre.prefill([ids])
+    prefill_s = time.perf_counter() - t0
+    nbytes = pre.kv_nbytes(len(ids))
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    warm = np.empty_like(src)
+    arena = shm.SegmentAllocator(arena_bytes=nbytes + shm.SLOT_HEADER)  # populated once, reused
+    own = shm.SegmentAllocator(arena_bytes=0)  # a new segment (new pages) per hand-off
+    parts = ("export", "put", "take", "import")
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    if args.ray:
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    for _ in range(args.rounds):
+        if args.ray:
+            t = [time.perf_counter()]
+            block = pre.export_kv(0, ids)
+            t.append(time.perf_counter())
+            ref = ray.put(block.data)
+            t.append(time.perf_counter())
+            data = ray.get(ref)
+            t.append(time.perf_counter())
+            dec.import_kv(block.__class__(block.fingerprint, 0, block.token_ids, data), 0)
+            t.append(time.perf_counter())
+            del block, data, ref
+            for key, a, b in zip(("export", "put", "get", "import"), t, t[1:]):
+                times[f"ray {key}"].append(b - a)
+            times["ray handoff"].append(t[-1] - t[0])
+        for mode, alloc in (("arena", arena), ("own", own)):
+            t = [time.perf_counter()]
+            block = pre.export_kv(0, ids, out=alloc(nbytes))
+            t.append(time.perf_counter())
+            ref = alloc.put(_handoff(block))
+            t.append(time.perf_counter())
+            handoff = shm.take(ref, dec.kv_fingerprint)
+            t.append(time.perf_counter())
+            dec.import_kv(handoff.block, 0)
+            handoff.release()  # what the scheduler does once imported: the arena slot is free again
+            t.append(time.perf_counter())
+            del block, handoff  # an own segment (unlinked at take) is unmapped
+            for key, a, b in zip(parts, t, t[1:]):
+                times[f"{mode} {key}"].append(b - a)
+            times[f"{mode} handoff"].append(t[-1] - t[0])
+        t0 = time.perf_counter()
+        np.copyto(warm, src)
+        t1 = time.perf_counter()
+        fresh = np.copy(src)
+        t2 = time.perf_counter()
+        del fresh
+        times["memcpy (warm dst)"].append(t1 - t0)
+        times["memcpy (new dst)"].append(t2 - t1)
+    arena.close()
+    if args.ray:
+        ray.shutdown()
+    assert not shm.segments(os.getpid()), "a segment was left behind"
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
+    print(f"artifact {args.artifact}, prompt {len(ids)} tokens, block {nbytes / 1e6:.1f} MB, {args.rounds} rounds")
+    print(f"checksum: {ref.checksum.partition(':')[0]}; load average {os.getloadavg()[0]:.2f}")
+    for key in med:
+        print(f"  {key:18s} {med[key] * 1e3:8.2f} ms  {gbs[key]:6.2f} GB/s")
+    for mode in ("arena", "own", *(["ray"] if args.ray else [])):
+        warm_ratio = gbs[f"{mode} handoff"] / gbs["memcpy (warm dst)"]
+        new_ratio = gbs[f"{mode} handoff"] / gbs["memcpy (new dst)"]
+        print(f"hand-off ({mode}) / memcpy bandwidth: {warm_ratio:.0%} (warm dst), {new_ratio:.0%} (new dst)")
+    print(
+        f"prefill of the same prompt on {args.threads} thread(s): {prefill_s * 1e3:.0f} ms "
+        f"({prefill_s / med['arena handoff']:.0f}x the arena hand-off)"
+    )
+
+
+def _handoff(block):
+    """A hand-off around ``block`` (the other fields as a greedy request's; only the block's bytes
+    matter for the timing)."""
+    from kvforge.runtime.kv.handoff import Handoff
+
+    return Handoff(list(block.token_ids), 16, {}, None, 0, None, {}, block)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""A hand-off's KV in POSIX shared memory between processes of one machine.
+
+    alloc = SegmentAllocator()                        # prefill worker: its arena, populated once
+    sched = engine.scheduler(block_alloc=alloc)       # hand-offs export straight into arena slots
+    ref = alloc.put(handle.result().handoff)          # small, picklable/JSON-able: send it on a pipe
+    handoff = take(ref)                               # decode worker: a read-only view, checked
+    decode_sched.resume(handoff)                      # import_kv copies it in, then frees the slot
+
+Copies. The prefill side's export writes the cache row straight into shared memory
+(``block_alloc``); the decode side maps it and ``import_kv`` copies it into its cache: two copies
+in all, the export and the import. Nothing is pickled but the header (:meth:`Handoff.header`: the
+prompt ids and a few fields).
+
+Memory. A new tmpfs page costs far more than the copy into it (~60 ms to fault in the pages of a
+55 MB block on this machine, against ~9 ms of memcpy; benchmarks/handoff.py), so a
+:class:`SegmentAllocator` puts blocks into slots of one arena segment created and populated once
+and reused: the taker marks a slot free in the slot's own state word once the block is imported
+(``Handoff.release``, which the scheduler calls; no message back), and the allocator's next
+allocation reclaims it. The taker maps an arena once and keeps it. A block that does not fit
+the arena gets a segment of its own, which its taker unlinks as soon as it is mapped.
+
+Integrity. :meth:`SegmentAllocator.put` hashes the data (xxh3-64 with the ``xxhash`` package of the
+``serve`` extra, ~25 GB/s; else zlib's crc32, ~2 GB/s; sha256 runs at ~1 GB/s) and the ref carries
+the digest; :func:`take` checks the artifact's fingerprint and the digest before it returns: a
+foreign or corrupted block is a :class:`KVBlockError`, never imported.
+
+Names. ``kvforge-<pid>-...`` after the creating process, in ``/dev/shm`` (Linux's POSIX shared
+memory: what ``shm_open`` and ``multiprocessing.shared_memory`` use). Opened with ``os.open``
+rather than ``SharedMemory``: Python 3.11's resource tracker would unlink a segment when its
+creator exits (or warn about one the other side unlinked), and its ``close`` fails while numpy
+views exist. A supervisor cleans up after a dead worker with :func:`unlink_segments` (its pid);
+views already taken stay valid until dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.runtime.kv.block import DTYPES, KVBlockError
+from kvforge.runtime.kv.handoff import Handoff
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "kvforge-"
+SLOT_HEADER = 4096  # an arena slot: one page holding its state word, then the data (page-aligned)
+_FREE = 0  # a slot's state word: 0 once free again (set by the taker), else the id of its allocation
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page in one call, not a fault each
+
+try:
+    import xxhash
+except ImportError:  # the serve extra brings it; crc32 is the slower fallback
+    xxhash = None
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """The name prefix of the segments created by process ``pid`` (default: this one)."""
+    return f"{PREFIX}{os.getpid() if pid is None else int(pid)}-"
+
+
+def checksum(data: np.ndarray | memoryview, algorithm: str | None = None) -> str:
+    """``"algorithm:hex digest"`` of ``data``'s bytes (C-contiguous); algorithm ``xxh3_64`` (when
+    ``xxhash`` is installed, the default then) or ``crc32``."""
+    algorithm = algorithm or ("xxh3_64" if xxhash is not None else "crc32")
+    raw = memoryview(data).cast("B")
+    if algorithm == "xxh3_64":
+        if xxhash is None:
+            raise KVBlockError(
+                "this KV hand-off was hashed with xxh3_64, but the xxhash package is not installed here: "
+                "pip install 'kvforge[serve]' on every worker"
+            )
+        return f"xxh3_64:{xxhash.xxh3_64_hexdigest(raw)}"
+    if algorithm == "crc32":
+        return f"crc32:{zlib.crc32(raw):08x}"
+    raise KVBlockError(f"unknown checksum algorithm {algorithm!r}: expected xxh3_64 or crc32")
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """Where a hand-off's KV is (segment ``name``, bytes ``[offset, offset + nbytes)``), its
+    ``checksum`` and the hand-off's ``header`` (:meth:`Handoff.header`); ``slot``: the offset of
+    its slot's state word in an arena (None: a segment of its own), which holds ``slot_id`` until
+    the slot is freed. Plain data: pickle it or send :meth:`to_dict` as JSON."""
+
+    name: str
+    nbytes: int
+    checksum: str
+    header: dict[str, Any]
+    offset: int = 0
+    slot: int | None = None
+    slot_id: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShmRef:
+        slot = d.get("slot")
+        return cls(
+            str(d["name"]),
+            int(d["nbytes"]),
+            str(d["checksum"]),
+            dict(d["header"]),
+            int(d.get("offset", 0)),
+            None if slot is None else int(slot),
+            int(d.get("slot_id", 0)),
+        )
+
+
+def _map(name: str, nbytes: int = 0, create: bool = False, writable: bool = True) -> mmap.mmap:
+    """Segment ``name`` mapped whole (created with ``nbytes`` bytes when ``create``), its pages
+    populated at once."""
+    fd = os.open(
+        SHM_DIR / name, (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0), 0o600
+    )
+    try:
+        if create:
+            os.ftruncate(fd, max(nbytes, 1))
+        size = os.fstat(fd).st_size
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+    except BaseException:
+        if create:
+            os.unlink(SHM_DIR / name)
+        raise
+    finally:
+        os.close(fd)
+
+
+class SegmentAllocator:
+    """This process's shared memory for hand-offs (module docstring): a scheduler's
+    ``block_alloc`` (``nbytes -> writable buffer``) and :meth:`put`, which turns a hand-off whose
+    data is in it into a ref. ``arena_bytes``: the arena's size (0: no arena, a segment per
+    block). Thread-safe (the scheduler's thread allocates, a worker's thread puts)."""
+
+    def __init__(self, arena_bytes: int = 256 * 2**20) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[str, int | None]] = {}  # data address -> (segment, slot): allocated, not put
+        self._slots: dict[int, int] = {}  # slot offset -> bytes (its header page included) of the used slots
+        self._count = itertools.count(1)
+        self.arena_name: str | None = None
+        self._arena: np.ndarray | None = None
+        if arena_bytes:
+            self.arena_name = f"{segment_prefix()}arena-{secrets.token_hex(4)}"
+            self._arena = np.frombuffer(_map(self.arena_name, arena_bytes, create=True), dtype=np.uint8)
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            slot = self._reserve(SLOT_HEADER + nbytes)
+            if slot is not None:
+                self._state(slot)[0] = next(self._count)
+                buf = self._arena[slot + SLOT_HEADER : slot + SLOT_HEADER + nbytes]
+                self._open[buf.ctypes.data] = (self.arena_name, slot)
+                return buf
+        name = f"{segment_prefix()}{next(self._count)}-{secrets.token_hex(4)}"
+        buf = np.frombuffer(_map(name, nbytes, create=True), dtype=np.uint8, count=nbytes)
+        with self._lock:
+            self._open[buf.ctypes.data] = (name, None)
+        return buf
+
+    def _state(self, slot: int) -> np.ndarray:
+        return self._arena[slot : slot + 8].view(np.uint64)
+
+    def _reserve(self, size: int) -> int | None:
+        """First fit in the arena, after reclaiming the slots their takers freed; None: no room."""
+        if self._arena is None:
+            return None
+        size = -(-size // SLOT_HEADER) * SLOT_HEADER
+        allocated = {slot for _, slot in self._open.values()}
+        for slot in [s for s in self._slots if self._state(s)[0] == _FREE and s not in allocated]:
+            del self._slots[slot]
+        at = 0
+        for slot in sorted(self._slots):
+            if slot - at >= size:
+                break
+            at = slot + self._slots[slot]
+        if at + size > len(self._arena):
+            return None
+        self._slots[at] = size
+        return at
+
+    def put(self, handoff: Handoff) -> ShmRef:
+        """The ref of ``handoff``: its data where it is when it was exported into this allocator's
+        memory (no copy), else copied into new memory of it. The data is hashed here."""
+        data = handoff.block.data
+        with self._lock:
+            where = self._open.pop(data.ctypes.data, None) if data.flags.c_contiguous else None
+        if where is None:
+            buf = self(data.nbytes)
+            np.copyto(buf.view(data.dtype).reshape(data.shape), data)
+            with self._lock:
+                where = self._open.pop(buf.ctypes.data)
+        name, slot = where
+        if slot is None:
+            return ShmRef(name, data.nbytes, checksum(data), handoff.header())
+        slot_id = int(self._state(slot)[0])
+        return ShmRef(name, data.nbytes, checksum(data), handoff.header(), slot + SLOT_HEADER, slot, slot_id)
+
+    def close(self) -> None:
+        """Unlink the arena (views taken stay valid until dropped) and the segments allocated and
+        never put (a hand-off that failed or was dropped)."""
+        with self._lock:
+            names = [name for name, slot in self._open.values() if slot is None]
+            self._open, self._slots = {}, {}
+        for name in [*names, *([self.arena_name] if self.arena_name else [])]:
+            _unlink(name)
+
+
+_segments = SegmentAllocator(arena_bytes=0)
+_arenas: dict[str, np.ndarray] = {}  # the arenas this process took from: mapped once, kept
+_lock = threading.Lock()
+
+
+def put(handoff: Handoff) -> ShmRef:
+    """``handoff``'s ref, its data copied into a segment of its own (unlinked by its taker); a
+    worker that hands off many blocks uses a :class:`SegmentAllocator` (an arena, no new pages)."""
+    return _segments.put(handoff)
+
+
+def _gone(ref: ShmRef) -> KVBlockError:
+    return KVBlockError(
+        f"the shared-memory segment {ref.name} of this KV hand-off is gone (taken already, or its prefill "
+        "worker died and its segments were cleaned up): run the request again"
+    )
+
+
+def _arena(ref: ShmRef) -> np.ndarray:
+    """``ref``'s arena, mapped at its first take (the mappings of arenas unlinked since, their
+    workers gone, are dropped then)."""
+    with _lock:
+        arena = _arenas.get(ref.name)
+        if arena is None:
+            for name in [n for n in _arenas if not (SHM_DIR / n).exists()]:
+                del _arenas[name]
+            try:
+                arena = _arenas[ref.name] = np.frombuffer(_map(ref.name), dtype=np.uint8)
+            except FileNotFoundError:
+                raise _gone(ref) from None
+    if not (ref.slot is not None and 0 <= ref.slot < ref.offset and ref.offset + ref.nbytes <= len(arena)):
+        raise KVBlockError(
+            f"this KV hand-off's bytes [{ref.offset}, {ref.offset + ref.nbytes}) are not inside arena {ref.name} "
+            f"of {len(arena)} bytes: the ref is corrupted"
+        )
+    return arena
+
+
+def _slot_state(ref: ShmRef) -> np.ndarray:
+    """The state word of ``ref``'s arena slot; KVBlockError when the slot is no longer ``ref``'s."""
+    state = _arena(ref)[ref.slot : ref.slot + 8].view(np.uint64)
+    if int(state[0]) != ref.slot_id or ref.slot_id == _FREE:
+        raise KVBlockError(
+            f"the arena slot of this KV hand-off in {ref.name} was freed (taken already, or discarded): "
+            "run the request again"
+        )
+    return state
+
+
+def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None) -> Handoff:
+    """The hand-off of ``ref`` (taken once), its block's data a read-only view on shared memory:
+    a segment of its own is unlinked at once (its memory stays until the view is dropped), an
+    arena slot is freed by ``handoff.release()``, which the scheduler calls once the block is
+    imported. KVBlockError (the memory freed too) when the memory is gone or shorter than the ref
+    says, when (with ``fingerprint``: the importing engine's ``kv_fingerprint``) it comes from
+    another artifact, or when the data does not match its checksum."""
+    release = None
+    if ref.slot is None:
+        try:
+            pages = _map(ref.name, writable=False)
+        except FileNotFoundError:
+            raise _gone(ref) from None
+        finally:
+            _unlink(ref.name)
+        if len(pages) < ref.nbytes:
+            raise KVBlockError(
+                f"the shared-memory segment {ref.name} holds {len(pages)} bytes, the hand-off needs {ref.nbytes}: "
+                "it is truncated; run the request again"
+            )
+        raw = np.frombuffer(pages, dtype=np.uint8, count=ref.nbytes)
+    else:
+        state = _slot_state(ref)
+        raw = _arena(ref)[ref.offset : ref.offset + ref.nbytes]
+        raw.flags.writeable = False
+
+        def release() -> None:
+            if int(state[0]) == ref.slot_id:  # still this hand-off's
+                state[0] = _FREE
+
+    try:
+        b = ref.header["block"]
+        dtype = np.dtype(DTYPES.get(b["dtype"], b["dtype"]))
+        handoff = Handoff.from_parts(ref.header, raw.view(dtype).reshape(b["shape"]))  # reads no data
+        if fingerprint is not None:
+            handoff.block.check_compatible(fingerprint)
+        algorithm = ref.checksum.partition(":")[0]
+        if checksum(raw, algorithm) != ref.checksum:
+            raise KVBlockError(
+                f"the KV hand-off in shared-memory segment {ref.name} does not match its {algorithm} checksum: "
+                "the data was corrupted or overwritten; it is not imported (run the request again)"
+            )
+    except BaseException:
+        if release is not None:
+            release()
+        raise
+    handoff.on_release = release
+    return handoff
+
+
+def _unlink(name: str) -> bool:
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def discard(ref: ShmRef) -> bool:
+    """Free ``ref``'s memory without reading it (a request cancelled in transit): unlink its own
+    segment, or mark its arena slot free; False when it was gone already."""
+    if ref.slot is None:
+        return _unlink(ref.name)
+    try:
+        _slot_state(ref)[0] = _FREE
+    except KVBlockError:
+        return False
+    return True
+
+
+def pending(ref: ShmRef) -> bool:
+    """Whether ``ref``'s block is still there to take (not taken, discarded or cleaned up): e.g.
+    to resume a sequence on another decode worker when the one it was sent to died."""
+    if ref.slot is None:
+        return (SHM_DIR / ref.name).exists()
+    try:
+        _slot_state(ref)
+    except KVBlockError:
+        return False
+    return True
+
+
+def segments(pid: int | None = None) -> list[str]:
+    """Names of the kvforge segments that exist now, of process ``pid`` (None: every process's)."""
+    prefix = PREFIX if pid is None else segment_prefix(pid)
+    return sorted(p.name for p in SHM_DIR.glob(f"{prefix}*"))
+
+
+def unlink_segments(pid: int) -> list[str]:
+    """Unlink every segment created by process ``pid`` (a worker that died: its hand-offs not yet
+    taken); returns their names."""
+    return [name for name in segments(pid) if _unlink(name)]
