@@ -100,7 +100,8 @@ class Server:
 def handoff_metrics(url: str) -> dict[str, float]:
     """The ``/metrics`` counters, histogram sums and counts whose name contains ``handoff``
     (summed over labels): ``kvforge_handoffs_total``, ``kvforge_handoff_bytes_total``,
-    ``kvforge_handoff_export_seconds_sum`` (prefill side), ``kvforge_handoff_seconds_sum`` (decode side)."""
+    ``kvforge_handoff_export_seconds_sum`` (the prefill worker's export), ``kvforge_handoff_seconds_sum``
+    (from the hand-off to the decode worker's resume: the pipe, any wait for a row, the import)."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.TransportError:
@@ -118,7 +119,8 @@ def handoff_metrics(url: str) -> dict[str, float]:
 
 
 def handoff_figures(metrics: dict[str, float], memcpy_bytes_per_s: float, prefill_s: float) -> dict:
-    """Per hand-off: bytes, ms on each side, GB/s end to end (export + import), that against a
+    """Per hand-off: bytes, ms of the export and from the hand-off to the resume (which includes
+    waiting for a decode row: an upper bound on the import), GB/s over both, that against a
     plain memcpy of the same bytes, and against the prefill it saves (the decode side would
     otherwise prefill the prompt again: ``bytes / kv_bytes_per_token`` tokens)."""
     count = metrics.get("kvforge_handoffs_total") or 0
@@ -132,7 +134,7 @@ def handoff_figures(metrics: dict[str, float], memcpy_bytes_per_s: float, prefil
         "count": int(count),
         "mb_per_handoff": nbytes / 1e6,
         "export_ms": export * 1e3,
-        "import_ms": other * 1e3,
+        "to_resume_ms": other * 1e3,
         "gb_per_s": nbytes / seconds / 1e9 if seconds else None,
         "share_of_memcpy": (nbytes / seconds) / memcpy_bytes_per_s if seconds else None,
         "prefill_saved_ms": prefill_s * 1e3,
@@ -217,7 +219,7 @@ def format_report(report: dict) -> str:
         if h:
             lines.append(
                 f"  {'':<12}hand-off: {h['count']} of {h['mb_per_handoff']:.1f} MB on average, export "
-                f"{h['export_ms']:.1f} ms + import {h['import_ms']:.1f} ms = {h['gb_per_s']:.2f} GB/s "
+                f"{h['export_ms']:.1f} ms + to resume {h['to_resume_ms']:.1f} ms = {h['gb_per_s']:.2f} GB/s "
                 f"({h['share_of_memcpy']:.0%} of memcpy); the prefill of those tokens: {h['prefill_saved_ms']:.0f} ms "
                 "(1 thread, modelled)"
             )
