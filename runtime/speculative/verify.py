@@ -20,9 +20,14 @@ lengths set to what they now hold. One step:
    hold stale keys and values that no query attends (they lie past the row's length) and the next
    call overwrites them.
 
-The gqa lowering verifies one row per call (ONNX Runtime's GroupQueryAttention refuses several
-tokens per row for more than one row: "batch_size must be 1 when sequence_length > 1 and past
-context is given"); with more decoding rows this step declines and the loop decodes plainly.
+The gqa lowering cannot verify several rows in one call (ONNX Runtime's GroupQueryAttention:
+"batch_size must be 1 when sequence_length > 1 and past context is given"). With more than one
+decoding row there, a step is split (:meth:`Verifier._split_step`): ONE plain decode call over all
+rows gives every row its next token, which also checks each row's first draft; a row whose first
+draft was right then verifies the rest of its drafts in a call of its own (batch 1, written after
+that token), when its expected tokens pay for the call: ``1 + a + a² + …`` (``a``: the row's
+acceptance rate so far) per :func:`call_cost` of its width must beat the batched step's tokens per
+its cost. A row whose first draft was wrong cost nothing more than plain decoding.
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ from __future__ import annotations
 import numpy as np
 
 NO_DRAFT: list[int] = []
+
+# The cost of an engine call relative to a one-token, one-row step (SmolLM2-135M fp32, ORT CPU, 2
+# threads, 300 cached positions, benchmarks/README.md "Verify width"): each more token of a row
+# ~+7.5%, each more row of a decode step ~+12%. Only their ratio steers the split step.
+WIDTH_COST = 0.075
+ROW_COST = 0.12
+
+
+def call_cost(rows: int, width: int) -> float:
+    """Estimated cost of a call of ``rows`` rows and ``width`` tokens each, in one-token steps."""
+    return 1.0 + ROW_COST * (rows - 1) + WIDTH_COST * (width - 1) * rows
 
 
 class Verifier:
@@ -43,10 +59,8 @@ class Verifier:
 
     def step(self, gens: list, first: int) -> bool:
         """Draft, verify and accept for ``gens`` (in rows ``first, first + 1, ...``). Returns False,
-        having run nothing, when no row proposed a token or the rows cannot verify together."""
+        having run nothing, when no row proposed a token."""
         engine, n = self.engine, len(gens)
-        if n > 1 and not engine.verify_together:
-            return False
         lengths, max_seq = engine.lengths, engine.max_seq
         drafts = self._drafts
         drafts.clear()
@@ -66,6 +80,9 @@ class Verifier:
         width = min(1 + longest, least_room)  # every row writes `width` positions
         if width < 2:
             return False
+        if n > 1 and not engine.verify_together:
+            self._split_step(gens, first)
+            return True
         ids = engine.verify_ids(n, width)  # [n, width]
         for i, (g, p) in enumerate(zip(gens, drafts)):
             if len(p) >= width:
@@ -94,6 +111,83 @@ class Verifier:
             if p and g.drafting is not None:
                 g.drafting.learn(len(p), accepted)
         return True
+
+    def _split_step(self, gens: list, first: int) -> None:
+        """The gqa lowering with several rows: one decode call for all, then a batch-1 verify call
+        per row whose first draft the decode confirmed and whose expected tokens pay for it."""
+        engine, n, drafts = self.engine, len(gens), self._drafts
+        lengths, max_seq = engine.lengths, engine.max_seq
+        ids = engine.decode_ids(n)
+        for i, g in enumerate(gens):
+            ids[i] = g.token_ids[-1]
+        try:
+            logits = engine.decode_rows(n, first)  # [n, V]; every row's length + 1
+        except Exception as error:
+            for g in gens:
+                g.fail(error)
+            return
+        greedy = None
+        if any(g.sampler.plain_greedy for g in gens):
+            greedy = self._greedy[:n]
+            np.argmax(logits, axis=-1, out=greedy)
+        batch_rate = n / call_cost(n, 1)  # tokens per unit of cost of this plain step
+        follow = []  # (row, its remaining drafts) to verify alone
+        for i, (g, p) in enumerate(zip(gens, drafts)):
+            row = first + i
+            try:
+                if not p:
+                    token = g.pick(logits[i], None if greedy is None else int(greedy[i]))
+                    g.accept(token, room=bool(lengths[row] < max_seq))
+                    continue
+                if g.sampler.plain_greedy:
+                    token = int(greedy[i])
+                    g.sampler.record(token)
+                else:
+                    token = g.sampler.verify(logits[i], p[0])
+                hit = token == p[0]
+                g.accept(token, room=bool(lengths[row] < max_seq))
+            except Exception as error:
+                g.fail(error)
+                continue
+            rest = p[1 : max_seq - int(lengths[row])]  # the row writes token + rest
+            if hit and not g.done and rest and _pays(g.drafting, 1 + len(rest), batch_rate):
+                follow.append((i, rest))
+            elif g.drafting is not None:
+                g.drafting.learn(1, int(hit))  # only the first draft was checked
+        for i, rest in follow:
+            g, row = gens[i], first + i
+            base = int(lengths[row])  # the first draft's position
+            width = 1 + len(rest)
+            vids = engine.verify_ids(1, width)
+            vids[0, 0] = g.token_ids[-1]
+            vids[0, 1:] = rest
+            try:
+                vlogits = engine.verify_rows(1, width, row)[0]  # [width, V]
+            except Exception as error:
+                g.fail(error)
+                lengths[row] = base
+                continue
+            vgreedy = None
+            if g.sampler.plain_greedy:
+                vgreedy = self._greedy[:width]
+                np.argmax(vlogits, axis=-1, out=vgreedy)
+            accepted = 0
+            try:
+                accepted = _accept_row(g, rest, vlogits, vgreedy, base, max_seq)
+            except Exception as error:
+                g.fail(error)
+            lengths[row] = base + 1 + accepted
+            if g.drafting is not None:
+                g.drafting.learn(width, 1 + accepted)
+
+
+def _pays(drafting, width: int, batch_rate: float) -> bool:
+    """Whether a batch-1 verify call of ``width`` tokens (the confirmed first draft and the rest)
+    is expected to give more tokens per cost than the batched decode step (``batch_rate``)."""
+    a = drafting.accepted / drafting.drafted if drafting is not None and drafting.drafted else 0.5
+    a = min(a, 0.98)
+    expected = (1 - a**width) / (1 - a)  # the run of accepted drafts after the first, and the bonus
+    return expected / call_cost(1, width) > batch_rate
 
 
 def _accept_row(g, draft: list[int], logits: np.ndarray, greedy: np.ndarray | None, base: int, max_seq: int) -> int:
