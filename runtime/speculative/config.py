@@ -28,7 +28,7 @@ class SpeculativeConfig:
     ngram_max: int = 3
     ngram_min: int = 2
     adaptive: bool = True
-    prediction_k: int = 8
+    prediction_k: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -120,7 +120,9 @@ class RowDrafting:
     Adaptive length (``adaptive=True``): a step whose drafts are all accepted doubles the length (up
     to ``k``); a partial acceptance sets it to the accepted count + 1; a step with nothing accepted
     also pauses drafting for 1, 2, 4, ... 16 steps (reset by the next acceptance), so a row whose
-    text offers nothing to copy decodes plainly."""
+    text offers nothing to copy decodes plainly. A prediction's row does not pause (its drafter
+    proposes nothing while the output is off the prediction, and re-joins it at once when it comes
+    back); nothing accepted halves its length."""
 
     def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False) -> None:
         self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
@@ -155,6 +157,8 @@ class RowDrafting:
         elif accepted > 0:
             self.k = accepted + 1
             self.misses = 0
+        elif self.prediction:
+            self.k = max(1, self.k // 2)
         else:
             self.k = 1
             self.pause = min(1 << self.misses, 16)
