@@ -21,6 +21,10 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from kvforge.runtime.speculative.cost import best_k
+
+PROBE = 16  # a draft model's row that does not draft tries one token every PROBE steps
+
 
 class NgramDrafter:
     """Prompt lookup over ``prompt`` + the generated tokens."""
@@ -124,9 +128,15 @@ class RowDrafting:
     proposes nothing while the output is off the prediction, and re-joins it at once when it comes
     back); nothing accepted halves its length."""
 
-    def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False) -> None:
+    def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False, token_cost=None) -> None:
         self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
         self.prediction = prediction  # the drafter is the request's explicit prediction
+        # A draft model's cost per drafted token in target steps (a callable; None until measured):
+        # then the length is the one with the most expected tokens per cost, 0 when plain decoding
+        # is cheaper (a probe of one token every PROBE steps keeps the acceptance rate current).
+        self.token_cost = token_cost
+        self.rate = 0.6  # recent acceptance rate per drafted token (moving average)
+        self.idle = 0
         self.k = k
         self.pause = 0
         self.misses = 0
@@ -136,6 +146,13 @@ class RowDrafting:
 
     def propose(self, generated: Sequence[int], room: int) -> list[int]:
         """Up to ``min(k, room)`` tokens to verify after ``generated`` (empty: a plain step)."""
+        cost = self.token_cost() if self.adaptive and self.token_cost is not None else None
+        if cost is not None:
+            k = best_k(self.rate, min(self.k_max, room), cost)
+            self.idle = 0 if k else self.idle + 1
+            if not k and self.idle >= PROBE:
+                k, self.idle = 1, 0
+            return self.drafter.propose(generated, k)[:k] if k > 0 else []
         if self.pause > 0:
             self.pause -= 1
             return []
@@ -149,6 +166,7 @@ class RowDrafting:
         self.steps += 1
         self.drafted += proposed
         self.accepted += accepted
+        self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
         if not self.adaptive:
             return
         if accepted == proposed:

@@ -27,25 +27,18 @@ rows gives every row its next token, which also checks each row's first draft; a
 draft was right then verifies the rest of its drafts in a call of its own (batch 1, written after
 that token), when its expected tokens pay for the call: ``1 + a + a² + …`` (``a``: the row's
 acceptance rate so far) per :func:`call_cost` of its width must beat the batched step's tokens per
-its cost. A row whose first draft was wrong cost nothing more than plain decoding.
+its cost (:mod:`.cost`). A row whose first draft was wrong cost nothing more than plain decoding.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from kvforge.runtime.speculative.cost import call_cost, expected_tokens
+
 NO_DRAFT: list[int] = []
-
-# The cost of an engine call relative to a one-token, one-row step (SmolLM2-135M fp32, ORT CPU, 2
-# threads, 300 cached positions, benchmarks/README.md "Verify width"): each more token of a row
-# ~+7.5%, each more row of a decode step ~+12%. Only their ratio steers the split step.
-WIDTH_COST = 0.075
-ROW_COST = 0.12
-
-
-def call_cost(rows: int, width: int) -> float:
-    """Estimated cost of a call of ``rows`` rows and ``width`` tokens each, in one-token steps."""
-    return 1.0 + ROW_COST * (rows - 1) + WIDTH_COST * (width - 1) * rows
 
 
 class Verifier:
@@ -92,7 +85,9 @@ class Verifier:
             ids[i, 1 + len(p) :] = 0  # padding: written past the row's length, never attended
         base = [int(lengths[first + i]) for i in range(n)]
         try:
+            started = time.perf_counter()
             logits = engine.verify_rows(n, width, first)  # [n, width, V]
+            self._timed(time.perf_counter() - started, n, width)
         except Exception as error:  # the engine call failed: its requests fail, the loop goes on
             for g in gens:
                 g.fail(error)
@@ -112,6 +107,12 @@ class Verifier:
                 g.drafting.learn(len(p), accepted)
         return True
 
+    def _timed(self, seconds: float, rows: int, width: int) -> None:
+        """A draft model's choice of k weighs its own time against the target's step time."""
+        model = self.engine.draft_model
+        if model is not None:
+            model.target_step(seconds / call_cost(rows, width))
+
     def _split_step(self, gens: list, first: int) -> None:
         """The gqa lowering with several rows: one decode call for all, then a batch-1 verify call
         per row whose first draft the decode confirmed and whose expected tokens pay for it."""
@@ -121,7 +122,9 @@ class Verifier:
         for i, g in enumerate(gens):
             ids[i] = g.token_ids[-1]
         try:
+            started = time.perf_counter()
             logits = engine.decode_rows(n, first)  # [n, V]; every row's length + 1
+            self._timed(time.perf_counter() - started, n, 1)
         except Exception as error:
             for g in gens:
                 g.fail(error)
@@ -162,7 +165,9 @@ class Verifier:
             vids[0, 0] = g.token_ids[-1]
             vids[0, 1:] = rest
             try:
+                started = time.perf_counter()
                 vlogits = engine.verify_rows(1, width, row)[0]  # [width, V]
+                self._timed(time.perf_counter() - started, 1, width)
             except Exception as error:
                 g.fail(error)
                 lengths[row] = base
@@ -185,9 +190,7 @@ def _pays(drafting, width: int, batch_rate: float) -> bool:
     """Whether a batch-1 verify call of ``width`` tokens (the confirmed first draft and the rest)
     is expected to give more tokens per cost than the batched decode step (``batch_rate``)."""
     a = drafting.accepted / drafting.drafted if drafting is not None and drafting.drafted else 0.5
-    a = min(a, 0.98)
-    expected = (1 - a**width) / (1 - a)  # the run of accepted drafts after the first, and the bonus
-    return expected / call_cost(1, width) > batch_rate
+    return expected_tokens(a, width - 1) / call_cost(1, width) > batch_rate
 
 
 def _accept_row(g, draft: list[int], logits: np.ndarray, greedy: np.ndarray | None, base: int, max_seq: int) -> int:

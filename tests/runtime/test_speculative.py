@@ -18,7 +18,9 @@ Proves, on tiny random models built in-process:
   three tokens' distributions with and without drafts over 600 seeds each; seeded runs reproduce;
 * the scheduler runs mixed rows (n-gram, speculative=False, sampled, predicted) in one loop;
 * a draft model (the same tiny model compiled again) proposes what the target accepts; a draft
-  with another tokenizer and a schema-1 artifact are refused with messages saying what to do;
+  with another tokenizer and a schema-1 artifact are refused with messages saying what to do; a
+  draft model's length is the one with the most expected tokens per measured cost (none when its
+  tokens cost as much as the target's steps, one probe every 16 steps);
 * ``kvforge bench --speculative``, the server's usage and /metrics report drafted and accepted
   tokens; ``kvforge generate --speculative`` prints the plain continuation, bad values are one-line
   errors.
@@ -316,6 +318,28 @@ def test_draft_model_same_tokenizer(llama_artifact, llama_onnx_artifact):
         got = spec.generate(PROMPTS, max_new_tokens=20)
     assert [r.token_ids for r in got] == want
     assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in got)  # the same model: every draft is right
+
+
+def test_draft_model_length_follows_its_cost():
+    """A draft model's row drafts the length with the most expected tokens per cost: none when its
+    tokens cost as much as the target's steps (then one probe every 16 steps), several when they
+    are cheap and accepted."""
+    from kvforge.runtime.speculative import RowDrafting
+    from kvforge.runtime.speculative.cost import best_k
+
+    class Echo:
+        def propose(self, generated, k):
+            return [7] * k
+
+    cost = [1.0]
+    row = RowDrafting(Echo(), 8, token_cost=lambda: cost[0])
+    proposals = [len(row.propose([1], 8)) for _ in range(32)]
+    assert proposals == ([0] * 15 + [1]) * 2  # 0.6 acceptance at a step's cost: plain, and probes
+    cost[0] = 0.05
+    row.learn(1, 1)  # a recent run of accepted drafts
+    row.learn(1, 1)
+    assert len(row.propose([1], 8)) == best_k(row.rate, 8, 0.05) >= 4
+    assert best_k(0.3, 8, 0.05) <= 2 and best_k(0.9, 8, 0.5) >= 1 and best_k(0.3, 8, 0.5) == 0
 
 
 def test_refusals(llama_onnx_artifact, family_artifacts, tmp_path):
