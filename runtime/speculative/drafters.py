@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from kvforge.runtime.speculative.cost import best_k
 
-PROBE = 16  # a draft model's row that does not draft tries one token every PROBE steps
+PROBE = 16  # a draft model's row that does not draft tries one token after PROBE steps, then 2x later
 
 
 class NgramDrafter:
@@ -133,10 +133,11 @@ class RowDrafting:
         self.prediction = prediction  # the drafter is the request's explicit prediction
         # A draft model's cost per drafted token in target steps (a callable; None until measured):
         # then the length is the one with the most expected tokens per cost, 0 when plain decoding
-        # is cheaper (a probe of one token every PROBE steps keeps the acceptance rate current).
+        # is cheaper (a probe of one token after 16, 32, 64 ... steps keeps the acceptance rate current).
         self.token_cost = token_cost
         self.rate = 0.6  # recent acceptance rate per drafted token (moving average)
         self.idle = 0
+        self.probe_every = PROBE
         self.k = k
         self.pause = 0
         self.misses = 0
@@ -150,8 +151,11 @@ class RowDrafting:
         if cost is not None:
             k = best_k(self.rate, min(self.k_max, room), cost)
             self.idle = 0 if k else self.idle + 1
-            if not k and self.idle >= PROBE:
-                k, self.idle = 1, 0
+            if k:
+                self.probe_every = PROBE
+            elif self.idle >= self.probe_every:  # a probe; the next one twice as far (each one
+                k, self.idle = 1, 0  # brings the draft row up to date: a prefill of the tokens since)
+                self.probe_every = min(2 * self.probe_every, 256)
             return self.drafter.propose(generated, k)[:k] if k > 0 else []
         if self.pause > 0:
             self.pause -= 1

@@ -20,7 +20,7 @@ Proves, on tiny random models built in-process:
 * a draft model (the same tiny model compiled again) proposes what the target accepts; a draft
   with another tokenizer and a schema-1 artifact are refused with messages saying what to do; a
   draft model's length is the one with the most expected tokens per measured cost (none when its
-  tokens cost as much as the target's steps, one probe every 16 steps);
+  tokens cost as much as the target's steps, probes after 16, 32, ... steps);
 * ``kvforge bench --speculative``, the server's usage and /metrics report drafted and accepted
   tokens; ``kvforge generate --speculative`` prints the plain continuation, bad values are one-line
   errors.
@@ -322,7 +322,7 @@ def test_draft_model_same_tokenizer(llama_artifact, llama_onnx_artifact):
 
 def test_draft_model_length_follows_its_cost():
     """A draft model's row drafts the length with the most expected tokens per cost: none when its
-    tokens cost as much as the target's steps (then one probe every 16 steps), several when they
+    tokens cost as much as the target's steps (then a probe after 16 steps, 32, ...), several when they
     are cheap and accepted."""
     from kvforge.runtime.speculative import RowDrafting
     from kvforge.runtime.speculative.cost import best_k
@@ -333,8 +333,8 @@ def test_draft_model_length_follows_its_cost():
 
     cost = [1.0]
     row = RowDrafting(Echo(), 8, token_cost=lambda: cost[0])
-    proposals = [len(row.propose([1], 8)) for _ in range(32)]
-    assert proposals == ([0] * 15 + [1]) * 2  # 0.6 acceptance at a step's cost: plain, and probes
+    proposals = [len(row.propose([1], 8)) for _ in range(48)]
+    assert proposals == [0] * 15 + [1] + [0] * 31 + [1]  # 0.6 acceptance at a step's cost: plain, probes
     cost[0] = 0.05
     row.learn(1, 1)  # a recent run of accepted drafts
     row.learn(1, 1)
