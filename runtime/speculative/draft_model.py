@@ -8,7 +8,8 @@ the longest prefix it shares with them: a rejection shortens it, as in the targe
 of the missing tokens, then runs ``k - 1`` greedy decode steps: ``k`` tokens for ``k`` calls of a
 model much cheaper than the target. The draft engine's step API is used below its ownership layer:
 the target's batch loop, under the target's lock, is its only caller. Its time per drafted token
-and the target's time per step are measured as they run: a request's draft length is the one with
+(timed when the draft row was at most a step behind: the prompt's prefill is a one-time cost) and
+the target's time per step are measured as they run: a request's draft length is the one with
 the most expected tokens per cost (:func:`.cost.best_k`), none when drafting does not pay.
 """
 
@@ -120,7 +121,8 @@ class DraftModelDrafter:
             logits = engine.decode_rows(1, row)
             out.append(int(np.argmax(logits[0])))
         self.cached = tokens + out[:-1]
-        model.drafted(time.perf_counter() - started, len(out))
+        if len(tokens) - same <= k + 1:  # a step's catch-up, not the prompt's or a long gap's prefill
+            model.drafted(time.perf_counter() - started, len(out))
         # The target cannot take ids beyond its vocabulary: a draft stops before the first such id.
         for j, t in enumerate(out):
             if t >= model.target_vocab:
