@@ -9,7 +9,9 @@ lengths set to what they now hold. One step:
    no proposal anywhere -> ``False``, and the loop takes its plain decode step;
 2. one engine call of ``width = 1 + longest draft`` tokens per row (the row's last token, its
    drafts, padding for shorter rows) with logits at every position, ``[n, width, V]``. A row
-   without drafts takes its plain step in the same call (its logits at position 0);
+   without drafts takes its plain step in the same call (its logits at position 0). With several
+   rows every row pays the width, so the width is the one with the most expected tokens per cost
+   (each row's acceptance rate so far, :mod:`.cost`), drafts cut to it; a plain step when none wins;
 3. per row, position by position: the token is the draft when accepted (greedy: it is the argmax;
    sampling: ``Sampler.verify``'s rule, which keeps the target distribution), else the
    replacement, which ends the row's run; after the last draft, one more token from the last
@@ -76,6 +78,10 @@ class Verifier:
         if n > 1 and not engine.verify_together:
             self._split_step(gens, first)
             return True
+        if n > 1:  # one call for all rows: the width whose expected tokens per cost are highest
+            width = _best_width(gens, drafts, width)
+            if width < 2:
+                return False
         ids = engine.verify_ids(n, width)  # [n, width]
         for i, (g, p) in enumerate(zip(gens, drafts)):
             if len(p) >= width:
@@ -186,11 +192,30 @@ class Verifier:
                 g.drafting.learn(width, 1 + accepted)
 
 
+def _rate(drafting) -> float:
+    """A row's acceptance rate so far (0.7 before its first verified draft: a row is given the
+    chance to show what its drafts are worth)."""
+    return drafting.accepted / drafting.drafted if drafting is not None and drafting.drafted else 0.7
+
+
+def _best_width(gens: list, drafts: list[list[int]], widest: int) -> int:
+    """The width of a call of all rows (every row pays it: padding for shorter drafts) with the
+    most expected tokens per cost; 1 (a plain step) when no width beats it."""
+    n = len(gens)
+    best_width, best = 1, n / call_cost(n, 1)
+    for width in range(2, widest + 1):
+        tokens = sum(
+            expected_tokens(_rate(g.drafting), min(len(p), width - 1)) if p else 1.0 for g, p in zip(gens, drafts)
+        )
+        if tokens / call_cost(n, width) > best:
+            best_width, best = width, tokens / call_cost(n, width)
+    return best_width
+
+
 def _pays(drafting, width: int, batch_rate: float) -> bool:
     """Whether a batch-1 verify call of ``width`` tokens (the confirmed first draft and the rest)
     is expected to give more tokens per cost than the batched decode step (``batch_rate``)."""
-    a = drafting.accepted / drafting.drafted if drafting is not None and drafting.drafted else 0.5
-    return expected_tokens(a, width - 1) / call_cost(1, width) > batch_rate
+    return expected_tokens(_rate(drafting), width - 1) / call_cost(1, width) > batch_rate
 
 
 def _accept_row(g, draft: list[int], logits: np.ndarray, greedy: np.ndarray | None, base: int, max_seq: int) -> int:
