@@ -93,6 +93,8 @@ def measure(artifact: str, args) -> list[dict]:
         }
         ids = {k: plain.chat_prompt([{"role": "user", "content": v}]) for k, v in prompts.items()}
         for (kind, name), prompt in ids.items():
+            if args.batch_only:
+                break
             best = {}
             for _ in range(args.rounds):
                 for side, engine in (("plain", plain), ("spec", spec)):
@@ -187,6 +189,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch-only", action="store_true", help="with --batch: only the batch measurement")
     p.add_argument("--speculative", default=None, help="default: ngram:4, or draft:4 with --draft")
     p.add_argument("--draft", default=None)
     p.add_argument("--json", default=None)

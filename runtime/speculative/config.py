@@ -10,7 +10,7 @@ from kvforge.runtime import validate
 
 METHODS = ("ngram", "draft", "prediction")
 DEFAULT_K = 4
-MAX_K = 16
+MAX_K = 32
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class SpeculativeConfig:
     against the prompt and the output so far, the tokens that followed proposed), ``"draft"`` (a
     draft model, ``Engine.load(..., draft=DRAFT_OUT)``) or ``"prediction"`` (no drafter of the
     engine's own: only requests with ``SamplingParams(prediction=...)`` draft). ``k``: the most
-    tokens drafted per step (1..16); with ``adaptive`` the count follows the acceptance rate, and a
+    tokens drafted per step (1..32); with ``adaptive`` the count follows the acceptance rate, and a
     row whose drafts keep missing stops drafting for a while (so text with nothing to copy runs as
     plain decoding). ``prediction_k``: the most tokens of an explicit prediction drafted per step."""
 
@@ -28,7 +28,7 @@ class SpeculativeConfig:
     ngram_max: int = 3
     ngram_min: int = 2
     adaptive: bool = True
-    prediction_k: int = 8
+    prediction_k: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -7,12 +7,16 @@ draft). A proposal brings the draft row up to date with the request's tokens (th
 the longest prefix it shares with them: a rejection shortens it, as in the target) by one prefill
 of the missing tokens, then runs ``k - 1`` greedy decode steps: ``k`` tokens for ``k`` calls of a
 model much cheaper than the target. The draft engine's step API is used below its ownership layer:
-the target's batch loop, under the target's lock, is its only caller.
+the target's batch loop, under the target's lock, is its only caller. Its time per drafted token
+(timed when the draft row was at most a step behind: the prompt's prefill is a one-time cost) and
+the target's time per step are measured as they run: a request's draft length is the one with
+the most expected tokens per cost (:func:`.cost.best_k`), none when drafting does not pay.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -41,6 +45,23 @@ class DraftModel:
         self.engine = draft_engine
         self.target_vocab = target_engine.vocab_size
         self.rows: list[DraftModelDrafter | None] = [None] * draft_engine.max_batch
+        # Moving averages of the seconds a drafted token and a target step (one token, one row) take.
+        self.token_s: float | None = None
+        self.step_s: float | None = None
+
+    def target_step(self, seconds: float) -> None:
+        """The verify step reports a target call's time per step (see :func:`.cost.call_cost`)."""
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    def drafted(self, seconds: float, tokens: int) -> None:
+        per = seconds / tokens
+        self.token_s = per if self.token_s is None else 0.8 * self.token_s + 0.2 * per
+
+    def token_cost(self) -> float | None:
+        """A drafted token's cost in target steps; None until both have been timed."""
+        if self.token_s is None or not self.step_s:
+            return None
+        return self.token_s / self.step_s
 
     def drafter(self, prompt: Sequence[int], done: Callable[[], bool]) -> DraftModelDrafter:
         """A request's drafter; ``done()`` says when the request has finished (its row is free then)."""
@@ -76,6 +97,7 @@ class DraftModelDrafter:
             self.row = model.take_row(self)
             if self.row is None:
                 return []
+        started = time.perf_counter()
         tokens = self.prompt + [int(t) for t in generated]
         if len(tokens) + k > engine.max_seq:
             k = engine.max_seq - len(tokens)
@@ -99,6 +121,8 @@ class DraftModelDrafter:
             logits = engine.decode_rows(1, row)
             out.append(int(np.argmax(logits[0])))
         self.cached = tokens + out[:-1]
+        if len(tokens) - same <= k + 1:  # a step's catch-up, not the prompt's or a long gap's prefill
+            model.drafted(time.perf_counter() - started, len(out))
         # The target cannot take ids beyond its vocabulary: a draft stops before the first such id.
         for j, t in enumerate(out):
             if t >= model.target_vocab:

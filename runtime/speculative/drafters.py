@@ -12,13 +12,18 @@ request's drafter with the adaptive draft length and the counts a result reports
   up to date as tokens arrive (O(1) per token and per proposal, no scan of the text).
 * :class:`PredictionDrafter`: an explicit prediction (OpenAI's "predicted outputs"): while the
   output follows the prediction, the prediction's next tokens; after a divergence, the prediction
-  is re-entered after the first occurrence of the last ``n`` tokens in it.
+  is re-entered like a diff: where the output's last tokens occur nearest after the point it left.
 * :class:`kvforge.runtime.speculative.draft_model.DraftModelDrafter`: a smaller model's greedy tokens.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
+
+from kvforge.runtime.speculative.cost import best_k
+
+PROBE = 16  # a draft model's row that does not draft tries one token after PROBE steps, then 2x later
 
 
 class NgramDrafter:
@@ -56,32 +61,61 @@ class NgramDrafter:
 
 
 class PredictionDrafter:
-    """Proposes an explicit ``prediction`` (token ids the output is expected to repeat)."""
+    """Proposes an explicit ``prediction`` (token ids the output is expected to repeat), re-syncing
+    like a diff after the output leaves it.
 
-    def __init__(self, prediction: Sequence[int], ngram_max: int = 3, ngram_min: int = 1) -> None:
-        self.prediction = [int(t) for t in prediction]
-        self.at = 0  # the prediction's next token, while the output follows it
+    While the output follows the prediction, the prediction's next tokens are proposed. After a
+    divergence (an edit: tokens replaced, inserted or left out), the output's last ``n`` tokens
+    (``ngram_max`` down to ``ngram_min``) are looked up in the prediction, and the match chosen is
+    the one starting nearest at or after ``anchor`` (the end of the part the output last followed:
+    in a diff the output re-joins the prediction after where it left it), else the nearest before
+    it. A one-token match counts only within ``near`` tokens after the anchor (a common token
+    further on says little). An edit thus costs the tokens the model writes itself plus about one
+    step, wherever the same tokens recur elsewhere in the prediction."""
+
+    def __init__(self, prediction: Sequence[int], ngram_max: int = 4, ngram_min: int = 1, near: int = 16) -> None:
+        self.prediction = pred = [int(t) for t in prediction]
+        self.ngram_max, self.ngram_min, self.near = ngram_max, ngram_min, near
+        self.at: int | None = 0  # the prediction's next token while the output follows it; None: lost
+        self.anchor = 0  # where the output last followed the prediction to
         self.seen = 0
-        self.lookup = NgramDrafter([], ngram_max, ngram_min)  # re-entry after a divergence
-        self.lookup._extend(self.prediction)
         self.last: list[int] = []  # the latest ngram_max generated tokens
+        # n-gram -> the positions where it starts in the prediction (ascending), if a token follows it.
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+        for n in range(ngram_min, ngram_max + 1):
+            for i in range(len(pred) - n):
+                self.starts.setdefault(tuple(pred[i : i + n]), []).append(i)
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
-        pred = self.prediction
+        pred, at = self.prediction, self.at
         for t in generated[self.seen :]:
             t = int(t)
-            self.at = self.at + 1 if self.at is not None and self.at < len(pred) and pred[self.at] == t else None
-            self.last = [*self.last[-(self.lookup.ngram_max - 1) :], t] if self.lookup.ngram_max > 1 else [t]
-        self.seen = len(generated)
-        if self.at is None:  # diverged: re-enter after the first occurrence of the last n tokens
-            for n in range(min(self.lookup.ngram_max, len(self.last)), self.lookup.ngram_min - 1, -1):
-                at = self.lookup.index.get(tuple(self.last[-n:]))
-                if at is not None:
-                    self.at = at
-                    break
+            if at is not None and at < len(pred) and pred[at] == t:
+                at += 1
+                self.anchor = at
             else:
-                return []
-        return pred[self.at : self.at + k]
+                at = None
+            self.last.append(t)
+        del self.last[: -self.ngram_max]
+        self.seen = len(generated)
+        if at is None:
+            at = self._rejoin()
+        self.at = at
+        return [] if at is None else pred[at : at + k]
+
+    def _rejoin(self) -> int | None:
+        """The prediction's position after the output's last tokens, the nearest to the anchor."""
+        last, anchor = self.last, self.anchor
+        for n in range(min(self.ngram_max, len(last)), self.ngram_min - 1, -1):
+            starts = self.starts.get(tuple(last[-n:]))
+            if not starts:
+                continue
+            j = bisect_left(starts, anchor)
+            if j < len(starts) and (n > 1 or starts[j] - anchor <= self.near):
+                return starts[j] + n
+            if j > 0 and n > 1:
+                return starts[j - 1] + n
+        return None
 
 
 class RowDrafting:
@@ -90,11 +124,20 @@ class RowDrafting:
     Adaptive length (``adaptive=True``): a step whose drafts are all accepted doubles the length (up
     to ``k``); a partial acceptance sets it to the accepted count + 1; a step with nothing accepted
     also pauses drafting for 1, 2, 4, ... 16 steps (reset by the next acceptance), so a row whose
-    text offers nothing to copy decodes plainly."""
+    text offers nothing to copy decodes plainly. A prediction's row does not pause (its drafter
+    proposes nothing while the output is off the prediction, and re-joins it at once when it comes
+    back); nothing accepted halves its length."""
 
-    def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False) -> None:
+    def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False, token_cost=None) -> None:
         self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
         self.prediction = prediction  # the drafter is the request's explicit prediction
+        # A draft model's cost per drafted token in target steps (a callable; None until measured):
+        # then the length is the one with the most expected tokens per cost, 0 when plain decoding
+        # is cheaper (a probe of one token after 16, 32, 64 ... steps keeps the acceptance rate current).
+        self.token_cost = token_cost
+        self.rate = 0.6  # recent acceptance rate per drafted token (moving average)
+        self.idle = 0
+        self.probe_every = PROBE
         self.k = k
         self.pause = 0
         self.misses = 0
@@ -104,6 +147,16 @@ class RowDrafting:
 
     def propose(self, generated: Sequence[int], room: int) -> list[int]:
         """Up to ``min(k, room)`` tokens to verify after ``generated`` (empty: a plain step)."""
+        cost = self.token_cost() if self.adaptive and self.token_cost is not None else None
+        if cost is not None:
+            k = best_k(self.rate, min(self.k_max, room), cost)
+            self.idle = 0 if k else self.idle + 1
+            if k:
+                self.probe_every = PROBE
+            elif self.idle >= self.probe_every:  # a probe; the next one twice as far (each one
+                k, self.idle = 1, 0  # brings the draft row up to date: a prefill of the tokens since)
+                self.probe_every = min(2 * self.probe_every, 256)
+            return self.drafter.propose(generated, k)[:k] if k > 0 else []
         if self.pause > 0:
             self.pause -= 1
             return []
@@ -117,6 +170,7 @@ class RowDrafting:
         self.steps += 1
         self.drafted += proposed
         self.accepted += accepted
+        self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
         if not self.adaptive:
             return
         if accepted == proposed:
@@ -125,6 +179,8 @@ class RowDrafting:
         elif accepted > 0:
             self.k = accepted + 1
             self.misses = 0
+        elif self.prediction:
+            self.k = max(1, self.k // 2)
         else:
             self.k = 1
             self.pause = min(1 << self.misses, 16)

@@ -34,5 +34,6 @@ def drafting(gen, params, spec: SpeculativeConfig | None, draft_model, vocab_siz
     if spec is None or not params.speculative or spec.method == "prediction":
         return None
     if spec.method == "draft":
-        return RowDrafting(draft_model.drafter(gen.prompt_ids, lambda: gen.done), spec.k, spec.adaptive)
+        drafter = draft_model.drafter(gen.prompt_ids, lambda: gen.done)
+        return RowDrafting(drafter, spec.k, spec.adaptive, token_cost=draft_model.token_cost)
     return RowDrafting(NgramDrafter(gen.prompt_ids, spec.ngram_max, spec.ngram_min), spec.k, spec.adaptive)

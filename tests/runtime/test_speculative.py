@@ -4,7 +4,11 @@ Proves, on tiny random models built in-process:
 
 * greedy output with n-gram drafts is token-identical to plain decoding on three cache layouts (GQA
   Llama, MHA GPT-NeoX, sliding-window Mistral) in both lowerings (gqa, onnx), batch 1 and batch 3
-  (onnx rows verify in one call; gqa batches decline and decode plainly), with drafts accepted;
+  (onnx rows verify in one call; gqa batches take a split step: one batched decode, then batch-1
+  verify calls), with drafts accepted; under gqa, batch-3 rows with right predictions verify
+  several drafts per call and give the plain greedy tokens (seeded sampling reproduces);
+* the prediction drafter re-syncs like a diff after an insertion, a deletion and a replacement
+  (exact accepted counts on a constructed prediction, replayed against a known output);
 * explicit predictions (``SamplingParams(prediction=...)``): a right, half-right and wrong
   prediction give the plain output; a rejection at the first and at the last drafted position of
   a verify call; the accepted/rejected prediction counts;
@@ -14,7 +18,9 @@ Proves, on tiny random models built in-process:
   three tokens' distributions with and without drafts over 600 seeds each; seeded runs reproduce;
 * the scheduler runs mixed rows (n-gram, speculative=False, sampled, predicted) in one loop;
 * a draft model (the same tiny model compiled again) proposes what the target accepts; a draft
-  with another tokenizer and a schema-1 artifact are refused with messages saying what to do;
+  with another tokenizer and a schema-1 artifact are refused with messages saying what to do; a
+  draft model's length is the one with the most expected tokens per measured cost (none when its
+  tokens cost as much as the target's steps, probes after 16, 32, ... steps);
 * ``kvforge bench --speculative``, the server's usage and /metrics report drafted and accepted
   tokens; ``kvforge generate --speculative`` prints the plain continuation, bad values are one-line
   errors.
@@ -75,10 +81,68 @@ def test_greedy_identical_with_ngram_drafts(request, family, lowering):
         assert [r.token_ids for r in single] == want
     assert sum(r.accepted_tokens for r in single) > 0  # drafts were made and accepted
     assert all(r.accepted_tokens <= r.drafted_tokens for r in single)
-    if lowering == "onnx":
-        assert sum(r.accepted_tokens for r in batch) > 0  # rows verified together
-    else:
-        assert sum(r.drafted_tokens for r in batch) == 0  # gqa: several rows decode plainly
+    # onnx: the rows verify together; gqa: a batched decode checks each row's first draft
+    assert sum(r.accepted_tokens for r in batch) > 0
+
+
+def test_gqa_batch_verifies_rows_one_call_each(llama_artifact):
+    """gqa, three rows: a batched decode confirms each row's first draft, then each row verifies
+    the rest of its prediction alone; greedy tokens as plain decoding, seeded sampling reproducible."""
+    prompts = PROMPTS
+    config = SpeculativeConfig(method="prediction", prediction_k=6)
+    sampled = [SamplingParams(temperature=0.9, top_k=8, seed=s) for s in range(3)]
+    with Engine.load(llama_artifact) as plain, Engine.load(llama_artifact, speculative=config) as spec:
+        want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=30)]
+        greedy = [SamplingParams(temperature=0, prediction=w) for w in want]
+        got = spec.generate(prompts, max_new_tokens=30, sampling=greedy)
+        with_pred = [replace(p, prediction=w) for p, w in zip(sampled, want)]
+        runs = [spec.generate(prompts, max_new_tokens=30, sampling=with_pred) for _ in range(2)]
+    assert [r.token_ids for r in got] == want
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]  # seeded: reproducible
+    assert sum(r.drafted_tokens for r in runs[0]) > 0
+    for r in got:  # right predictions: runs of drafts verified per call, not one token per step
+        assert r.prediction_rejected == 0 and r.drafted_tokens >= 2 * r.verify_steps
+        assert r.verify_steps <= 12
+
+
+def _replay(drafter, want: list[int], k: int) -> tuple[int, int, int]:
+    """Speculative decoding of ``want`` as the target's output (the first token from the prefill):
+    ``drafter``'s proposals checked against it, the accepted run and one more token per call.
+    Returns (accepted, drafted, calls)."""
+    out, accepted, drafted, calls = want[:1], 0, 0, 0
+    while len(out) < len(want):
+        p = drafter.propose(out, k)[: len(want) - len(out) - 1]
+        run = 0
+        while run < len(p) and p[run] == want[len(out) + run]:
+            run += 1
+        accepted, drafted, calls = accepted + run, drafted + len(p), calls + 1
+        out = want[: len(out) + run + 1]
+    return accepted, drafted, calls
+
+
+def test_prediction_resyncs_like_a_diff():
+    """The prediction holds a block X twice; the output inserts 2 tokens (901, 902) into Y, replaces
+    X[8] of X's SECOND copy by 900 and leaves Z[10:13] out. Drafting 32 at a time:
+
+    1. X, Y[:6] accepted (30), the target writes 901 instead of Y[6];
+    2-3. 902, then Y[6] written plainly (nothing to match yet);
+    4. re-joined after Y[6] (one token, near where the output left): Y[7:], X[:8] accepted (13);
+       900 written;
+    5. X[9] written plainly;
+    6. re-joined at X's second copy (nearest after the anchor; the first occurrence would be the
+       first copy, whose continuation is Y, not Z): X[10:], Z[:10] accepted (24); Z[13] written
+       where Z[10] was drafted;
+    7. re-joined after Z[13] at once (the skip): the last 9 accepted.
+    """
+    from kvforge.runtime.speculative import PredictionDrafter
+
+    x, y, z = list(range(100, 124)), list(range(200, 212)), list(range(300, 324))
+    prediction = [1000, *x, *y, *x, *z]
+    want = [1000, *x, *y[:6], 901, 902, *y[6:], *x[:8], 900, *x[9:], *z[:10], *z[13:]]
+    accepted, drafted, calls = _replay(PredictionDrafter(prediction), want, 32)
+    assert (accepted, calls) == (30 + 13 + 24 + 9, 7)
+    assert calls + accepted == len(want) - 1  # each call: its accepted run and one token
+    assert drafted - accepted == 2 + 19 + 8  # rejected drafts: only at the three edits
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +168,8 @@ def test_predictions_right_half_wrong(engines):
     assert right.prediction_accepted == right.drafted_tokens == 18 and right.prediction_rejected == 0
     assert right.verify_steps == 5
     got_half = _greedy(spec, prompt, 24, prediction=half)
-    assert got_half.token_ids == want and 11 <= got_half.prediction_accepted < got_half.drafted_tokens
+    # the right half: tokens 1-4, 6-9 and 11 accepted (0 from the prefill, 5 and 10 the calls' own)
+    assert got_half.token_ids == want and 9 <= got_half.prediction_accepted < got_half.drafted_tokens
     got_wrong = _greedy(spec, prompt, 24, prediction=wrong)
     assert got_wrong.token_ids == want and got_wrong.prediction_rejected > 0
     assert _greedy(spec, prompt, 24, prediction=want, speculative=False).drafted_tokens == 0
@@ -253,6 +318,28 @@ def test_draft_model_same_tokenizer(llama_artifact, llama_onnx_artifact):
         got = spec.generate(PROMPTS, max_new_tokens=20)
     assert [r.token_ids for r in got] == want
     assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in got)  # the same model: every draft is right
+
+
+def test_draft_model_length_follows_its_cost():
+    """A draft model's row drafts the length with the most expected tokens per cost: none when its
+    tokens cost as much as the target's steps (then a probe after 16 steps, 32, ...), several when they
+    are cheap and accepted."""
+    from kvforge.runtime.speculative import RowDrafting
+    from kvforge.runtime.speculative.cost import best_k
+
+    class Echo:
+        def propose(self, generated, k):
+            return [7] * k
+
+    cost = [1.0]
+    row = RowDrafting(Echo(), 8, token_cost=lambda: cost[0])
+    proposals = [len(row.propose([1], 8)) for _ in range(48)]
+    assert proposals == [0] * 15 + [1] + [0] * 31 + [1]  # 0.6 acceptance at a step's cost: plain, probes
+    cost[0] = 0.05
+    row.learn(1, 1)  # a recent run of accepted drafts
+    row.learn(1, 1)
+    assert len(row.propose([1], 8)) == best_k(row.rate, 8, 0.05) >= 4
+    assert best_k(0.3, 8, 0.05) <= 2 and best_k(0.9, 8, 0.5) >= 1 and best_k(0.3, 8, 0.5) == 0
 
 
 def test_refusals(llama_onnx_artifact, family_artifacts, tmp_path):

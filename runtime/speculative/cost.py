@@ -1,0 +1,40 @@
+"""What drafting costs, in units of one plain step (one token, one row): the choice of how many
+tokens to draft, and whether a row's drafts pay for a call of their own.
+
+* :func:`call_cost`: an engine call of ``rows × width`` tokens. Measured on SmolLM2-135M fp32, ORT
+  CPU, 2 threads, 300 cached positions (benchmarks/README.md, "Verify width"): each more token of a
+  row ~+7.5%, each more row of a decode step ~+12%. Only ratios of these costs steer anything.
+* :func:`expected_tokens`: a verify call's tokens when each draft is right with probability ``a``
+  (the accepted run and the one token after it).
+* :func:`best_k`: the draft length with the most tokens per cost when each drafted token also
+  costs ``token_cost`` steps (a draft model's forward pass); 0 when plain decoding is cheaper.
+"""
+
+from __future__ import annotations
+
+WIDTH_COST = 0.075
+ROW_COST = 0.12
+MAX_RATE = 0.98  # an acceptance rate is never taken as certain
+
+
+def call_cost(rows: int, width: int) -> float:
+    """Estimated cost of a call of ``rows`` rows and ``width`` tokens each, in one-token steps."""
+    return 1.0 + ROW_COST * (rows - 1) + WIDTH_COST * (width - 1) * rows
+
+
+def expected_tokens(a: float, drafts: int) -> float:
+    """Tokens of a verify call with ``drafts`` drafts, each right with probability ``a``: the run of
+    accepted drafts and the token after it, ``1 + a + … + a^drafts``."""
+    a = min(a, MAX_RATE)
+    return (1 - a ** (drafts + 1)) / (1 - a)
+
+
+def best_k(a: float, limit: int, token_cost: float) -> int:
+    """The draft length in ``0..limit`` with the most tokens per cost (0: plain decoding, one token
+    per step), when drafting costs ``token_cost`` steps per token."""
+    best, best_rate = 0, 1.0
+    for k in range(1, limit + 1):
+        rate = expected_tokens(a, k) / (k * token_cost + call_cost(1, k + 1))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
