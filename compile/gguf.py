@@ -19,6 +19,8 @@ Needs the ``gguf`` extra (``pip install "kvforge[gguf]"``: the ``gguf`` and ``ac
 from __future__ import annotations
 
 import contextlib
+import io
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,16 +96,24 @@ def convert(gguf_file: str | Path, out_dir: str | Path) -> Path:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """transformers' GGUF loader draws two progress bars; hidden for the conversion, then restored."""
+    """transformers' GGUF loader draws progress bars; hidden for the conversion, then restored.
+    The ``Loading weights`` bar obeys transformers' own switch; the ``Converting and de-quantizing
+    GGUF tensors`` bar is a bare ``tqdm`` on ``sys.stderr``, so stderr is collected for the block
+    and written back without the bars' lines (tqdm redraws with ``\r``; a warning has none)."""
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    collected = io.StringIO()
     try:
-        yield
+        with contextlib.redirect_stderr(collected):
+            yield
     finally:
         if shown:
             hf_logging.enable_progress_bar()
+        kept = [line for line in collected.getvalue().split("\n") if line and "\r" not in line]
+        if kept:
+            sys.stderr.write("\n".join(kept) + "\n")
 
 
 @dataclass(frozen=True)

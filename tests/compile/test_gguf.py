@@ -139,10 +139,11 @@ def test_repacked_node_alone_in_ort_reproduces_the_tensor(gguf_file, name):
     np.testing.assert_array_equal(y[0], rows.T)
 
 
-def test_conversion_writes_the_dequantized_tensors_and_chat_template(gguf_file, tmp_path):
+def test_conversion_writes_the_dequantized_tensors_and_chat_template(gguf_file, tmp_path, capsys):
     from safetensors.numpy import load_file
 
     out = gguf_stage.convert(gguf_file, tmp_path / "hf")
+    assert "GGUF tensors" not in capsys.readouterr().err  # transformers' tqdm bar is held back
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["num_hidden_layers"] == 2
     weights = load_file(out / "model.safetensors")
