@@ -3,9 +3,11 @@
 GGUF's Q4_1 block is ``w = d·q + m`` (q in 0..15). Three single-node graphs per matrix shape, on
 the same random blocks, timed in alternating rounds (best of each round, ms per call):
 
-* ``zp0+min`` (what ``kvforge compile FILE.gguf`` keeps): MatMulNBits with uint8 zero points 0
-  computes ``x·(d·q)ᵀ``; the minimums add ``Σ_b m[n,b]·Σ_{k∈b} x_k`` (ReduceSum over blocks of x,
-  one MatMul with ``M [K/32, N]``). Exact up to float rounding.
+* ``zp0+rows`` (what ``kvforge compile FILE.gguf`` keeps, compile/gguf_exact.py): MatMulNBits with
+  uint8 zero points 0 computes ``x·(d·q)ᵀ`` and, from ``K/32`` extra rows of ones (one per block),
+  the block sums of x; a Split, one MatMul with ``M [K/32, N]`` and an Add put the minimums
+  ``Σ_b m[n,b]·Σ_{k∈b} x_k`` on. Exact weights, up to float rounding.
+* ``zp0+min`` (the earlier form): the same, the block sums by Reshape + ReduceSum of x.
 * ``float-zp``: MatMulNBits with float zero points ``−m/d``: exact, ORT's reference kernel.
 * ``plain``: symmetric MatMulNBits without zero points, the kernel ``--quantize int4`` makes (not
   Q4_1: a second rounding of the weights); the speed to match.
@@ -50,6 +52,8 @@ def _session(form: str, k: int, n: int, packed, d, m, threads: int) -> ort.Infer
     inits = [nh.from_array(packed, "B"), nh.from_array(d, "S")]
     inputs = ["x", "B", "S"]
     out = "y0" if form == "zp0+min" else "y"
+    if form == "zp0+rows":
+        return _rows_session(k, n, packed, d, m, threads)
     if form == "zp0+min":
         inits.append(nh.from_array(np.zeros((n, (nb + 1) // 2), np.uint8), "Z"))
         inputs.append("Z")
@@ -85,6 +89,35 @@ def _session(form: str, k: int, n: int, packed, d, m, threads: int) -> ort.Infer
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
+def _rows_session(k: int, n: int, packed, d, m, threads: int) -> ort.InferenceSession:
+    from kvforge.compile.gguf_exact import block_sum_rows
+
+    nb = k // 32
+    b, scales, zero_points = block_sum_rows(packed, d, np.zeros((n, (nb + 1) // 2), np.uint8))
+    inits = [nh.from_array(b, "B"), nh.from_array(scales, "S"), nh.from_array(zero_points, "Z")]
+    inits += [nh.from_array(np.array([n, nb], np.int64), "sizes"), nh.from_array(np.ascontiguousarray(m.T), "M")]
+    attrs = dict(K=k, N=n + nb, bits=4, block_size=32, accuracy_level=4)
+    nodes = [
+        helper.make_node("MatMulNBits", ["x", "B", "S", "Z"], ["yy"], domain="com.microsoft", **attrs),
+        helper.make_node("Split", ["yy", "sizes"], ["y0", "sums"], axis=-1),
+        helper.make_node("MatMul", ["sums", "M"], ["corr"]),
+        helper.make_node("Add", ["y0", "corr"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "zp0+rows",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", n])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def _time(session, x, seconds: float = 0.15) -> float:
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or calls < 2:
@@ -99,7 +132,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    forms = ["zp0+min", "plain", "zp0+min acc0", "float-zp"]
+    forms = ["zp0+rows", "zp0+min", "plain", "zp0+min acc0", "float-zp"]
     print(f"onnxruntime {ort.__version__}, {args.threads} threads, best of {args.rounds} alternating rounds (ms/call)")
     for label, (k, n) in SHAPES.items():
         q, packed, d, m = _blocks(k, n, rng)
@@ -110,7 +143,7 @@ def main() -> None:
             exact = x[0].astype(np.float64) @ w.T
             errors = {
                 f: float(np.abs(sessions[f].run(None, {"x": x})[0][0] - exact).max() / np.abs(exact).max())
-                for f in ("zp0+min", "zp0+min acc0", "float-zp")
+                for f in ("zp0+rows", "zp0+min", "zp0+min acc0", "float-zp")
             }
             best = {form: float("inf") for form in forms}
             for _ in range(args.rounds):
@@ -120,6 +153,7 @@ def main() -> None:
                     best[form] = min(best[form], _time(sessions[form], x))
             print(
                 f"{label:28s} M={rows}: " + "  ".join(f"{f} {best[f]:.3f}" for f in forms) + "  | "
+                f"zp0+rows/plain {best['zp0+rows'] / best['plain']:.2f}, "
                 f"zp0+min/plain {best['zp0+min'] / best['plain']:.2f}, "
                 f"acc0/plain {best['zp0+min acc0'] / best['plain']:.2f}, "
                 f"float-zp/zp0+min {best['float-zp'] / best['zp0+min']:.0f}x | max rel. error vs Q4_1: "

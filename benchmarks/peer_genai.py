@@ -293,10 +293,14 @@ def run_genai(job: dict[str, Any]) -> dict[str, Any]:
     batch, length = ids.shape
     n = job["new_tokens"]
 
+    # The KV buffer (past_present_share_buffer) holds max_length tokens a row: by default exactly the
+    # prompt and the new tokens; job["max_length"] gives it another side's capacity.
+    max_length = job.get("max_length") or length + n
+
     def once() -> tuple[float, list[float], list[list[int]]]:
         params = og.GeneratorParams(model)
-        # min_length: never stop at eos, like the other sides; the KV buffer holds exactly this.
-        params.set_search_options(max_length=length + n, min_length=length + n, do_sample=False, batch_size=batch)
+        # min_length: never stop at eos, like the other sides.
+        params.set_search_options(max_length=max_length, min_length=max_length, do_sample=False, batch_size=batch)
         generator = og.Generator(model, params)
         start = time.perf_counter()
         generator.append_tokens(ids)  # prefill: computes the logits of the last position

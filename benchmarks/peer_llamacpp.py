@@ -1,24 +1,29 @@
-"""llama.cpp (through llama-cpp-python) vs kvforge vs onnxruntime-genai, one model, equal threads.
+"""llama.cpp (through llama-cpp-python) vs kvforge vs onnxruntime-genai, one run, equal threads.
 
 llama.cpp is what most people run a small LM with on a CPU. This benchmark builds
 llama-cpp-python from source in its own cached venv (``--llama-venv``, default
 ``~/.cache/kvforge/peers/llamacpp-venv``; ``CMAKE_ARGS=-DGGML_NATIVE=ON pip install --no-binary
 llama-cpp-python llama-cpp-python==VERSION``: minutes on 2 cores, once; a venv that already
 imports that version is reused) and runs every side in a process of its own, the sides taking
-turns over ``--rounds`` rounds (benchmarks/peer_genai.py's workers and rounds, imported):
+turns over ``--rounds`` rounds (benchmarks/peer_genai.py's workers and rounds, imported). Rows
+(``--sides``, ``--precisions``), per ``--model`` (one report each, in one run):
 
-* ``--model smollm2``: SmolLM2-135M-Instruct, llama.cpp on the Q4_1 GGUF (``--gguf``) against
-  kvforge int4 and fp32 compiled from the HF directory converted from that file (``--hf-dir``),
-  and genai int4 from the same directory. Prompts: ``--batch`` slices of ``--prompt-len`` tokens
-  of the quality text (benchmarks/quality.py), the same ids for every side.
+* ``llama.cpp``: the GGUF file. ``kvforge (GGUF blocks)``: ``kvforge compile FILE.gguf`` on that
+  same file (its Q4_0/Q8_0/Q4_1 blocks kept, compile/gguf_exact.py). ``kvforge (int4|fp32)``:
+  compiled from the HF directory. ``onnxruntime-genai (int4|fp32)``: its model builder
+  (``python -m onnxruntime_genai.models.builder -p PRECISION -e cpu``) on that directory.
+* ``--model smollm2``: SmolLM2-135M-Instruct, the Q4_1 GGUF (``--gguf``) and the HF directory
+  converted from it (``--hf-dir``; ``make smollm2``); int4 and fp32. Prompts: ``--batch`` slices
+  of ``--prompt-len`` tokens of the quality text (benchmarks/quality.py), the same ids every side.
 * ``--model large``: a random Llama of about 1.39B parameters (Qwen2-1.5B's layout: 28 layers,
   hidden 1536, 12/2 heads, intermediate 8960, tied; SmolLM2's 49,152-token tokenizer, which
   llama.cpp's converter knows), saved in float16; llama.cpp's own converter (the
   ``convert_hf_to_gguf.py`` inside the llama-cpp-python sdist) writes it as an f16 GGUF and
-  ``llama_model_quantize`` makes the Q4_0 file; kvforge int4 is compiled from the same directory.
-  Random prompt ids.
+  ``llama_model_quantize`` makes the Q4_0 file (its tied token_embd becomes Q6_K: the GGUF-blocks
+  side quantizes that one to int8, ``GGUF_REST``); int4 only. Random prompt ids.
 
-What each side times (wall clock around its own API, as peer_genai.py does):
+What each side times (wall clock around its own API, as peer_genai.py does), every side with a KV
+capacity of ``--max-seq`` tokens a sequence:
 
 * llama.cpp: the low-level API: one ``llama_decode`` of the whole batch (each row its own
   sequence id; ``n_seq_max = batch``, ``n_ctx = batch x --max-seq``) + argmax of each row's
@@ -26,14 +31,16 @@ What each side times (wall clock around its own API, as peer_genai.py does):
   llama.cpp's defaults otherwise (flash attention auto, f16 KV cache, mmap).
 * kvforge: ``Engine.prefill`` + argmax, then ``Engine.decode`` + argmax per step (the artifact at
   compile's defaults: max_batch 4, max_seq 512; only the quantization differs).
-* genai: ``append_tokens`` + the first ``generate_next_token``, then one per step.
+* genai: ``append_tokens`` + the first ``generate_next_token``, then one per step; its shared
+  KV buffer sized by ``max_length = --max-seq``.
 
 Greedy agreement: leading tokens equal to the reference row's (``--model smollm2``: kvforge fp32,
-which matches transformers to ~5e-5 in logits; ``large``: kvforge int4 against llama.cpp's Q4_0).
+which matches transformers to ~5e-5 in logits; ``large``: llama.cpp's Q4_0).
 Perplexity: read from benchmarks/quality.py's JSON (``--quality``), printed next to each row.
+`uptime` is printed before and after each model's rounds.
 
-    python benchmarks/peer_llamacpp.py --model smollm2 --threads 2 --json smollm2.json
-    python benchmarks/peer_llamacpp.py --model large --threads 2 --sides llamacpp kvforge
+    python benchmarks/peer_llamacpp.py --model smollm2 large --json peers.json
+    python benchmarks/peer_llamacpp.py --model large --sides llamacpp kvforge --rounds 1
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ CACHE = Path(os.environ.get("KVFORGE_PEERS_CACHE", Path.home() / ".cache" / "kvf
 SMOLLM2 = Path(os.environ.get("KVFORGE_CACHE") or Path.home() / ".cache" / "kvforge") / "smollm2"
 SMOLLM2_GGUF = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HF = SMOLLM2 / "hf"
-SIDES = ("llamacpp", "kvforge", "genai")
+SIDES = ("llamacpp", "gguf", "kvforge", "genai")
 # Qwen2-1.5B's layout as a Llama with SmolLM2's vocabulary: 1.39B parameters.
 LARGE = dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=49152, tied=True)
 SCRIPT = Path(__file__).resolve()
@@ -343,10 +350,11 @@ def ensure_large(work: Path, llama_python: str, threads: int) -> tuple[Path, Pat
     return model_dir, q4, times
 
 
-def ensure_kvforge_artifact(model_dir: Path, out: Path, quantize: str | None) -> Path:
-    """kvforge compile at its defaults (max_batch 4, max_seq 512, score graph) except --quantize."""
+def ensure_kvforge_artifact(source: Path, out: Path, quantize: str | None) -> Path:
+    """kvforge compile at its defaults (max_batch 4, max_seq 512, score graph) except --quantize;
+    ``source`` an HF directory or a GGUF file (whose Q4_0/Q8_0/Q4_1 blocks compile keeps)."""
     if not (out / "manifest.json").exists():
-        cmd = [str(Path(sys.executable).parent / "kvforge"), "compile", str(model_dir), "-o", str(out), "-q"]
+        cmd = [str(Path(sys.executable).parent / "kvforge"), "compile", str(source), "-o", str(out), "-q"]
         if quantize:
             cmd += ["--quantize", quantize]
         pg.say(" ".join(cmd[1:]))
@@ -363,16 +371,124 @@ def text_prompts(batch: int, length: int, model_dir: Path) -> list[list[int]]:
     return [ids[i * length : (i + 1) * length] for i in range(batch)]
 
 
+def uptime() -> str:
+    """`uptime`'s line (the load averages the figures stand next to)."""
+    proc = subprocess.run(["uptime"], capture_output=True, text=True)
+    return proc.stdout.strip() or f"load average {pg.loadavg()}"
+
+
+# The GGUF-blocks side compiles the GGUF file itself; what compile does with the tensors whose type
+# has no exact MatMulNBits form (the 1.39B file's tied Q6_K token_embd / lm_head): int8 blocks of
+# 32, the nearest of compile's settings to Q6_K's 6.6 bits (fp32 would read 300 MB a step).
+GGUF_REST = {"smollm2": None, "large": "int8"}
+DEFAULT_PRECISIONS = {"smollm2": ("int4", "fp32"), "large": ("int4",)}
+
+
+def plan_sides(args: argparse.Namespace, model: str, work: Path, llama_python: str | None, builds: dict):
+    """The rows of one model: ``(label, side, precision, path)``, built (compiled, converted) first."""
+    precisions = args.precisions or DEFAULT_PRECISIONS[model]
+    sides: list[tuple[str, str, str, Path]] = []
+    if model == "smollm2":
+        model_dir, gguf, qtype = args.hf_dir, args.gguf, "Q4_1"
+    else:
+        model_dir, gguf, times = ensure_large(work, llama_python or ensure_llama_venv(args.llama_venv), args.threads)
+        builds.update(times)
+        qtype = "Q4_0"
+    if "llamacpp" in args.sides:
+        sides.append((f"llama.cpp ({qtype} GGUF)", "llamacpp", qtype, gguf))
+    if "gguf" in args.sides:
+        rest = GGUF_REST[model]
+        out = ensure_kvforge_artifact(gguf, work / f"kvforge-{model}-gguf", rest)
+        sides.append(("kvforge (GGUF blocks)", "kvforge", qtype + (f" + {rest}" if rest else ""), out))
+    for precision in precisions:
+        if "kvforge" in args.sides:
+            quantize = None if precision == "fp32" else precision
+            out = ensure_kvforge_artifact(model_dir, work / f"kvforge-{model}-{precision}", quantize)
+            sides.append((f"kvforge ({precision})", "kvforge", precision, out))
+    for precision in precisions:
+        if "genai" in args.sides:
+            genai_args = argparse.Namespace(
+                shape=model, precision=precision, genai_python=sys.executable, rebuild=False
+            )
+            genai_dir, seconds = pg.ensure_genai(genai_args, model_dir, work)
+            builds[f"genai_{precision}_builder_s"] = seconds
+            sides.append((f"onnxruntime-genai ({precision})", "genai", precision, genai_dir))
+    return model_dir, sides
+
+
+def run_model(args: argparse.Namespace, model: str, work: Path, llama_python: str | None) -> dict[str, Any]:
+    """Every side of ``model`` at every batch size: rounds of fresh processes, the sides taking turns."""
+    builds: dict[str, Any] = {}
+    model_dir, sides = plan_sides(args, model, work, llama_python, builds)
+    uptime_before, load_before = uptime(), pg.loadavg()
+    pg.say(f"{model}: {uptime_before}")
+    quality = json.loads(args.quality.read_text()) if args.quality and model == "smollm2" else None
+    tables = {}
+    for batch in args.batches:
+        if model == "smollm2":
+            rows_in = text_prompts(batch, args.prompt_len, model_dir)
+        else:
+            rows_in = pg.prompts(batch, args.prompt_len, LARGE["vocab"])
+        base = {"prompts": rows_in, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads}
+        plan = []
+        for label, side, _, path in sides:
+            if side == "llamacpp":
+                job = {**base, "gguf": str(path), "max_seq": args.max_seq}
+                plan.append((label, llama_python, "llamacpp", job, SCRIPT))
+            elif side == "kvforge":
+                plan.append((label, sys.executable, "kvforge", {**base, "out": str(path)}, None))
+            else:  # genai: its KV buffer holds max_length tokens a row, the others' max_seq
+                pg.set_genai_threads(path, args.threads)
+                job = {**base, "genai_dir": str(path), "max_length": args.max_seq}
+                plan.append((label, sys.executable, "genai", job, None))
+        per_round, rows = pg.run_rounds(plan, args.rounds, work)
+        for label, *_ in plan:
+            if label not in rows:
+                rows[label] = pg.combine_rounds(per_round[label])
+                rows[label]["decode_tokens_per_s"] = batch * 1e3 / rows[label]["decode_ms_step"]
+        reference = _reference_row(model, rows)
+        for label, r in rows.items():
+            if "tokens" in r and reference and label != reference:
+                r["agreement_vs"] = reference
+                r["agreement"] = pg.agreement(r["tokens"], rows[reference]["tokens"])
+            r["perplexity"] = _perplexity_of(quality, label)
+        tables[f"batch {batch}"] = rows
+    return {
+        "model_name": model,
+        "model": str(model_dir),
+        "sides": [{"label": s[0], "side": s[1], "precision": s[2], "path": str(s[3])} for s in sides],
+        "builds": builds,
+        "uptime_before": uptime_before,
+        "uptime_after": uptime(),
+        "loadavg_before": load_before,
+        "loadavg_after": pg.loadavg(),
+        "tables": tables,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("smollm2", "large"), default="smollm2")
+    p.add_argument("--model", nargs="+", choices=("smollm2", "large"), default=["smollm2"], help="one report each")
     p.add_argument("--gguf", type=Path, default=SMOLLM2_GGUF, help="--model smollm2: the Q4_1 GGUF file")
     p.add_argument("--hf-dir", type=Path, default=SMOLLM2_HF, help="--model smollm2: the HF directory of that file")
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=("int4", "int8", "fp32"),
+        default=None,
+        help="kvforge's and genai's rows (default: int4 fp32 for smollm2, int4 for large)",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="one table per batch size")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--max-seq", type=int, default=pg.DEFAULT_MAX_SEQ, help="tokens per sequence (llama.cpp n_ctx)")
+    p.add_argument(
+        "--max-seq",
+        type=int,
+        default=pg.DEFAULT_MAX_SEQ,
+        help="KV capacity per sequence, every side: kvforge's compile default, llama.cpp's n_ctx / n_seq_max, "
+        "genai's max_length",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1)
@@ -388,84 +504,23 @@ def main(argv: list[str] | None = None) -> None:
         return
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    load_before = pg.loadavg()
     llama_python = ensure_llama_venv(args.llama_venv) if "llamacpp" in args.sides else None
-    builds: dict[str, Any] = {}
-
-    # (row label, side, precision, model/artifact path)
-    sides: list[tuple[str, str, str, Path]] = []
-    if args.model == "smollm2":
-        model_dir, gguf = args.hf_dir, args.gguf
-        if "llamacpp" in args.sides:
-            sides.append(("llama.cpp (Q4_1 GGUF)", "llamacpp", "Q4_1", gguf))
-        for quantize in ("int4", None):
-            if "kvforge" in args.sides:
-                out = ensure_kvforge_artifact(model_dir, work / f"kvforge-smollm2-{quantize or 'fp32'}", quantize)
-                sides.append((f"kvforge ({quantize or 'fp32'})", "kvforge", quantize or "fp32", out))
-    else:
-        model_dir, gguf, builds = ensure_large(work, llama_python or ensure_llama_venv(args.llama_venv), args.threads)
-        if "llamacpp" in args.sides:
-            sides.append(("llama.cpp (Q4_0 GGUF)", "llamacpp", "Q4_0", gguf))
-        if "kvforge" in args.sides:
-            out = ensure_kvforge_artifact(model_dir, work / "kvforge-large-int4", "int4")
-            sides.append(("kvforge (int4)", "kvforge", "int4", out))
-    if "genai" in args.sides:
-        genai_args = argparse.Namespace(shape=args.model, precision="int4", genai_python=sys.executable, rebuild=False)
-        genai_dir, builds["genai_builder_s"] = pg.ensure_genai(genai_args, model_dir, work)
-        sides.append(("onnxruntime-genai (int4)", "genai", "int4", genai_dir))
-
-    quality = json.loads(args.quality.read_text()) if args.quality else None
-    tables = {}
-    for batch in args.batches:
-        if args.model == "smollm2":
-            rows_in = text_prompts(batch, args.prompt_len, model_dir)
-        else:
-            rows_in = pg.prompts(batch, args.prompt_len, LARGE["vocab"])
-        base = {"prompts": rows_in, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads}
-        plan = []
-        for label, side, _, path in sides:
-            if side == "llamacpp":
-                job = {**base, "gguf": str(path), "max_seq": args.max_seq}
-                plan.append((label, llama_python, "llamacpp", job, SCRIPT))
-            elif side == "kvforge":
-                plan.append((label, sys.executable, "kvforge", {**base, "out": str(path)}, None))
-            else:
-                pg.set_genai_threads(path, args.threads)
-                plan.append((label, sys.executable, "genai", {**base, "genai_dir": str(path)}, None))
-        per_round, rows = pg.run_rounds(plan, args.rounds, work)
-        for label, *_ in plan:
-            if label not in rows:
-                rows[label] = pg.combine_rounds(per_round[label])
-                rows[label]["decode_tokens_per_s"] = batch * 1e3 / rows[label]["decode_ms_step"]
-        reference = _reference_row(args.model, rows)
-        for label, r in rows.items():
-            if "tokens" in r and reference and label != reference:
-                r["agreement_vs"] = reference
-                r["agreement"] = pg.agreement(r["tokens"], rows[reference]["tokens"])
-            r["perplexity"] = _perplexity_of(quality, label)
-        tables[f"batch {batch}"] = rows
-    report = {
-        "schema": "kvforge.peer_llamacpp",
-        "config": {
-            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("worker", "job")}
-        },
-        "model": str(model_dir),
-        "sides": [{"label": s[0], "side": s[1], "precision": s[2], "path": str(s[3])} for s in sides],
-        "builds": builds,
-        "env": {
-            "cpu_count": os.cpu_count(),
-            "loadavg_before": load_before,
-            "loadavg_after": pg.loadavg(),
-            "llama_cpp_python": installed_version(Path(llama_python)) if llama_python else None,
-            **{d: pg.version(d) for d in ("onnxruntime", "onnxruntime-genai", "kvforge")},
-            "commit": _commit(),
-        },
-        "tables": tables,
+    env = {
+        "cpu_count": os.cpu_count(),
+        "llama_cpp_python": installed_version(Path(llama_python)) if llama_python else None,
+        **{d: pg.version(d) for d in ("onnxruntime", "onnxruntime-genai", "kvforge")},
+        "commit": _commit(),
     }
-    print(format_report(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        pg.say(f"wrote {args.json}")
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("worker", "job")}
+    reports = []
+    for model in args.model:
+        report = {"schema": "kvforge.peer_llamacpp", "config": config, "env": env}
+        report.update(run_model(args, model, work, llama_python))
+        reports.append(report)
+        print(format_report(report), flush=True)
+        if args.json:  # after every model: a later one may fail
+            args.json.write_text(json.dumps(reports if len(args.model) > 1 else report, indent=2))
+            pg.say(f"wrote {args.json}")
 
 
 def _reference_row(model: str, rows: dict[str, dict[str, Any]]) -> str | None:
@@ -477,6 +532,7 @@ QUALITY_ROWS = {  # peer row label -> benchmarks/quality.py row name
     "llama.cpp (Q4_1 GGUF)": "llama.cpp Q4_1 GGUF",
     "kvforge (int4)": "kvforge int4 b32 sym",
     "kvforge (fp32)": "kvforge fp32",
+    "kvforge (GGUF blocks)": "kvforge GGUF blocks (compile file.gguf)",
 }
 
 
@@ -498,30 +554,30 @@ def format_report(report: dict[str, Any]) -> str:
     env, cfg = report["env"], report["config"]
     lines = [
         f"{report['model']}: prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens, threads {cfg['threads']}, "
-        f"{cfg['rounds']} rounds x {cfg['repeat']} (medians); llama-cpp-python {env['llama_cpp_python']}, "
-        f"onnxruntime {env['onnxruntime']}, genai {env['onnxruntime-genai']}; commit {env['commit']}; "
-        f"load avg {env['loadavg_before']} -> {env['loadavg_after']}"
+        f"KV capacity {cfg['max_seq']} a sequence, {cfg['rounds']} rounds x {cfg['repeat']} (medians); "
+        f"llama-cpp-python {env['llama_cpp_python']}, onnxruntime {env['onnxruntime']}, "
+        f"genai {env['onnxruntime-genai']}; commit {env['commit']}",
+        f"uptime before: {report['uptime_before']}",
+        f"uptime after:  {report['uptime_after']}",
     ]
     for name, rows in report["tables"].items():
         lines.append(f"\n{name}")
-        lines.append(f"{'':28}{'TTFT ms':>9}{'ms/step':>9}{'tok/s':>8}{'peak RSS':>9}{'ppl':>8}  greedy")
+        lines.append(f"{'':30}{'TTFT ms':>9}{'ms/step':>9}{'tok/s':>8}{'peak RSS':>9}{'ppl':>8}  vs llama.cpp  greedy")
+        llama = next((r for label, r in rows.items() if label.startswith("llama.cpp") and "error" not in r), None)
         for label, r in rows.items():
             if "error" in r:
-                lines.append(f"{label:28}  failed: {r['error'].splitlines()[0]}")
+                lines.append(f"{label:30}  failed: {r['error'].splitlines()[0]}")
                 continue
             ppl_text = f"{r['perplexity']:8.2f}" if r.get("perplexity") else f"{'-':>8}"
             agree = f"{r['agreement']} vs {r['agreement_vs']}" if r.get("agreement") else ""
+            ratio = ""
+            if llama is not None and r is not llama:  # < 1: faster than llama.cpp
+                ratio = f"x{r['ttft_ms'] / llama['ttft_ms']:.2f} x{r['decode_ms_step'] / llama['decode_ms_step']:.2f}"
             lines.append(
-                f"{label:28}{r['ttft_ms']:9.1f}{r['decode_ms_step']:9.2f}{r['decode_tokens_per_s']:8.1f}"
-                f"{r['rss_peak_bytes'] / 2**20:9.0f}{ppl_text}  {agree}"
+                f"{label:30}{r['ttft_ms']:9.1f}{r['decode_ms_step']:9.2f}{r['decode_tokens_per_s']:8.1f}"
+                f"{r['rss_peak_bytes'] / 2**20:9.0f}{ppl_text}  {ratio:12} {agree}"
             )
-        llama = next((r for label, r in rows.items() if label.startswith("llama.cpp") and "error" not in r), None)
-        for label, r in rows.items():
-            if llama is not None and label.startswith("kvforge") and "error" not in r:
-                lines.append(
-                    f"  {label} / llama.cpp: TTFT x{r['ttft_ms'] / llama['ttft_ms']:.2f}, "
-                    f"ms/step x{r['decode_ms_step'] / llama['decode_ms_step']:.2f} (< 1: kvforge faster)"
-                )
+    lines.append("(vs llama.cpp: TTFT and ms/step ratios, < 1 faster than llama.cpp)")
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ the ``gguf`` package): the HF directory ``kvforge.compile.gguf.convert`` writes 
 ``gguf`` package's dequantized tensors and the chat template; MatMulNBits' weights repacked from
 the blocks equal ``gguf.quants.dequantize`` value for value (by MatMulNBits' definition in numpy,
 and by ORT running the repacked node alone on an identity input); the compiled artifact's every
-MatMulNBits row is a row of the file; its greedy tokens equal transformers' on the GGUF-loaded
+MatMulNBits row is a row of the file (Q4_1: plus its block minimums; its extra rows sum the
+input's blocks of 32); its greedy tokens equal transformers' on the GGUF-loaded
 model; the manifest records which tensors kept their blocks.
 """
 
@@ -183,9 +184,11 @@ def test_every_matmulnbits_row_is_a_row_of_the_gguf_file(gguf_artifact, gguf_fil
         zero_points = values[node.input[3]] if len(node.input) > 3 else None
         w = _matmulnbits_weight(values[node.input[1]], values[node.input[2]], zero_points, attrs["bits"])
         qtype = {8: "Q8_0"}.get(attrs["bits"], "Q4_1" if zero_points is not None else "Q4_0")
-        if qtype == "Q4_1":
-            [minimums] = [n for n in model.graph.node if n.op_type == "MatMul" and n.name.startswith(node.name)]
-            w = w + np.repeat(values[minimums.input[1]].T, 32, axis=1)
+        if qtype == "Q4_1":  # the last K/32 rows sum x's blocks; the first N get the block minimums
+            [minimums] = [n for n in model.graph.node if n.name == f"{node.name}/block_minimums"]
+            blocks = attrs["K"] // 32
+            np.testing.assert_array_equal(w[-blocks:], np.repeat(np.eye(blocks, dtype=np.float32), 32, axis=1))
+            w = w[:-blocks] + np.repeat(values[minimums.input[1]].T, 32, axis=1)
         missing = [i for i, row in enumerate(w) if row.tobytes() not in rows_of[(qtype, attrs["K"])]]
         assert not missing, f"{node.name}: rows {missing[:5]} are not {qtype} rows of the file"
 

@@ -1,0 +1,67 @@
+"""benchmarks/peer_llamacpp.py's report (no peer runs): every row's TTFT and ms/step as a ratio to
+llama.cpp's, a failed side as one line with its error, `uptime` before and after, and the
+perplexity of each row (the GGUF-blocks row included) looked up in benchmarks/quality.py's JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _peers():
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("peer_llamacpp", BENCHMARKS / "peer_llamacpp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(ttft: float, step: float, **extra) -> dict:
+    return {
+        "ttft_ms": ttft,
+        "decode_ms_step": step,
+        "decode_tokens_per_s": 1e3 / step,
+        "rss_peak_bytes": 2**28,
+        **extra,
+    }
+
+
+def test_report_gives_ratios_to_llamacpp_uptime_and_failures():
+    peers = _peers()
+    report = {
+        "model": "m",
+        "config": {"prompt_len": 128, "new_tokens": 64, "threads": 2, "max_seq": 512, "rounds": 2, "repeat": 1},
+        "env": {"llama_cpp_python": "0.3.36", "onnxruntime": "1.32.0", "onnxruntime-genai": "0.18.0", "commit": "c"},
+        "uptime_before": "up 1:00, load average: 0.50, 0.40, 0.30",
+        "uptime_after": "up 1:10, load average: 1.50, 1.40, 1.30",
+        "tables": {
+            "batch 1": {
+                "llama.cpp (Q4_1 GGUF)": _row(400.0, 8.0, perplexity=13.26),
+                "kvforge (GGUF blocks)": _row(200.0, 2.0, perplexity=13.4, agreement="5/8", agreement_vs="x"),
+                "onnxruntime-genai (fp32)": {"error": "onnxruntime-genai builder failed (exit 1)\nlog tail"},
+            }
+        },
+    }
+    lines = peers.format_report(report).splitlines()
+    assert "uptime before: up 1:00, load average: 0.50, 0.40, 0.30" in lines
+    assert "uptime after:  up 1:10, load average: 1.50, 1.40, 1.30" in lines
+    [gguf] = [line for line in lines if line.startswith("kvforge (GGUF blocks)")]
+    assert "x0.50 x0.25" in gguf and "13.40" in gguf and "5/8 vs x" in gguf
+    [llama] = [line for line in lines if line.startswith("llama.cpp")]
+    assert " x" not in llama.split("13.26")[1]  # no ratio to itself
+    [failed] = [line for line in lines if line.startswith("onnxruntime-genai (fp32)")]
+    assert failed.endswith("failed: onnxruntime-genai builder failed (exit 1)")
+
+
+def test_perplexity_rows_map_to_quality_json():
+    peers = _peers()
+    quality = {
+        "rows": {"kvforge GGUF blocks (compile file.gguf)": {"perplexity": 13.4}, "kvforge fp32": {"perplexity": 13.2}}
+    }
+    assert peers._perplexity_of(quality, "kvforge (GGUF blocks)") == 13.4
+    assert peers._perplexity_of(quality, "kvforge (fp32)") == 13.2
+    assert peers._perplexity_of(quality, "onnxruntime-genai (int4)") is None
+    assert peers._perplexity_of(None, "kvforge (fp32)") is None
