@@ -6,8 +6,10 @@ logprobs equal the colocated outputs (``Engine.generate``/``Engine.chat``, which
 server is proven equal to in tests/tools/test_serve.py), with exact ``usage``; a request that ends
 at its first token never leaves the prefill worker; the prefix cache of the prefill worker serves
 a repeated prompt; routing goes to the least-loaded decode worker; ``/health`` lists each worker's
-role, pid and state and ``/metrics`` counts hand-offs and their bytes per role; a client that
-disconnects has its sequence cancelled on the decode worker that holds it; 429 when full.
+role, pid and state (503 "degraded", naming the pool, while a pool has no ready worker) and
+``/metrics`` counts hand-offs and their bytes per role; a client that disconnects has its sequence
+cancelled on the decode worker that holds it; 429 when full; a request only the worker's scheduler
+refuses (an empty stop string) is the colocated server's 400 with the same message.
 
 Faults, with real signals: a decode worker stopped (SIGSTOP) leaves routing after the timeout,
 the others serve meanwhile, and it comes back after SIGCONT; a stopped prefill worker's requests
@@ -210,6 +212,27 @@ def test_seeded_n_choices_stop_strings_and_logprobs_equal_colocated(client, engi
     assert all(0 < len(top) <= 3 for top in got.top_logprobs)  # distinct token texts among the top 3
 
 
+def test_a_request_only_the_workers_scheduler_refuses_is_400(served, engine):
+    """An empty stop string passes the front end's checks; the prefill worker's scheduler refuses
+    it (ValueError), as the colocated scheduler does: 400 with the same message, not 500."""
+    url, server = served
+    with engine.scheduler() as sched, pytest.raises(ValueError) as colocated:
+        sched.submit(engine.encode(PROMPTS[0]), 4, GREEDY, [""])
+    headers = {"authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stop": [""]}
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["message"], error["type"], error["code"]) == (
+        str(colocated.value),
+        "invalid_request_error",
+        "invalid_value",
+    )
+    _, events = stream(url, body)  # streamed: the 200 went first; the same error object, then [DONE]
+    assert events[-1] == "[DONE]" and [e["error"] for e in events if isinstance(e, dict) and "error" in e] == [error]
+    wait_until(lambda: server.in_flight == 0, "the refused sequences to be released")
+
+
 def test_first_token_end_stays_on_the_prefill_worker_and_metrics_count_handoffs(served, client, engine):
     url, _ = served
     before = httpx.get(url + "/metrics").text
@@ -364,6 +387,12 @@ def test_stopped_prefill_worker_past_the_timeout_runs_its_requests_once_back(ser
                 for p in PROMPTS
             ]
             wait_until(lambda: worker(server, "prefill-0")["state"] == "unresponsive", "the timeout", TIMEOUT * 5)
+            health = httpx.get(url + "/health")  # the prefill pool has no ready worker: degraded, 503
+            body = health.json()
+            assert health.status_code == 503 and body["status"] == "degraded"
+            assert "the prefill pool has no ready worker (prefill-0 unresponsive)" in body["degraded"]
+            assert "decode" not in body["degraded"]
+            assert (body["workers"][0]["name"], body["workers"][0]["state"]) == ("prefill-0", "unresponsive")
             os.kill(pid, signal.SIGCONT)
             texts = [f.result(timeout=60).choices[0].text for f in runs]
     finally:
@@ -371,6 +400,8 @@ def test_stopped_prefill_worker_past_the_timeout_runs_its_requests_once_back(ser
     assert texts == [e.text for e in expected]
     after = metric(httpx.get(url + "/metrics").text, "kvforge_sequence_reruns_total", role="prefill")
     assert after - before == 2 and worker(server, "prefill-0")["pid"] == pid
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok" and "degraded" not in health.json()
 
 
 def test_kill_9_decode_worker_mid_stream_fails_its_request_only_and_restarts(served, engine):

@@ -25,6 +25,9 @@ Faults (:mod:`.workers` reports a dead process; the supervisor thread checks hea
   others end with an "error" event naming the worker, its pid and how it died (the request
   answers 500). The router unlinks the segments the dead worker left and starts a new process in
   its slot (at most ``MAX_RESTARTS`` in a row that die before "ready").
+- a request the worker's scheduler refuses at submit (a ValueError the front end's checks did not
+  catch) answers 400 with the scheduler's message, as the one-process server does (a streamed
+  one: the same error object in the stream, whose 200 is sent before the worker answers).
 - a worker that sends nothing for ``worker_timeout`` seconds (stopped, hung) is "unresponsive":
   out of routing; its sequences that streamed nothing are re-run elsewhere (it is told to cancel
   them). It is routed to again when it answers again.
@@ -59,7 +62,7 @@ from kvforge.runtime.tokenizer import Tokenizer
 from kvforge.tools.serve.disagg.metrics import DisaggMetrics
 from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, ROLES, PipeWorker, WorkerEvent, WorkerSpec
 from kvforge.tools.serve.metrics import ServeMetrics
-from kvforge.tools.serve.serving import Event, Flight, ModelServer, SeqRequest
+from kvforge.tools.serve.serving import Event, Flight, ModelServer, SeqRequest, ServingError
 
 log = logging.getLogger("kvforge.serve")
 
@@ -331,6 +334,20 @@ class DisaggServer:
                 for s in self.slots
             ]
 
+    def degraded(self) -> str | None:
+        """For ``/health`` (503 "degraded"): which pools have no ready worker, with their workers'
+        states; None while each pool has one (requests for an empty pool wait in the router)."""
+        with self._lock:
+            empty = []
+            for role in ROLES:
+                pool = [s for s in self.slots if s.role == role]
+                if not any(s.worker.state == "ready" for s in pool):
+                    states = ", ".join(f"{s.name} {s.worker.state}" for s in pool)
+                    empty.append(f"the {role} pool has no ready worker ({states})")
+        if not empty:
+            return None
+        return "; ".join(empty) + ": its requests wait in the router until one is ready"
+
     # ---------------------------------------------------------------------------------- routing
 
     def _route(self, seq: _Seq, role: str) -> None:
@@ -428,6 +445,12 @@ class DisaggServer:
                 self.disagg_metrics.handoff_seconds.observe(time.perf_counter() - seq.handed)
             elif kind == "done":
                 self._on_done(seq, event.payload)
+            elif kind == "error" and event.payload.get("refused"):
+                # the worker's scheduler refused the request (ValueError at submit): the colocated
+                # server's 400, with the same message
+                self.disagg_metrics.sequence_errors.labels(role=slot.role).inc()
+                error = ServingError(event.payload["message"], code="invalid_value")
+                self._finish(seq, Event("error", seq.index, error))
             elif kind == "error":
                 what = "refused the sequence's KV block" if event.payload["type"] == "KVBlockError" else "failed"
                 error = WorkerError(

@@ -108,7 +108,9 @@ class Worker:
                 hand_off=True,
             )
         except (ValueError, RuntimeError) as e:
-            self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e)}))
+            # refused: a ValueError is the request's fault (the router answers 400), not the worker's
+            refused = isinstance(e, ValueError)
+            self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e), "refused": refused}))
             return
         with self._lock:
             self.handles[seq] = handle
