@@ -11,9 +11,10 @@ holds and exits.
   comes; a sequence that goes on is handed off: the scheduler exports its KV straight into a new
   shared-memory segment (:mod:`kvforge.runtime.kv.shm`, named after this process's pid) and the
   reference goes back ("handoff").
-- decode (``resume``): take the block from shared memory (``shm.take`` checks its checksum and
-  fingerprint: KVBlockError for a corrupted or foreign one; it unlinks the segment), ``resume`` it
-  in the scheduler, stream the chunks, send the result.
+- decode (``resume``): take the block from shared memory (``shm.take`` checks its fingerprint:
+  KVBlockError for a foreign one; it unlinks the segment), ``resume`` it in the scheduler, whose
+  import checks its checksum as it copies (KVBlockError for a corrupted one, nothing imported),
+  stream the chunks, send the result.
 
 Each sequence has its own pump thread (the scheduler's handles block); a heartbeat thread sends
 the scheduler's queue and running rows every ``spec.heartbeat_s``. SIGINT is ignored: a Ctrl-C in
@@ -148,8 +149,9 @@ class Worker:
     def _decode(self, seq: int, ref) -> None:
         try:
             started = time.perf_counter()
-            # take: checks the checksum and the fingerprint (KVBlockError), unlinks the segment
-            handle = self.scheduler.resume(self.shm.take(ref, self.engine.kv_fingerprint))
+            # take: checks the fingerprint (KVBlockError), unlinks a segment of its own; the checksum
+            # is checked by the import as it copies (a mismatch: the handle raises KVBlockError)
+            handle = self.scheduler.resume(self.shm.take(ref, self.engine.kv_fingerprint, verify=False))
             self.send(WorkerEvent("resumed", seq, {"import_s": time.perf_counter() - started}))
             with self._lock:
                 self.handles[seq] = handle
