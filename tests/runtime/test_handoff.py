@@ -17,8 +17,9 @@ round-trips through JSON; the block goes through ``/dev/shm`` with the export wr
 into the segment, the segment unlinked at take, a dead worker's segments found and unlinked by
 pid; a foreign block (another artifact) and a corrupted segment are refused with KVBlockError
 before anything is imported (by ``take``, or with the checksum fused into the export's and the
-import's copies, by the import: one flipped byte fails the request, the row holds nothing); and a real second process (multiprocessing spawn) continues a
-request from a ref alone, with the colocated output.
+import's copies, by the import: one flipped byte fails the request, the row holds nothing); and
+a real second process (multiprocessing spawn) continues a request from a ref alone, with the
+colocated output.
 """
 
 from __future__ import annotations
