@@ -91,15 +91,16 @@ class KVCache:
     def write_positions(self, row: int, start: int, data: np.ndarray, each: Callable | None = None) -> None:
         """Write ``data`` ``[L, 2, H_kv, n, D]`` into positions ``[start, start + n)`` of cache row
         ``row``: one strided copy (the inverse of :meth:`read_positions`). ``each``: called with each
-        ``[H_kv, n, D]`` piece of ``data``, in order, right after it is copied."""
+        ``[H_kv, n, D]`` piece of ``data``, in order, right before it is copied (which then reads
+        it from the CPU's cache)."""
         stop = start + data.shape[3]
         if each is None:
             self.buffer[:, :, row, :, start:stop] = data
             return
         for layer in range(data.shape[0]):
             for kv in range(2):
-                self.buffer[layer, kv, row, :, start:stop] = data[layer, kv]
                 each(data[layer, kv])
+                self.buffer[layer, kv, row, :, start:stop] = data[layer, kv]
 
 
 def zeroed_pages(shape: tuple[int, ...], dtype) -> np.ndarray:
