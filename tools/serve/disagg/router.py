@@ -12,8 +12,12 @@ each sequence goes
     -> least-loaded ready decode worker -> chunks -> "done"
 
 A sequence that ends at its first token (eos, a stop string, max_tokens=1) ends on the prefill
-worker. Load is the number of sequences a worker holds now (ties: the one given fewer so far).
-With no ready worker in a pool (all restarting or unresponsive), sequences wait in the router.
+worker. A prefix hit skips the prefill worker: a new sequence whose prompt starts with at least
+half of it (in whole prefix-cache blocks) as a sequence a decode worker finished (a chat's
+previous turn it decoded) goes to that decode worker whole; its prefix cache serves the common
+part and it prefills the short rest itself. Load is the number of sequences a worker holds now
+(ties: the one given fewer so far). With no ready worker in a pool (all restarting or
+unresponsive), sequences wait in the router.
 
 Cancellation (the client went away) is sent to whichever worker holds the sequence; one caught
 between the two pools has its segment unlinked by the router.
@@ -48,7 +52,7 @@ import os
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +73,7 @@ log = logging.getLogger("kvforge.serve")
 DEFAULT_WORKER_TIMEOUT = 5.0  # seconds without a message before a worker leaves routing
 MAX_RESTARTS = 3  # restarts in a row of a slot whose process dies before it is ready
 MAX_TRIES = 3  # times one sequence is started (re-runs after its worker died)
+REMEMBERED = 64  # finished sequences remembered per decode worker (for prefix-hit routing)
 
 
 def _ref_name(ref: Any) -> str | None:
@@ -157,6 +162,9 @@ class _Slot:
     restarts: int = 0
     failures: int = 0  # processes in a row that died before "ready"
     restart_at: float | None = None  # when to start the next process (a dead slot)
+    # decode: the token ids whose KV the worker's prefix cache was offered (finished sequences:
+    # prompt + output but the last token), newest last: where a prompt's prefix may be (LRU, capped)
+    finished: OrderedDict[tuple[int, ...], None] = field(default_factory=OrderedDict)
 
     @property
     def name(self) -> str:
@@ -350,8 +358,38 @@ class DisaggServer:
 
     # ---------------------------------------------------------------------------------- routing
 
+    def _prefix_slot(self, prompt: Sequence[int]) -> _Slot | None:
+        """A ready decode worker whose prefix cache should hold most of ``prompt`` (at least half of
+        it, in whole blocks: a chat's previous turn it decoded), else None. Its memory of what it
+        finished may be stale (evicted blocks): then it prefills more itself; the tokens are the same."""
+        best, best_len = None, 0
+        for slot in self.slots:
+            pool = slot.worker.stats.get("prefix_cache")
+            if slot.role != DECODE or slot.worker.state != "ready" or pool is None or not pool.block_tokens:
+                continue
+            for ids in slot.finished:
+                n = 0
+                for a, b in zip(ids, prompt):
+                    if a != b:
+                        break
+                    n += 1
+                n = min(n, len(prompt) - 1) // pool.block_tokens * pool.block_tokens  # whole blocks, one token left
+                if n > best_len or (n == best_len and best is not None and len(slot.held) < len(best.held)):
+                    best, best_len = slot, n
+        return best if best_len > 0 and 2 * best_len >= len(prompt) else None
+
     def _route(self, seq: _Seq, role: str) -> None:
-        """Give ``seq`` to the least-loaded ready worker of ``role``, or queue it until one is ready."""
+        """Give ``seq`` to the least-loaded ready worker of ``role``, or queue it until one is ready.
+        A new sequence whose prompt is mostly in a decode worker's prefix cache goes to that worker
+        whole (no prefill worker, no hand-off)."""
+        if role == PREFILL and seq.tries == 0 and (direct := self._prefix_slot(seq.request.prompt_ids)) is not None:
+            direct.held.add(seq)
+            direct.given += 1
+            seq.slot, seq.phase, seq.wire, seq.tries = direct, DECODE, next(self._ids), 1
+            self._seqs[seq.wire] = seq
+            self.disagg_metrics.prefix_routed.inc()
+            direct.worker.submit(seq.wire, seq.request)
+            return
         ready = [s for s in self.slots if s.role == role and s.worker.state == "ready"]
         if not ready:
             self._seqs.pop(seq.wire, None)  # what its last worker still sends about it is stale
@@ -481,6 +519,12 @@ class DisaggServer:
             self._route(seq, DECODE)
 
     def _on_done(self, seq: _Seq, result: Any) -> None:
+        if seq.slot is not None and seq.slot.role == DECODE and result.finish_reason != "cancelled":
+            ids = (*seq.request.prompt_ids, *result.token_ids[:-1])  # what its row held, offered to its pool
+            seq.slot.finished[ids] = None
+            seq.slot.finished.move_to_end(ids)
+            while len(seq.slot.finished) > REMEMBERED:
+                seq.slot.finished.popitem(last=False)
         tokens = len(result.token_ids)
         self.metrics.generation_tokens.inc(tokens)
         self.metrics.cached_tokens.inc(result.cached_tokens)
@@ -526,6 +570,7 @@ class DisaggServer:
             slot.held.discard(seq)
             seq.slot = None
             self._recover(seq, f"{slot.role} worker {slot.name} (pid {worker.pid}) {worker.exit_reason}")
+        slot.finished.clear()  # a new process: an empty prefix cache
         self._orphans.append(worker)  # its shared memory goes once no block in flight is in it
         self._unlink_orphans()
         slot.failures = 0 if was_ready else slot.failures + 1
