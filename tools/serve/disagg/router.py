@@ -12,12 +12,12 @@ each sequence goes
     -> least-loaded ready decode worker -> chunks -> "done"
 
 A sequence that ends at its first token (eos, a stop string, max_tokens=1) ends on the prefill
-worker. A prefix hit skips the prefill worker: a new sequence whose prompt starts with at least
-half of it (in whole prefix-cache blocks) as a sequence a decode worker finished (a chat's
-previous turn it decoded) goes to that decode worker whole; its prefix cache serves the common
-part and it prefills the short rest itself. Load is the number of sequences a worker holds now
-(ties: the one given fewer so far). With no ready worker in a pool (all restarting or
-unresponsive), sequences wait in the router.
+worker. A prefix hit skips the prefill worker: a new sequence whose prompt starts with most of
+it (in whole prefix-cache blocks; the rest at most ``PREFIX_REST_MAX`` tokens) as a sequence a
+decode worker finished (a chat's previous turn it decoded) goes to that decode worker whole; its
+prefix cache serves the common part and it prefills the short rest itself. Load is the number of
+sequences a worker holds now (ties: the one given fewer so far). With no ready worker in a pool
+(all restarting or unresponsive), sequences wait in the router.
 
 Cancellation (the client went away) is sent to whichever worker holds the sequence; one caught
 between the two pools has its segment unlinked by the router.
@@ -74,6 +74,20 @@ DEFAULT_WORKER_TIMEOUT = 5.0  # seconds without a message before a worker leaves
 MAX_RESTARTS = 3  # restarts in a row of a slot whose process dies before it is ready
 MAX_TRIES = 3  # times one sequence is started (re-runs after its worker died)
 REMEMBERED = 64  # finished sequences remembered per decode worker (for prefix-hit routing)
+PREFIX_REST_MAX = 256  # prompt tokens at most a decode worker prefills itself after a prefix hit
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (a binary search over slices:
+    C-speed comparisons, log2 of the length of them)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _ref_name(ref: Any) -> str | None:
@@ -359,24 +373,23 @@ class DisaggServer:
     # ---------------------------------------------------------------------------------- routing
 
     def _prefix_slot(self, prompt: Sequence[int]) -> _Slot | None:
-        """A ready decode worker whose prefix cache should hold most of ``prompt`` (at least half of
-        it, in whole blocks: a chat's previous turn it decoded), else None. Its memory of what it
+        """A ready decode worker whose prefix cache should hold most of ``prompt`` (in whole blocks:
+        a chat's previous turn it decoded; the rest at most as long as the hit and at most
+        ``PREFIX_REST_MAX`` tokens, a short prefill for a decode worker), else None. Its memory of what it
         finished may be stale (evicted blocks): then it prefills more itself; the tokens are the same."""
+        prompt = tuple(prompt)
         best, best_len = None, 0
         for slot in self.slots:
             pool = slot.worker.stats.get("prefix_cache")
             if slot.role != DECODE or slot.worker.state != "ready" or pool is None or not pool.block_tokens:
                 continue
             for ids in slot.finished:
-                n = 0
-                for a, b in zip(ids, prompt):
-                    if a != b:
-                        break
-                    n += 1
-                n = min(n, len(prompt) - 1) // pool.block_tokens * pool.block_tokens  # whole blocks, one token left
+                n = min(_common_prefix(ids, prompt), len(prompt) - 1)  # at least one token to prefill
+                n = n // pool.block_tokens * pool.block_tokens  # the pool holds whole blocks
                 if n > best_len or (n == best_len and best is not None and len(slot.held) < len(best.held)):
                     best, best_len = slot, n
-        return best if best_len > 0 and 2 * best_len >= len(prompt) else None
+        rest = len(prompt) - best_len
+        return best if best_len > 0 and rest <= min(best_len, PREFIX_REST_MAX) else None
 
     def _route(self, seq: _Seq, role: str) -> None:
         """Give ``seq`` to the least-loaded ready worker of ``role``, or queue it until one is ready.
