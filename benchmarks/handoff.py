@@ -6,10 +6,13 @@ mappings are what they are across processes). The prompt (``--tokens`` long) is 
 the prefill engine's row 0; then each round, alternating, times:
 
 - hand-off: ``export_kv`` straight into shared memory (``SegmentAllocator``, what the scheduler's
-  ``block_alloc`` does), ``put`` (hash), ``take`` (check fingerprint and hash), ``import_kv`` into
-  the decode engine's row 0 and ``release``: the whole path and each part, once into an arena slot
+  ``block_alloc`` does) hashing each layer as it copies it, ``put``, ``take`` (check the
+  fingerprint), ``import_kv`` into the decode engine's row 0 checking the checksum as it copies,
+  and ``release`` (what the workers do): the whole path and each part, once into an arena slot
   (pages populated once and reused: what a worker does) and once into a new segment of its own
-  (new pages each time: the cost the arena avoids);
+  (new pages each time: the cost the arena avoids); and "arena 2-pass", the path before the
+  checksum was fused into the copies: ``put`` hashes the block and ``take`` checks it, each in a
+  pass of its own;
 - memcpy: ``np.copyto`` of the same number of bytes into a preallocated (warm) array, and into a
   new one (``np.copy``: fresh pages, as a new segment has);
 
@@ -34,6 +37,7 @@ import numpy as np
 
 from kvforge.runtime import Engine
 from kvforge.runtime.kv import shm
+from kvforge.runtime.kv.digest import Digest
 
 TEXT = (
     "The decoder reads the prompt once and keeps, for every layer, the keys and values of every "
@@ -82,15 +86,16 @@ def main() -> None:
             for key, a, b in zip(("export", "put", "get", "import"), t, t[1:]):
                 times[f"ray {key}"].append(b - a)
             times["ray handoff"].append(t[-1] - t[0])
-        for mode, alloc in (("arena", arena), ("own", own)):
+        for mode, alloc, fused in (("arena", arena, True), ("arena 2-pass", arena, False), ("own", own, True)):
             t = [time.perf_counter()]
-            block = pre.export_kv(0, ids, out=alloc(nbytes))
+            digest = Digest() if fused else None  # fused: hashed layer by layer as it is copied
+            block = pre.export_kv(0, ids, out=alloc(nbytes), digest=digest)
             t.append(time.perf_counter())
-            ref = alloc.put(_handoff(block))
+            ref = alloc.put(_handoff(block, digest and digest.value()))  # 2-pass: hashes the block here
             t.append(time.perf_counter())
-            handoff = shm.take(ref, dec.kv_fingerprint)
+            handoff = shm.take(ref, dec.kv_fingerprint, verify=not fused)  # 2-pass: checks it here
             t.append(time.perf_counter())
-            dec.import_kv(handoff.block, 0)
+            dec.import_kv(handoff.block, 0, checksum=handoff.checksum)  # fused: checked as it copies
             handoff.release()  # what the scheduler does once imported: the arena slot is free again
             t.append(time.perf_counter())
             del block, handoff  # an own segment (unlinked at take) is unmapped
@@ -115,8 +120,8 @@ def main() -> None:
     print(f"artifact {args.artifact}, prompt {len(ids)} tokens, block {nbytes / 1e6:.1f} MB, {args.rounds} rounds")
     print(f"checksum: {ref.checksum.partition(':')[0]}; load average {os.getloadavg()[0]:.2f}")
     for key in med:
-        print(f"  {key:18s} {med[key] * 1e3:8.2f} ms  {gbs[key]:6.2f} GB/s")
-    for mode in ("arena", "own", *(["ray"] if args.ray else [])):
+        print(f"  {key:24s} {med[key] * 1e3:8.2f} ms  {gbs[key]:6.2f} GB/s")
+    for mode in ("arena", "arena 2-pass", "own", *(["ray"] if args.ray else [])):
         warm_ratio = gbs[f"{mode} handoff"] / gbs["memcpy (warm dst)"]
         new_ratio = gbs[f"{mode} handoff"] / gbs["memcpy (new dst)"]
         print(f"hand-off ({mode}) / memcpy bandwidth: {warm_ratio:.0%} (warm dst), {new_ratio:.0%} (new dst)")
@@ -126,12 +131,12 @@ def main() -> None:
     )
 
 
-def _handoff(block):
+def _handoff(block, checksum):
     """A hand-off around ``block`` (the other fields as a greedy request's; only the block's bytes
     matter for the timing)."""
     from kvforge.runtime.kv.handoff import Handoff
 
-    return Handoff(list(block.token_ids), 16, {}, None, 0, None, {}, block)
+    return Handoff(list(block.token_ids), 16, {}, None, 0, None, {}, block, checksum=checksum)
 
 
 if __name__ == "__main__":

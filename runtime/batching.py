@@ -41,9 +41,11 @@ decode binding of each ``(first, n)`` is made once and reused.
 Disaggregated prefill/decode (:mod:`kvforge.runtime.kv.handoff`). A request with ``hand_off`` set
 leaves its row right after its first token, unless that token ends it: the KV of its prompt
 (positions ``[0, len(prompt))``) is exported first, into memory from ``block_alloc(nbytes)`` when
-given (e.g. a shared-memory segment), and the request finishes with a :class:`Handoff`. A resumed
-request (``Generation.resume_from`` set) is admitted before any prefill of its step: its block is
-imported into the next free row and it joins the decoding rows directly, its first token fed at
+given (e.g. a shared-memory segment), and the request finishes with a :class:`Handoff` carrying
+the data's checksum (hashed layer by layer during that copy, :mod:`kvforge.runtime.kv.digest`). A
+resumed request (``Generation.resume_from`` set) is admitted before any prefill of its step: its
+block is imported into the next free row (its checksum checked during that copy: a mismatch fails
+the request with KVBlockError, nothing imported) and it joins the decoding rows directly, its first token fed at
 that step's decode (the request being filled, if any, moves up one row to make room).
 
 Failures. An error while a request picks or accepts its token fails that request alone (its row is
@@ -60,6 +62,7 @@ import numpy as np
 
 from kvforge.runtime import validate
 from kvforge.runtime.generation import Generation
+from kvforge.runtime.kv.digest import Digest
 from kvforge.runtime.speculative.verify import Verifier
 
 if TYPE_CHECKING:
@@ -151,7 +154,8 @@ class BatchLoop:
                 self.engine.move_row(row, row + 1)  # the request being filled stays right after the decoding rows
             g.admit()
             try:
-                self.engine.import_kv(g.resume_from.block, row)
+                handoff = g.resume_from  # its checksum is checked as the import copies it
+                self.engine.import_kv(handoff.block, row, checksum=handoff.checksum)
             except Exception as error:
                 g.fail(error)
                 if self.filling is not None:
@@ -307,7 +311,8 @@ class BatchLoop:
         finish it with its hand-off; retirement then frees the row."""
         try:
             out = None if self.block_alloc is None else self.block_alloc(self.engine.kv_nbytes(len(gen.prompt_ids)))
-            gen.finish_handoff(self.engine.export_kv(row, gen.prompt_ids, out=out))
+            digest = Digest()  # hashed layer by layer as it is copied: no second pass over the block
+            gen.finish_handoff(self.engine.export_kv(row, gen.prompt_ids, out=out, digest=digest), digest.value())
         except Exception as error:
             gen.fail(error)
 

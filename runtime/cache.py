@@ -18,6 +18,7 @@ the cache is therefore mapped by :func:`zeroed_pages`, in ordinary pages.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,19 +68,39 @@ class KVCache:
         if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
             self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
 
-    def read_positions(self, row: int, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    def read_positions(
+        self, row: int, start: int, stop: int, out: np.ndarray | None = None, each: Callable | None = None
+    ) -> np.ndarray:
         """Positions ``[start, stop)`` of cache row ``row``, every layer's keys and values, as a
         C-contiguous array ``[L, 2, H_kv, stop - start, D]`` (new, or ``out``): one strided copy
-        (a KV block's data)."""
-        if out is None:
+        (a KV block's data). ``each``: called with each ``[H_kv, n, D]`` piece of the result, in
+        order, right after it is copied (a checksum computed while the piece is in the CPU's cache)."""
+        if out is None and each is None:
             return np.ascontiguousarray(self.buffer[:, :, row, :, start:stop])
-        np.copyto(out, self.buffer[:, :, row, :, start:stop])
+        if out is None:
+            out = np.empty(self.buffer[:, :, row, :, start:stop].shape, self.buffer.dtype)
+        if each is None:
+            np.copyto(out, self.buffer[:, :, row, :, start:stop])
+            return out
+        for layer in range(out.shape[0]):
+            for kv in range(2):
+                np.copyto(out[layer, kv], self.buffer[layer, kv, row, :, start:stop])
+                each(out[layer, kv])
         return out
 
-    def write_positions(self, row: int, start: int, data: np.ndarray) -> None:
+    def write_positions(self, row: int, start: int, data: np.ndarray, each: Callable | None = None) -> None:
         """Write ``data`` ``[L, 2, H_kv, n, D]`` into positions ``[start, start + n)`` of cache row
-        ``row``: one strided copy (the inverse of :meth:`read_positions`)."""
-        self.buffer[:, :, row, :, start : start + data.shape[3]] = data
+        ``row``: one strided copy (the inverse of :meth:`read_positions`). ``each``: called with each
+        ``[H_kv, n, D]`` piece of ``data``, in order, right before it is copied (which then reads
+        it from the CPU's cache)."""
+        stop = start + data.shape[3]
+        if each is None:
+            self.buffer[:, :, row, :, start:stop] = data
+            return
+        for layer in range(data.shape[0]):
+            for kv in range(2):
+                each(data[layer, kv])
+                self.buffer[layer, kv, row, :, start:stop] = data[layer, kv]
 
 
 def zeroed_pages(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -78,6 +78,7 @@ from kvforge.runtime.constraints import GrammarFactory
 from kvforge.runtime.facade import GenerationFacade
 from kvforge.runtime.generation import GenerationResult, StreamChunk
 from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool, fingerprint, parse_bytes
+from kvforge.runtime.kv.digest import Digest, algorithm_of
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
 from kvforge.runtime.speculative import parse_speculative, setup
@@ -620,13 +621,14 @@ class Engine(GenerationFacade):
         m = self.manifest.model
         return m.num_layers * 2 * m.num_kv_heads * int(positions) * m.head_dim * self.cache.buffer.dtype.itemsize
 
-    def export_kv(self, row: int, token_ids: Sequence[int], start: int = 0, out=None) -> KVBlock:
+    def export_kv(self, row: int, token_ids: Sequence[int], start: int = 0, out=None, digest=None) -> KVBlock:
         """Cache row ``row``'s positions ``[start, start + n)`` as a :class:`KVBlock` (``n =
         len(token_ids)``, the tokens those positions hold, which the caller knows: the engine keeps
         lengths, not tokens). One strided copy into the block's own contiguous buffer, or into
         ``out``: a writable buffer of at least :meth:`kv_nbytes` ``(n)`` bytes (e.g. shared memory),
-        which the block's data is then a view of. ValueError when the row does not hold those
-        positions."""
+        which the block's data is then a view of. ``digest``: a :class:`~kvforge.runtime.kv.digest.Digest`
+        fed the block's data as it is copied, layer by layer (its value is then the data's
+        checksum). ValueError when the row does not hold those positions."""
         ids = check.token_ids("token_ids", token_ids, vocab_size=self.vocab_size)
         if not hasattr(self.cache, "read_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV export yet; use the CPU backend")
@@ -646,7 +648,8 @@ class Engine(GenerationFacade):
                     f"positions [{start}, {start + len(ids)}) are not in cache row {row}, which holds [0, {held}): "
                     "export at most the positions a prefill or decode wrote"
                 )
-            data = self.cache.read_positions(row, start, start + len(ids), out=out)
+            each = None if digest is None else digest.update
+            data = self.cache.read_positions(row, start, start + len(ids), out=out, each=each)
         return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data)
 
     def check_kv(self, block: KVBlock) -> None:
@@ -666,13 +669,16 @@ class Engine(GenerationFacade):
                 f"artifact (max_seq={self.max_seq}); recompile with a larger --max-seq"
             )
 
-    def import_kv(self, block: KVBlock, row: int) -> None:
+    def import_kv(self, block: KVBlock, row: int, checksum: str | None = None) -> None:
         """Write ``block`` into cache row ``row`` at its positions ``[block.start, block.stop)``
         (one strided copy) and make the row hold ``[0, block.stop)``. The caller owns the row (a
         session's, or its batch loop's) and its positions before ``block.start``. Raises
         :class:`~kvforge.runtime.kv.KVBlockError` for a block of another artifact or dtype, or one
-        that does not fit the row (:meth:`check_kv`)."""
+        that does not fit the row (:meth:`check_kv`). ``checksum`` (``"algorithm:hex"``, e.g. a
+        hand-off's): the data is hashed layer by layer as it is copied, and a mismatch raises
+        KVBlockError with the row left as it was held (its length unchanged: nothing imported)."""
         self.check_kv(block)
+        digest = None if checksum is None else Digest(algorithm_of(checksum))
         if not hasattr(self.cache, "write_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV import yet; use the CPU backend")
         with self._lock:
@@ -683,7 +689,12 @@ class Engine(GenerationFacade):
                     f"the KV block starts at position {block.start}, but cache row {row} holds only "
                     f"[0, {int(self.lengths[row])}): import the blocks before it first"
                 )
-            self.cache.write_positions(row, block.start, block.data)
+            self.cache.write_positions(row, block.start, block.data, each=None if digest is None else digest.update)
+            if digest is not None and digest.value() != checksum:
+                raise KVBlockError(
+                    f"the KV block does not match its {digest.algorithm} checksum: the data was corrupted or "
+                    "overwritten on its way; it is not imported (run the request again)"
+                )
             self.lengths[row] = block.stop
 
     @property

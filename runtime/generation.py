@@ -242,9 +242,10 @@ class Generation:
         """The first token is accepted and the prompt's KV waits to be exported (:meth:`finish_handoff`)."""
         return self.state == "handing_off"
 
-    def finish_handoff(self, block: KVBlock) -> None:
-        """End with finish_reason "handoff": ``block`` holds the prompt's KV; the first token's
-        chunk (finish_reason "handoff") is emitted and the result carries the :class:`Handoff`."""
+    def finish_handoff(self, block: KVBlock, checksum: str | None = None) -> None:
+        """End with finish_reason "handoff": ``block`` holds the prompt's KV (``checksum``: its
+        data's, from the export); the first token's chunk (finish_reason "handoff") is emitted and
+        the result carries the :class:`Handoff`."""
         self.handoff = Handoff(
             prompt_ids=self.prompt_ids,
             max_new_tokens=self.max_new_tokens,
@@ -255,6 +256,7 @@ class Generation:
             rng_state=self.sampler.rng_state,
             block=block,
             cached_tokens=self.cached_tokens,
+            checksum=checksum,
         )
         self.finish_reason = "handoff"
         self.state = "done"

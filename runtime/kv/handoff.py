@@ -44,6 +44,10 @@ class Handoff:
     rng_state: dict[str, Any]  # the sampler's numpy PCG64 state after its first draw
     block: KVBlock  # positions [0, len(prompt_ids))
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache
+    # The block data's checksum ("algorithm:hex", :mod:`.digest`): computed by the export as it
+    # copies, checked by the import as it copies (KVBlockError: not imported). Not in the header:
+    # a transport carries it (a shared-memory ref's ``checksum``).
+    checksum: str | None = field(default=None, compare=False)
     # Called once the block's data is no longer needed (imported, or the request dropped): a
     # transport's hook that frees the memory the data is a view of (shm.take sets it).
     on_release: Callable[[], None] | None = field(default=None, repr=False, compare=False)

@@ -19,10 +19,13 @@ and reused: the taker marks a slot free in the slot's own state word once the bl
 allocation reclaims it. The taker maps an arena once and keeps it. A block that does not fit
 the arena gets a segment of its own, which its taker unlinks as soon as it is mapped.
 
-Integrity. :meth:`SegmentAllocator.put` hashes the data (xxh3-64 with the ``xxhash`` package of the
-``serve`` extra, ~25 GB/s; else zlib's crc32, ~2 GB/s; sha256 runs at ~1 GB/s) and the ref carries
-the digest; :func:`take` checks the artifact's fingerprint and the digest before it returns: a
-foreign or corrupted block is a :class:`KVBlockError`, never imported.
+Integrity. The scheduler's export hashes the data layer by layer as it copies it
+(:mod:`kvforge.runtime.kv.digest`: xxh3-64 with the ``xxhash`` package of the ``serve`` extra,
+~25 GB/s; else zlib's crc32, ~2 GB/s; sha256 runs at ~1 GB/s) and the ref carries the digest
+(:meth:`SegmentAllocator.put` hashes a hand-off that comes without one); :func:`take` checks the
+artifact's fingerprint and, by default, the digest in a pass of its own; a decode worker takes
+with ``verify=False`` and its scheduler's import checks the digest as it copies (no pass of
+its own on either side): a foreign or corrupted block is a :class:`KVBlockError`, never imported.
 
 Names. ``kvforge-<pid>-...`` after the creating process, in ``/dev/shm`` (Linux's POSIX shared
 memory: what ``shm_open`` and ``multiprocessing.shared_memory`` use). Opened with ``os.open``
@@ -39,7 +42,6 @@ import mmap
 import os
 import secrets
 import threading
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.runtime.kv.block import DTYPES, KVBlockError
+from kvforge.runtime.kv.digest import Digest, algorithm_of, checksum
 from kvforge.runtime.kv.handoff import Handoff
 
 SHM_DIR = Path("/dev/shm")
@@ -55,32 +58,10 @@ SLOT_HEADER = 4096  # an arena slot: one page holding its state word, then the d
 _FREE = 0  # a slot's state word: 0 once free again (set by the taker), else the id of its allocation
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page in one call, not a fault each
 
-try:
-    import xxhash
-except ImportError:  # the serve extra brings it; crc32 is the slower fallback
-    xxhash = None
-
 
 def segment_prefix(pid: int | None = None) -> str:
     """The name prefix of the segments created by process ``pid`` (default: this one)."""
     return f"{PREFIX}{os.getpid() if pid is None else int(pid)}-"
-
-
-def checksum(data: np.ndarray | memoryview, algorithm: str | None = None) -> str:
-    """``"algorithm:hex digest"`` of ``data``'s bytes (C-contiguous); algorithm ``xxh3_64`` (when
-    ``xxhash`` is installed, the default then) or ``crc32``."""
-    algorithm = algorithm or ("xxh3_64" if xxhash is not None else "crc32")
-    raw = memoryview(data).cast("B")
-    if algorithm == "xxh3_64":
-        if xxhash is None:
-            raise KVBlockError(
-                "this KV hand-off was hashed with xxh3_64, but the xxhash package is not installed here: "
-                "pip install 'kvforge[serve]' on every worker"
-            )
-        return f"xxh3_64:{xxhash.xxh3_64_hexdigest(raw)}"
-    if algorithm == "crc32":
-        return f"crc32:{zlib.crc32(raw):08x}"
-    raise KVBlockError(f"unknown checksum algorithm {algorithm!r}: expected xxh3_64 or crc32")
 
 
 @dataclass(frozen=True)
@@ -189,7 +170,8 @@ class SegmentAllocator:
 
     def put(self, handoff: Handoff) -> ShmRef:
         """The ref of ``handoff``: its data where it is when it was exported into this allocator's
-        memory (no copy), else copied into new memory of it. The data is hashed here."""
+        memory (no copy), else copied into new memory of it. Its checksum is ``handoff.checksum``
+        (the scheduler's export computes it as it copies), else the data is hashed here."""
         data = handoff.block.data
         with self._lock:
             where = self._open.pop(data.ctypes.data, None) if data.flags.c_contiguous else None
@@ -199,10 +181,11 @@ class SegmentAllocator:
             with self._lock:
                 where = self._open.pop(buf.ctypes.data)
         name, slot = where
+        digest = handoff.checksum or checksum(data)  # the export's, hashed as it copied (the scheduler's)
         if slot is None:
-            return ShmRef(name, data.nbytes, checksum(data), handoff.header())
+            return ShmRef(name, data.nbytes, digest, handoff.header())
         slot_id = int(self._state(slot)[0])
-        return ShmRef(name, data.nbytes, checksum(data), handoff.header(), slot + SLOT_HEADER, slot, slot_id)
+        return ShmRef(name, data.nbytes, digest, handoff.header(), slot + SLOT_HEADER, slot, slot_id)
 
     def close(self) -> None:
         """Unlink the arena (views taken stay valid until dropped) and the segments allocated and
@@ -263,13 +246,17 @@ def _slot_state(ref: ShmRef) -> np.ndarray:
     return state
 
 
-def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None) -> Handoff:
+def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = True) -> Handoff:
     """The hand-off of ``ref`` (taken once), its block's data a read-only view on shared memory:
     a segment of its own is unlinked at once (its memory stays until the view is dropped), an
     arena slot is freed by ``handoff.release()``, which the scheduler calls once the block is
     imported. KVBlockError (the memory freed too) when the memory is gone or shorter than the ref
     says, when (with ``fingerprint``: the importing engine's ``kv_fingerprint``) it comes from
-    another artifact, or when the data does not match its checksum."""
+    another artifact, or (``verify``) when the data does not match its checksum. ``verify=False``
+    (a decode worker's): the checksum is not computed here but goes with the hand-off
+    (``handoff.checksum``), and the scheduler's import checks it as it copies the data, layer by
+    layer (a mismatch fails the request with KVBlockError before the row holds anything); a
+    caller that reads the data otherwise must verify here."""
     release = None
     if ref.slot is None:
         try:
@@ -299,8 +286,11 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None) -> Handoff:
         handoff = Handoff.from_parts(ref.header, raw.view(dtype).reshape(b["shape"]))  # reads no data
         if fingerprint is not None:
             handoff.block.check_compatible(fingerprint)
-        algorithm = ref.checksum.partition(":")[0]
-        if checksum(raw, algorithm) != ref.checksum:
+        algorithm = algorithm_of(ref.checksum)
+        Digest(algorithm)  # an algorithm this process has (KVBlockError naming what to install)
+        if not verify:
+            handoff.checksum = ref.checksum  # checked by the import, as it copies
+        elif checksum(raw, algorithm) != ref.checksum:
             raise KVBlockError(
                 f"the KV hand-off in shared-memory segment {ref.name} does not match its {algorithm} checksum: "
                 "the data was corrupted or overwritten; it is not imported (run the request again)"

@@ -16,8 +16,10 @@ sides (hits counted in ``cached_tokens``, the decode side's finished rows offere
 round-trips through JSON; the block goes through ``/dev/shm`` with the export written straight
 into the segment, the segment unlinked at take, a dead worker's segments found and unlinked by
 pid; a foreign block (another artifact) and a corrupted segment are refused with KVBlockError
-before anything is imported; and a real second process (multiprocessing spawn) continues a
-request from a ref alone, with the colocated output.
+before anything is imported (by ``take``, or with the checksum fused into the export's and the
+import's copies, by the import: one flipped byte fails the request, the row holds nothing); and
+a real second process (multiprocessing spawn) continues a request from a ref alone, with the
+colocated output.
 """
 
 from __future__ import annotations
@@ -338,3 +340,40 @@ def test_across_processes(tiny_artifact, engines):
         assert (tokens, text, logprobs) == (e.token_ids, e.text, e.logprobs)
     alloc.close()
     assert shm.segments(os.getpid()) == []
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_checksum_fused_into_the_copies(engines, algorithm):
+    """The scheduler's export hashes the block layer by layer as it copies it: the same digest as
+    one pass over the data. A decode worker's take (``verify=False``) leaves the check to the
+    import, which hashes as it copies: a good block decodes exactly; a block with one flipped byte
+    (in the last layer: found only after every earlier layer was written) fails its request with
+    KVBlockError, the row imported nothing (the next request on that scheduler is exact) and its
+    arena slot is freed."""
+    pre, dec, ref = engines
+    [(_, expected)] = colocated(ref, [PROMPT], 8)
+    with pre.scheduler() as sp:
+        handoff = sp.submit(PROMPT, 8, hand_off=True).result().handoff
+    assert handoff.checksum == shm.checksum(handoff.block.data)
+    handoff.checksum = shm.checksum(handoff.block.data, algorithm)  # as a producer without xxhash makes it
+    alloc = shm.SegmentAllocator(ARENA)
+    try:
+        with dec.scheduler() as sd:
+            good = shm.take(alloc.put(handoff), dec.kv_fingerprint, verify=False)
+            assert good.checksum.startswith(f"{algorithm}:")
+            assert_same(expected, sd.resume(good).result())
+
+            bad_ref = alloc.put(handoff)
+            with open(shm.SHM_DIR / bad_ref.name, "r+b") as f:
+                f.seek(bad_ref.offset + bad_ref.nbytes - 5)
+                byte = f.read(1)
+                f.seek(bad_ref.offset + bad_ref.nbytes - 5)
+                f.write(bytes([byte[0] ^ 0x01]))
+            bad = shm.take(bad_ref, dec.kv_fingerprint, verify=False)  # not checked here
+            with pytest.raises(KVBlockError, match=f"does not match its {algorithm} checksum.*not imported"):
+                sd.resume(bad).result(timeout=30)
+            assert not shm.pending(bad_ref) and not shm.discard(bad_ref)  # its slot was freed
+            again = shm.take(alloc.put(handoff), dec.kv_fingerprint, verify=False)
+            assert_same(expected, sd.resume(again).result())
+    finally:
+        alloc.close()

@@ -4,10 +4,14 @@ real HTTP by the official ``openai`` client, its workers real spawned processes.
 Proves: greedy completions and chat (whole and streamed), seeded ``n`` choices, stop strings and
 logprobs equal the colocated outputs (``Engine.generate``/``Engine.chat``, which the one-process
 server is proven equal to in tests/tools/test_serve.py), with exact ``usage``; a request that ends
-at its first token never leaves the prefill worker; the prefix cache of the prefill worker serves
-a repeated prompt; routing goes to the least-loaded decode worker; ``/health`` lists each worker's
-role, pid and state and ``/metrics`` counts hand-offs and their bytes per role; a client that
-disconnects has its sequence cancelled on the decode worker that holds it; 429 when full.
+at its first token never leaves the prefill worker; the prefix cache of the prefill worker serves a
+repeated prompt; a follow-up whose prompt starts with what a decode worker finished skips the
+prefill worker (that decode worker's prefix cache serves it, with the colocated output); routing
+goes to the least-loaded decode worker; ``/health`` lists each worker's role, pid and state (503
+"degraded", naming the pool, while a pool has no ready worker) and ``/metrics`` counts hand-offs
+and their bytes per role; a client that disconnects has its sequence cancelled on the decode worker
+that holds it; 429 when full; a request only the worker's scheduler refuses (an empty stop string)
+is the colocated server's 400 with the same message.
 
 Faults, with real signals: a decode worker stopped (SIGSTOP) leaves routing after the timeout,
 the others serve meanwhile, and it comes back after SIGCONT; a stopped prefill worker's requests
@@ -210,6 +214,27 @@ def test_seeded_n_choices_stop_strings_and_logprobs_equal_colocated(client, engi
     assert all(0 < len(top) <= 3 for top in got.top_logprobs)  # distinct token texts among the top 3
 
 
+def test_a_request_only_the_workers_scheduler_refuses_is_400(served, engine):
+    """An empty stop string passes the front end's checks; the prefill worker's scheduler refuses
+    it (ValueError), as the colocated scheduler does: 400 with the same message, not 500."""
+    url, server = served
+    with engine.scheduler() as sched, pytest.raises(ValueError) as colocated:
+        sched.submit(engine.encode(PROMPTS[0]), 4, GREEDY, [""])
+    headers = {"authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stop": [""]}
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["message"], error["type"], error["code"]) == (
+        str(colocated.value),
+        "invalid_request_error",
+        "invalid_value",
+    )
+    _, events = stream(url, body)  # streamed: the 200 went first; the same error object, then [DONE]
+    assert events[-1] == "[DONE]" and [e["error"] for e in events if isinstance(e, dict) and "error" in e] == [error]
+    wait_until(lambda: server.in_flight == 0, "the refused sequences to be released")
+
+
 def test_first_token_end_stays_on_the_prefill_worker_and_metrics_count_handoffs(served, client, engine):
     url, _ = served
     before = httpx.get(url + "/metrics").text
@@ -235,12 +260,14 @@ def test_first_token_end_stays_on_the_prefill_worker_and_metrics_count_handoffs(
 
 
 def test_prefix_cache_of_the_prefill_worker_serves_a_repeated_prompt(client, engine):
+    """The first request ends at its first token on the prefill worker (no decode worker saw it),
+    whose prefix cache then serves the second."""
     prompt = " ".join(["The for statement repeats a block of code for each item."] * 6)
     [expected] = engine.generate([prompt], max_new_tokens=6, sampling=GREEDY)
-    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     time.sleep(0.2)  # the pool is offered the prompt's KV as the prefill worker retires the row
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
-    assert first.choices[0].text == second.choices[0].text == expected.text
+    assert expected.text.startswith(first.choices[0].text) and second.choices[0].text == expected.text
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
@@ -253,6 +280,29 @@ def test_routing_picks_the_least_loaded_decode_worker(served, client):
     assert after["prefill-0"] - before["prefill-0"] == 4
     spread = [after[n] - before[n] for n in ("decode-0", "decode-1")]
     assert sum(spread) <= 4 and max(spread) - min(spread) <= 1, spread
+
+
+def test_a_prefix_hit_on_a_decode_worker_skips_the_prefill_worker(served, client, engine):
+    """A follow-up whose prompt starts with a sequence a decode worker finished (the previous turn
+    it decoded) goes straight to that worker: its prefix cache serves the common part, it prefills
+    the rest; the output is the colocated one. (After the routing test: it leaves the decode
+    workers' routed counts, the routing tie-break, unequal by up to 2.)"""
+    url, server = served
+    wait_until(lambda: all_ready(server), "every worker ready")
+    turn1 = " ".join(["A tuple is an immutable sequence of values."] * 6)
+    first = client.completions.create(model=MODEL, prompt=turn1, max_tokens=8, temperature=0)
+    turn2 = turn1 + first.choices[0].text + " Lists"
+    [expected] = engine.generate([turn2], max_new_tokens=8, sampling=GREEDY)
+    time.sleep(0.2)  # the decode worker offers the finished row to its pool as it retires it
+    before = {w["name"]: w["routed"] for w in server.workers()}
+    routed = metric(httpx.get(url + "/metrics").text, "kvforge_prefix_routed_total")
+    second = client.completions.create(model=MODEL, prompt=turn2, max_tokens=8, temperature=0)
+    after = {w["name"]: w["routed"] for w in server.workers()}
+    assert second.choices[0].text == expected.text
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert after["prefill-0"] == before["prefill-0"]  # the prefill worker never saw it
+    assert sum(after[n] - before[n] for n in ("decode-0", "decode-1")) == 1
+    assert metric(httpx.get(url + "/metrics").text, "kvforge_prefix_routed_total") == routed + 1
 
 
 # ------------------------------------------------------------------------------ cancel, admission
@@ -364,6 +414,12 @@ def test_stopped_prefill_worker_past_the_timeout_runs_its_requests_once_back(ser
                 for p in PROMPTS
             ]
             wait_until(lambda: worker(server, "prefill-0")["state"] == "unresponsive", "the timeout", TIMEOUT * 5)
+            health = httpx.get(url + "/health")  # the prefill pool has no ready worker: degraded, 503
+            body = health.json()
+            assert health.status_code == 503 and body["status"] == "degraded"
+            assert "the prefill pool has no ready worker (prefill-0 unresponsive)" in body["degraded"]
+            assert "decode" not in body["degraded"]
+            assert (body["workers"][0]["name"], body["workers"][0]["state"]) == ("prefill-0", "unresponsive")
             os.kill(pid, signal.SIGCONT)
             texts = [f.result(timeout=60).choices[0].text for f in runs]
     finally:
@@ -371,6 +427,8 @@ def test_stopped_prefill_worker_past_the_timeout_runs_its_requests_once_back(ser
     assert texts == [e.text for e in expected]
     after = metric(httpx.get(url + "/metrics").text, "kvforge_sequence_reruns_total", role="prefill")
     assert after - before == 2 and worker(server, "prefill-0")["pid"] == pid
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok" and "degraded" not in health.json()
 
 
 def test_kill_9_decode_worker_mid_stream_fails_its_request_only_and_restarts(served, engine):

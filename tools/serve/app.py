@@ -9,7 +9,9 @@ OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: 400 
 (malformed JSON, unknown model, invalid value, a field value kvforge cannot honour, too long a
 prompt, and fields outside OpenAI's schema when ``strict_fields``), 401 for a missing or
 wrong key, 404/405 for unknown routes, 429 when the queue is full, 503 while draining, 500 when the
-runtime fails. Every response carries ``x-kvforge-replica`` (which process or Ray replica answered).
+runtime fails. ``GET /health`` answers 200 with ``status`` "ok", or 503 with "draining", or (a
+disaggregated server with a pool that has no ready worker) "degraded" and a ``degraded`` message.
+Every response carries ``x-kvforge-replica`` (which process or Ray replica answered).
 
 Fields outside OpenAI's schema are ignored, logged (a warning) and named in the response header
 ``x-kvforge-ignored-fields``; ``strict_fields=True`` (``kvforge serve --strict-fields``) refuses
@@ -206,8 +208,10 @@ def build_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         queued, running = server.scheduler_stats()
+        degraded = getattr(server, "degraded", None)  # a disaggregated server: a pool with no ready worker
+        problem = None if degraded is None else degraded()
         body = {
-            "status": "draining" if server.draining else "ok",
+            "status": "draining" if server.draining else "degraded" if problem else "ok",
             "model": server.model_name,
             "replica": server.replica_id,
             "in_flight": server.in_flight,
@@ -217,9 +221,11 @@ def build_app(
             "prefix_cache": server.prefix_cache_stats(),
         }
         workers = getattr(server, "workers", None)
+        if problem:
+            body["degraded"] = problem
         if workers is not None:  # a disaggregated server (tools/serve/disagg): each worker's role, pid, state
             body["workers"] = workers()
-        return JSONResponse(body, status_code=503 if server.draining else 200)
+        return JSONResponse(body, status_code=503 if server.draining or problem else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

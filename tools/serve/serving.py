@@ -248,9 +248,12 @@ def cached_tokens(results: dict[int, Any], n: int) -> int:
 
 
 def raise_on_error(event: Event) -> None:
-    """A pump's "error" event as a 500 ServingError (the runtime failed; the request cannot finish)."""
+    """A pump's "error" event as a 500 ServingError (the runtime failed; the request cannot finish);
+    a ServingError payload (a disaggregated worker refused the request: 400) is raised as it is."""
     if event.kind == "error":
         error = event.payload
+        if isinstance(error, ServingError):
+            raise error
         raise ServingError(
             f"generation failed: {type(error).__name__}: {error}", status=500, type="internal_error", code="internal"
         ) from error

@@ -18,6 +18,9 @@ The hand-off (prefill -> decode):
 - ``kvforge_handoff_seconds``: from the prefill worker's hand-off to the decode worker's resume of
   it (pipe, routing, the decode worker taking the block; histogram)
 
+``kvforge_prefix_routed_total``: sequences sent straight to a decode worker whose prefix cache holds
+most of their prompt (no prefill worker, no hand-off).
+
 Faults, by ``role``: ``kvforge_worker_deaths_total``, ``kvforge_worker_restarts_total``,
 ``kvforge_worker_unresponsive_total`` (left routing after the timeout),
 ``kvforge_sequence_reruns_total`` (sequences re-run or re-resumed after their worker failed, by
@@ -84,6 +87,9 @@ class DisaggMetrics:
         )
         self.handoff_seconds = Histogram(
             "kvforge_handoff_seconds", "hand-off to the decode worker's resume", buckets=HANDOFF_BUCKETS, registry=r
+        )
+        self.prefix_routed = Counter(
+            "kvforge_prefix_routed", "sequences sent straight to a decode worker holding their prefix", registry=r
         )
         self.worker_deaths = Counter("kvforge_worker_deaths", "worker processes that died", ["role"], registry=r)
         self.restarts = Counter("kvforge_worker_restarts", "worker processes restarted", ["role"], registry=r)

@@ -108,8 +108,8 @@ class _Role:
             self.handles.pop(seq, None)
 
 
-def _error(seq: int, error: Exception) -> WorkerEvent:
-    return WorkerEvent("error", seq, {"type": type(error).__name__, "message": str(error)})
+def _error(seq: int, error: Exception, refused: bool = False) -> WorkerEvent:
+    return WorkerEvent("error", seq, {"type": type(error).__name__, "message": str(error), "refused": refused})
 
 
 @serve.deployment(name="KvforgePrefill", max_ongoing_requests=ROLE_CALLS)
@@ -122,6 +122,10 @@ class PrefillRole(_Role):
             handle = self.scheduler.submit(
                 request.prompt_ids, request.max_tokens, request.sampling, request.stop, hand_off=True
             )
+        except ValueError as error:  # the request's fault: the router answers 400
+            yield _error(seq, error, refused=True)
+            return
+        try:
             async for event in self._chunks(seq, handle):
                 yield event
             result = handle.result()

@@ -12,8 +12,12 @@ each sequence goes
     -> least-loaded ready decode worker -> chunks -> "done"
 
 A sequence that ends at its first token (eos, a stop string, max_tokens=1) ends on the prefill
-worker. Load is the number of sequences a worker holds now (ties: the one given fewer so far).
-With no ready worker in a pool (all restarting or unresponsive), sequences wait in the router.
+worker. A prefix hit skips the prefill worker: a new sequence whose prompt starts with most of
+it (in whole prefix-cache blocks; the rest at most ``PREFIX_REST_MAX`` tokens) as a sequence a
+decode worker finished (a chat's previous turn it decoded) goes to that decode worker whole; its
+prefix cache serves the common part and it prefills the short rest itself. Load is the number of
+sequences a worker holds now (ties: the one given fewer so far). With no ready worker in a pool
+(all restarting or unresponsive), sequences wait in the router.
 
 Cancellation (the client went away) is sent to whichever worker holds the sequence; one caught
 between the two pools has its segment unlinked by the router.
@@ -25,6 +29,9 @@ Faults (:mod:`.workers` reports a dead process; the supervisor thread checks hea
   others end with an "error" event naming the worker, its pid and how it died (the request
   answers 500). The router unlinks the segments the dead worker left and starts a new process in
   its slot (at most ``MAX_RESTARTS`` in a row that die before "ready").
+- a request the worker's scheduler refuses at submit (a ValueError the front end's checks did not
+  catch) answers 400 with the scheduler's message, as the one-process server does (a streamed
+  one: the same error object in the stream, whose 200 is sent before the worker answers).
 - a worker that sends nothing for ``worker_timeout`` seconds (stopped, hung) is "unresponsive":
   out of routing; its sequences that streamed nothing are re-run elsewhere (it is told to cancel
   them). It is routed to again when it answers again.
@@ -45,7 +52,7 @@ import os
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,13 +66,28 @@ from kvforge.runtime.tokenizer import Tokenizer
 from kvforge.tools.serve.disagg.metrics import DisaggMetrics
 from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, ROLES, PipeWorker, WorkerEvent, WorkerSpec
 from kvforge.tools.serve.metrics import ServeMetrics
-from kvforge.tools.serve.serving import Event, Flight, ModelServer, SeqRequest
+from kvforge.tools.serve.serving import Event, Flight, ModelServer, SeqRequest, ServingError
 
 log = logging.getLogger("kvforge.serve")
 
 DEFAULT_WORKER_TIMEOUT = 5.0  # seconds without a message before a worker leaves routing
 MAX_RESTARTS = 3  # restarts in a row of a slot whose process dies before it is ready
 MAX_TRIES = 3  # times one sequence is started (re-runs after its worker died)
+REMEMBERED = 64  # finished sequences remembered per decode worker (for prefix-hit routing)
+PREFIX_REST_MAX = 256  # prompt tokens at most a decode worker prefills itself after a prefix hit
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (a binary search over slices:
+    C-speed comparisons, log2 of the length of them)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _ref_name(ref: Any) -> str | None:
@@ -154,6 +176,9 @@ class _Slot:
     restarts: int = 0
     failures: int = 0  # processes in a row that died before "ready"
     restart_at: float | None = None  # when to start the next process (a dead slot)
+    # decode: the token ids whose KV the worker's prefix cache was offered (finished sequences:
+    # prompt + output but the last token), newest last: where a prompt's prefix may be (LRU, capped)
+    finished: OrderedDict[tuple[int, ...], None] = field(default_factory=OrderedDict)
 
     @property
     def name(self) -> str:
@@ -331,10 +356,53 @@ class DisaggServer:
                 for s in self.slots
             ]
 
+    def degraded(self) -> str | None:
+        """For ``/health`` (503 "degraded"): which pools have no ready worker, with their workers'
+        states; None while each pool has one (requests for an empty pool wait in the router)."""
+        with self._lock:
+            empty = []
+            for role in ROLES:
+                pool = [s for s in self.slots if s.role == role]
+                if not any(s.worker.state == "ready" for s in pool):
+                    states = ", ".join(f"{s.name} {s.worker.state}" for s in pool)
+                    empty.append(f"the {role} pool has no ready worker ({states})")
+        if not empty:
+            return None
+        return "; ".join(empty) + ": its requests wait in the router until one is ready"
+
     # ---------------------------------------------------------------------------------- routing
 
+    def _prefix_slot(self, prompt: Sequence[int]) -> _Slot | None:
+        """A ready decode worker whose prefix cache should hold most of ``prompt`` (in whole blocks:
+        a chat's previous turn it decoded; the rest at most as long as the hit and at most
+        ``PREFIX_REST_MAX`` tokens, a short prefill for a decode worker), else None. Its memory of what it
+        finished may be stale (evicted blocks): then it prefills more itself; the tokens are the same."""
+        prompt = tuple(prompt)
+        best, best_len = None, 0
+        for slot in self.slots:
+            pool = slot.worker.stats.get("prefix_cache")
+            if slot.role != DECODE or slot.worker.state != "ready" or pool is None or not pool.block_tokens:
+                continue
+            for ids in slot.finished:
+                n = min(_common_prefix(ids, prompt), len(prompt) - 1)  # at least one token to prefill
+                n = n // pool.block_tokens * pool.block_tokens  # the pool holds whole blocks
+                if n > best_len or (n == best_len and best is not None and len(slot.held) < len(best.held)):
+                    best, best_len = slot, n
+        rest = len(prompt) - best_len
+        return best if best_len > 0 and rest <= min(best_len, PREFIX_REST_MAX) else None
+
     def _route(self, seq: _Seq, role: str) -> None:
-        """Give ``seq`` to the least-loaded ready worker of ``role``, or queue it until one is ready."""
+        """Give ``seq`` to the least-loaded ready worker of ``role``, or queue it until one is ready.
+        A new sequence whose prompt is mostly in a decode worker's prefix cache goes to that worker
+        whole (no prefill worker, no hand-off)."""
+        if role == PREFILL and seq.tries == 0 and (direct := self._prefix_slot(seq.request.prompt_ids)) is not None:
+            direct.held.add(seq)
+            direct.given += 1
+            seq.slot, seq.phase, seq.wire, seq.tries = direct, DECODE, next(self._ids), 1
+            self._seqs[seq.wire] = seq
+            self.disagg_metrics.prefix_routed.inc()
+            direct.worker.submit(seq.wire, seq.request)
+            return
         ready = [s for s in self.slots if s.role == role and s.worker.state == "ready"]
         if not ready:
             self._seqs.pop(seq.wire, None)  # what its last worker still sends about it is stale
@@ -428,6 +496,12 @@ class DisaggServer:
                 self.disagg_metrics.handoff_seconds.observe(time.perf_counter() - seq.handed)
             elif kind == "done":
                 self._on_done(seq, event.payload)
+            elif kind == "error" and event.payload.get("refused"):
+                # the worker's scheduler refused the request (ValueError at submit): the colocated
+                # server's 400, with the same message
+                self.disagg_metrics.sequence_errors.labels(role=slot.role).inc()
+                error = ServingError(event.payload["message"], code="invalid_value")
+                self._finish(seq, Event("error", seq.index, error))
             elif kind == "error":
                 what = "refused the sequence's KV block" if event.payload["type"] == "KVBlockError" else "failed"
                 error = WorkerError(
@@ -458,6 +532,12 @@ class DisaggServer:
             self._route(seq, DECODE)
 
     def _on_done(self, seq: _Seq, result: Any) -> None:
+        if seq.slot is not None and seq.slot.role == DECODE and result.finish_reason != "cancelled":
+            ids = (*seq.request.prompt_ids, *result.token_ids[:-1])  # what its row held, offered to its pool
+            seq.slot.finished[ids] = None
+            seq.slot.finished.move_to_end(ids)
+            while len(seq.slot.finished) > REMEMBERED:
+                seq.slot.finished.popitem(last=False)
         tokens = len(result.token_ids)
         self.metrics.generation_tokens.inc(tokens)
         self.metrics.cached_tokens.inc(result.cached_tokens)
@@ -503,6 +583,7 @@ class DisaggServer:
             slot.held.discard(seq)
             seq.slot = None
             self._recover(seq, f"{slot.role} worker {slot.name} (pid {worker.pid}) {worker.exit_reason}")
+        slot.finished.clear()  # a new process: an empty prefix cache
         self._orphans.append(worker)  # its shared memory goes once no block in flight is in it
         self._unlink_orphans()
         slot.failures = 0 if was_ready else slot.failures + 1

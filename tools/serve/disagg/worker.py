@@ -2,8 +2,8 @@
 
     main(conn, spec)    # the target of a spawned process (see workers.PipeWorker)
 
-Loads ``Engine.load(spec.artifact_dir, threads=spec.threads)`` (the prefix cache on prefill
-workers only: decode workers never prefill), sends "ready", then serves the messages of
+Loads ``Engine.load(spec.artifact_dir, threads=spec.threads)`` (with its prefix cache: a decode
+worker's holds the rows it finished), sends "ready", then serves the messages of
 :mod:`.workers` until "close" or the end of its pipe (the router is gone), when it cancels what it
 holds and exits.
 
@@ -11,9 +11,12 @@ holds and exits.
   comes; a sequence that goes on is handed off: the scheduler exports its KV straight into a new
   shared-memory segment (:mod:`kvforge.runtime.kv.shm`, named after this process's pid) and the
   reference goes back ("handoff").
-- decode (``resume``): take the block from shared memory (``shm.take`` checks its checksum and
-  fingerprint: KVBlockError for a corrupted or foreign one; it unlinks the segment), ``resume`` it
-  in the scheduler, stream the chunks, send the result.
+- decode (``submit``): the whole request in its scheduler, no hand-off (the router sends it one
+  whose prompt's most is in this worker's prefix cache).
+- decode (``resume``): take the block from shared memory (``shm.take`` checks its fingerprint:
+  KVBlockError for a foreign one; it unlinks the segment), ``resume`` it in the scheduler, whose
+  import checks its checksum as it copies (KVBlockError for a corrupted one, nothing imported),
+  stream the chunks, send the result.
 
 Each sequence has its own pump thread (the scheduler's handles block); a heartbeat thread sends
 the scheduler's queue and running rows every ``spec.heartbeat_s``. SIGINT is ignored: a Ctrl-C in
@@ -43,8 +46,9 @@ def main(conn, spec: WorkerSpec) -> None:
     from kvforge.runtime.kv import shm
 
     try:
-        prefix_cache = spec.prefix_cache if spec.role == PREFILL else 0
-        engine = Engine.load(spec.artifact_dir, threads=spec.threads, prefix_cache=prefix_cache)
+        # A decode worker's prefix cache holds the rows it finished (a chat's previous turn), which the
+        # router may send the next turn to directly (the prefill of its short rest runs there).
+        engine = Engine.load(spec.artifact_dir, threads=spec.threads, prefix_cache=spec.prefix_cache)
     except Exception as e:
         conn.send(WorkerEvent("failed", None, f"{type(e).__name__}: {e}"))
         return
@@ -105,10 +109,12 @@ class Worker:
                 max_new_tokens=request.max_tokens,
                 sampling=request.sampling,
                 stop=request.stop,
-                hand_off=True,
+                hand_off=self.spec.role == PREFILL,  # a decode worker runs the whole request (a prefix hit)
             )
         except (ValueError, RuntimeError) as e:
-            self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e)}))
+            # refused: a ValueError is the request's fault (the router answers 400), not the worker's
+            refused = isinstance(e, ValueError)
+            self.send(WorkerEvent("error", seq, {"type": type(e).__name__, "message": str(e), "refused": refused}))
             return
         with self._lock:
             self.handles[seq] = handle
@@ -146,8 +152,9 @@ class Worker:
     def _decode(self, seq: int, ref) -> None:
         try:
             started = time.perf_counter()
-            # take: checks the checksum and the fingerprint (KVBlockError), unlinks the segment
-            handle = self.scheduler.resume(self.shm.take(ref, self.engine.kv_fingerprint))
+            # take: checks the fingerprint (KVBlockError), unlinks a segment of its own; the checksum
+            # is checked by the import as it copies (a mismatch: the handle raises KVBlockError)
+            handle = self.scheduler.resume(self.shm.take(ref, self.engine.kv_fingerprint, verify=False))
             self.send(WorkerEvent("resumed", seq, {"import_s": time.perf_counter() - started}))
             with self._lock:
                 self.handles[seq] = handle

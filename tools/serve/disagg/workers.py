@@ -17,7 +17,8 @@ drives it with four verbs and learns everything else from the events it sends ba
 Events (:class:`WorkerEvent`, ``kind`` / ``seq`` / ``payload``): "ready" (``{"pid", "rows"}``),
 "beat" (``{"queued", "running", "prefix_cache"}``, every heartbeat), "chunk" (a StreamChunk),
 "handoff" (``{"ref", "nbytes", "export_s"}``), "resumed" (``{"import_s"}``), "done" (the
-GenerationResult), "error" (``{"type", "message"}``: that sequence failed, the worker goes on),
+GenerationResult), "error" (``{"type", "message", "refused"}``: that sequence failed, the worker goes on;
+``refused``: its scheduler refused the request at submit, a ValueError: the client's 400),
 "failed" (a message: the worker could not start), "exit" (the process is gone; ``payload`` says how).
 
 Another transport (Ray actor handles, :mod:`.ray_roles`) implements the same interface and calls
