@@ -54,6 +54,7 @@ retired); an error inside an engine call fails the requests of that call. The lo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -312,7 +313,9 @@ class BatchLoop:
         try:
             out = None if self.block_alloc is None else self.block_alloc(self.engine.kv_nbytes(len(gen.prompt_ids)))
             digest = Digest()  # hashed layer by layer as it is copied: no second pass over the block
-            gen.finish_handoff(self.engine.export_kv(row, gen.prompt_ids, out=out, digest=digest), digest.value())
+            started = time.perf_counter()
+            block = self.engine.export_kv(row, gen.prompt_ids, out=out, digest=digest)
+            gen.finish_handoff(block, digest.value(), export_s=time.perf_counter() - started)
         except Exception as error:
             gen.fail(error)
 

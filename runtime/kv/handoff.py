@@ -48,6 +48,9 @@ class Handoff:
     # copies, checked by the import as it copies (KVBlockError: not imported). Not in the header:
     # a transport carries it (a shared-memory ref's ``checksum``).
     checksum: str | None = field(default=None, compare=False)
+    # Seconds the prefill side's export took (the copy out of the cache with its checksum), for
+    # metrics; not in the header.
+    export_s: float = field(default=0.0, compare=False)
     # Called once the block's data is no longer needed (imported, or the request dropped): a
     # transport's hook that frees the memory the data is a view of (shm.take sets it).
     on_release: Callable[[], None] | None = field(default=None, repr=False, compare=False)

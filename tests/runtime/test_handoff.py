@@ -110,6 +110,7 @@ def test_resumed_equals_colocated(engines, sampling):
     [(first, r1, rest, r2)] = disaggregated(pre, dec, [PROMPT], 24, [sampling])
     assert r1.finish_reason == "handoff" and r1.token_ids == expected.token_ids[:1]
     assert isinstance(r1.handoff, Handoff) and r1.handoff.block.n == r1.prompt_tokens
+    assert 0 < r1.handoff.export_s < 5  # the export's own time, for the server's hand-off metrics
     if sampling is not None:
         assert r1.logprobs == expected.logprobs[:1]
     assert_same(expected, r2)
