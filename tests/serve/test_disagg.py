@@ -39,14 +39,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from kvforge.runtime import Engine, SamplingParams
 from kvforge.runtime.kv import shm
-from kvforge.tools.serve.app import build_app
 from kvforge.tools.serve.disagg.router import DisaggServer
 from kvforge.tools.serve.disagg.workers import DECODE, PipeWorker, WorkerSpec
-from tests.tools.test_serve import free_port, metric, sse_events
+from tests.tools.test_serve import metric, serving, sse_events
 
 KEY = "test-key"
 MODEL = "tiny-chat"
@@ -60,22 +58,8 @@ TIMEOUT = 2.0  # --worker-timeout of the module's server
 def running(artifact: Path, **options):
     """A real uvicorn server over a DisaggServer on a free port, in a background thread."""
     server = DisaggServer.load(artifact, threads_per_worker=1, model_name=MODEL, **options)
-    port = free_port()
-    web = uvicorn.Server(
-        uvicorn.Config(build_app(server, api_key=KEY), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not web.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        web.should_exit = True
-        thread.join(timeout=30)
-        server.close()
+    with serving(server) as url:
+        yield url, server
 
 
 @pytest.fixture(scope="module")

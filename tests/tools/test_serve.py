@@ -49,8 +49,16 @@ def free_port() -> int:
 def running(artifact: Path, *, strict_fields: bool = False, **server_options):
     """A real uvicorn server on a free port in a background thread; yields (base_url, ModelServer)."""
     server = ModelServer.load(artifact, threads=1, model_name=MODEL, **server_options)
+    with serving(server, strict_fields=strict_fields) as url:
+        yield url, server
+
+
+@contextlib.contextmanager
+def serving(server, **app_options):
+    """``server`` (a ModelServer, or anything offering its surface) behind the real app and uvicorn
+    on a free port, in a background thread; yields the base URL; closes the server after."""
     port = free_port()
-    app = build_app(server, api_key=KEY, strict_fields=strict_fields)
+    app = build_app(server, api_key=KEY, **app_options)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     web = uvicorn.Server(config)
     thread = threading.Thread(target=web.run, daemon=True)
@@ -60,7 +68,7 @@ def running(artifact: Path, *, strict_fields: bool = False, **server_options):
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", server
+        yield f"http://127.0.0.1:{port}"
     finally:
         web.should_exit = True
         thread.join(timeout=30)

@@ -43,7 +43,7 @@ from ray import serve
 from kvforge.graphs import manifest as mf
 from kvforge.tools.serve.app import build_app
 from kvforge.tools.serve.disagg.router import DisaggServer
-from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, WorkerEvent
+from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, WorkerEvent, health_row
 from kvforge.tools.serve.ray_app import ReplicaSettings
 
 APP_NAME = "kvforge-disagg"
@@ -221,17 +221,7 @@ class RayWorker:
         self._handle.cancel.remote(seq)
 
     def health(self) -> dict[str, Any]:
-        beat = self.stats
-        return {
-            "name": self.name,
-            "role": self.role,
-            "pid": self.pid,
-            "state": self.state,
-            "rows": self.rows,
-            "queued": beat.get("queued", 0),
-            "running": beat.get("running", 0),
-            "last_seen_s": round(time.monotonic() - self.last_seen, 3),
-        }
+        return health_row(self)
 
     def alive(self) -> bool:
         return self.state not in ("failed", "stopped")

@@ -153,17 +153,7 @@ class PipeWorker:
         self._outbox.put((CANCEL, seq, None))
 
     def health(self) -> dict[str, Any]:
-        beat = self.stats
-        return {
-            "name": self.name,
-            "role": self.role,
-            "pid": self.pid,
-            "state": self.state,
-            "rows": self.rows,
-            "queued": beat.get("queued", 0),
-            "running": beat.get("running", 0),
-            "last_seen_s": round(time.monotonic() - self.last_seen, 3),
-        }
+        return health_row(self)
 
     def alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
@@ -228,6 +218,22 @@ class PipeWorker:
                 return
             if message is None:  # the process ends its loop; the reader sees the end of its pipe
                 return
+
+
+def health_row(worker: Any) -> dict[str, Any]:
+    """A worker client's ``/health`` entry from what every client keeps: its name, role, pid,
+    state and rows, and its last heartbeat (``stats``, ``last_seen``)."""
+    beat = worker.stats
+    return {
+        "name": worker.name,
+        "role": worker.role,
+        "pid": worker.pid,
+        "state": worker.state,
+        "rows": worker.rows,
+        "queued": beat.get("queued", 0),
+        "running": beat.get("running", 0),
+        "last_seen_s": round(time.monotonic() - worker.last_seen, 3),
+    }
 
 
 def unlink_segment(name: str) -> bool:
