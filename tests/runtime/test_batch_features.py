@@ -8,6 +8,8 @@ the prefix cache on (the default), n-gram speculative decoding on, and rows that
 prompt (a prefix-cache hit), each request gives exactly what it gives alone on a plain engine (no
 prefix cache, no drafts): the same tokens, text, finish reason and stop string. The hit takes its
 prefix from the cache (``cached_tokens > 0``) and drafts are accepted somewhere in the batch.
+A seeded request handed off after its first token (disaggregated prefill) in that batch and
+resumed in a second batch beside a drafting row gives its solo answer too.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ REQUESTS = {
 }
 
 
-def _run(engine: Engine, requests: dict, cancel: str | None = None) -> dict:
+HANDOFF = ("The for loop", 14, SamplingParams(temperature=0.7, seed=3), ["zzz"])
+
+
+def _run(engine: Engine, requests: dict, cancel: str | None = None, hand_off: str | None = None) -> dict:
     with engine.scheduler() as sched:
         handles = {
-            name: sched.submit(p, max_new_tokens=n, sampling=s, stop=stop) for name, (p, n, s, stop) in requests.items()
+            name: sched.submit(p, max_new_tokens=n, sampling=s, stop=stop, hand_off=name == hand_off)
+            for name, (p, n, s, stop) in requests.items()
         }
         if cancel is not None:
             victim = sched.submit(REPEAT, max_new_tokens=400, sampling=GREEDY)
@@ -68,7 +74,7 @@ def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request,
             SamplingParams(temperature=0.0, prediction=[*predicted.token_ids[:10], 3, 4, 5]),
             None,
         )
-        solo = {name: _run(plain, {name: r})[name] for name, r in requests.items()}
+        solo = {name: _run(plain, {name: r})[name] for name, r in [*requests.items(), ("handoff", HANDOFF)]}
         hit_solo = plain.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
 
     assert re.fullmatch(r"[a-z]+( [a-z]+){1,5}\.", solo["regex"].text), solo["regex"].text
@@ -76,8 +82,13 @@ def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request,
 
     with Engine.load(tiny_artifact, speculative="ngram", threads=1) as engine:
         assert engine.prefix_pool is not None  # the default: on
-        together = _run(engine, requests, cancel="cancelled")
-        for name in requests:
+        together = _run(engine, {**requests, "handoff": HANDOFF}, cancel="cancelled", hand_off="handoff")
+        assert together["handoff"].finish_reason == "handoff"
+        with engine.scheduler() as sched:  # the decode side: beside a drafting row
+            drafting = sched.submit(REPEAT, max_new_tokens=24, sampling=GREEDY)
+            together["handoff"] = sched.resume(together["handoff"].handoff).result(timeout=120)
+            assert drafting.result(timeout=120).token_ids == solo["drafts"].token_ids
+        for name in [*requests, "handoff"]:
             got, want = _same(together[name], solo[name])
             assert got == want, name
         assert together["cancelled"].finish_reason == "cancelled"
