@@ -31,8 +31,11 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Two pytest workers (pytest-xdist), a test file each at a time, so each file's shared fixtures are
+# built once: the CI machine has 2 cores. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The opt-in real-model checks (`@pytest.mark.real_model`, deselected by `make test`): SmolLM2-135M-Instruct
 # from `make smollm2` compiled, its chat answers token for token against transformers' greedy ones.

@@ -11,7 +11,9 @@ The roles are those of the worker processes (:mod:`.worker`), as Ray Serve deplo
   plain data, the array is never pickled row by row).
 - :class:`DecodeRole`: ``run(seq, ref)`` gets the block (``await`` of its ObjectRef: a zero-copy
   read-only view when the object is on this node, one transfer by Ray's object manager when it is
-  not), resumes the sequence and streams "resumed", chunks, "done".
+  not), resumes the sequence and streams "resumed", chunks, "done". Its prefix cache holds the
+  sequences it finished, so the router sends it a follow-up whose prompt is mostly one of them
+  whole (``run(seq, request)``: no prefill role, no hand-off), as to a decode worker process.
 - :class:`IngressRole`: the OpenAI app (:func:`~..app.build_app`) over the router of the worker
   processes (:class:`~.router.DisaggServer`: routing, cancellation, metrics, /health), whose
   workers are :class:`RayWorker` clients: the same interface as a pipe to a process
@@ -73,8 +75,9 @@ class _Role:
         from kvforge.runtime import Engine
 
         s = ReplicaSettings(**settings)
-        prefix_cache = s.prefix_cache if self.role == PREFILL else 0  # a decode role never prefills
-        self.engine = Engine.load(s.artifact, threads=s.threads, prefix_cache=prefix_cache)
+        # A decode role's prefix cache holds the sequences it finished (a chat's previous turn): the
+        # router sends a follow-up whose prompt is mostly one of them straight to it (a prefix hit).
+        self.engine = Engine.load(s.artifact, threads=s.threads, prefix_cache=s.prefix_cache)
         self.scheduler = self.engine.scheduler()
         self.handles: dict[int, Any] = {}  # seq -> RequestHandle
 
@@ -97,6 +100,32 @@ class _Role:
         if handle is not None:
             handle.cancel()
 
+    async def _run_request(self, seq: int, request, hand_off: bool):
+        """Run ``request`` (a SeqRequest) from its prompt: the first token then a "handoff" event
+        (``hand_off``: a prefill role), or the whole request (a decode role's prefix hit)."""
+        try:
+            handle = self.scheduler.submit(
+                request.prompt_ids, request.max_tokens, request.sampling, request.stop, hand_off=hand_off
+            )
+        except ValueError as error:  # the request's fault: the router answers 400
+            yield _error(seq, error, refused=True)
+            return
+        try:
+            async for event in self._chunks(seq, handle):
+                yield event
+            result = handle.result()
+            if result.finish_reason != HANDOFF:
+                yield WorkerEvent("done", seq, result)
+                return
+            started = time.perf_counter()
+            handoff = result.handoff
+            block = ray.put(handoff.block.data)  # one numpy array into the object store
+            ref = RayRef(f"ray-{secrets.token_hex(6)}", handoff.header(), block, handoff.nbytes)
+            payload = {"ref": ref, "nbytes": ref.nbytes, "export_s": time.perf_counter() - started}
+            yield WorkerEvent(HANDOFF, seq, payload)
+        except Exception as error:  # this sequence fails alone
+            yield _error(seq, error)
+
     async def _chunks(self, seq: int, handle):
         """The chunks of ``handle`` as "chunk" events, as they come; ``handle.result()`` is ready after."""
         self.handles[seq] = handle
@@ -118,38 +147,23 @@ class PrefillRole(_Role):
 
     async def run(self, seq: int, request):
         """Prefill ``request`` (a SeqRequest) and sample its first token; hand the rest off."""
-        try:
-            handle = self.scheduler.submit(
-                request.prompt_ids, request.max_tokens, request.sampling, request.stop, hand_off=True
-            )
-        except ValueError as error:  # the request's fault: the router answers 400
-            yield _error(seq, error, refused=True)
-            return
-        try:
-            async for event in self._chunks(seq, handle):
-                yield event
-            result = handle.result()
-            if result.finish_reason != HANDOFF:
-                yield WorkerEvent("done", seq, result)
-                return
-            started = time.perf_counter()
-            handoff = result.handoff
-            block = ray.put(handoff.block.data)  # one numpy array into the object store
-            ref = RayRef(f"ray-{secrets.token_hex(6)}", handoff.header(), block, handoff.nbytes)
-            payload = {"ref": ref, "nbytes": ref.nbytes, "export_s": time.perf_counter() - started}
-            yield WorkerEvent(HANDOFF, seq, payload)
-        except Exception as error:  # this sequence fails alone
-            yield _error(seq, error)
+        async for event in self._run_request(seq, request, hand_off=True):
+            yield event
 
 
 @serve.deployment(name="KvforgeDecode", max_ongoing_requests=ROLE_CALLS)
 class DecodeRole(_Role):
     role = DECODE
 
-    async def run(self, seq: int, ref: RayRef):
-        """Continue the sequence handed off as ``ref``."""
+    async def run(self, seq: int, ref):
+        """Continue the sequence handed off as ``ref`` (a :class:`RayRef`), or run a SeqRequest
+        whole: the router's prefix hit, a prompt mostly in this role's prefix cache."""
         from kvforge.runtime.kv.handoff import Handoff
 
+        if not isinstance(ref, RayRef):
+            async for event in self._run_request(seq, ref, hand_off=False):
+                yield event
+            return
         try:
             started = time.perf_counter()
             data = await ref.block  # read-only; zero-copy from this node's object store
