@@ -42,6 +42,7 @@ import mmap
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,10 @@ class ShmRef:
     """Where a hand-off's KV is (segment ``name``, bytes ``[offset, offset + nbytes)``), its
     ``checksum`` and the hand-off's ``header`` (:meth:`Handoff.header`); ``slot``: the offset of
     its slot's state word in an arena (None: a segment of its own), which holds ``slot_id`` until
-    the slot is freed. Plain data: pickle it or send :meth:`to_dict` as JSON."""
+    the slot is freed. A lent cache row (:class:`SharedCache`): ``name`` is the cache's segment,
+    ``cache`` the cache's shape ``[L, 2, B, H_kv, S, D]`` (its buffer at ``offset``, in the
+    header's dtype), ``row`` the row whose first ``n`` positions are the block (``nbytes`` its
+    bytes), ``slot`` the row's state word. Plain data: pickle it or send :meth:`to_dict` as JSON."""
 
     name: str
     nbytes: int
@@ -78,6 +82,8 @@ class ShmRef:
     offset: int = 0
     slot: int | None = None
     slot_id: int = 0
+    cache: list[int] | None = None
+    row: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,12 +99,15 @@ class ShmRef:
             int(d.get("offset", 0)),
             None if slot is None else int(slot),
             int(d.get("slot_id", 0)),
+            None if d.get("cache") is None else [int(x) for x in d["cache"]],
+            int(d.get("row", 0)),
         )
 
 
-def _map(name: str, nbytes: int = 0, create: bool = False, writable: bool = True) -> mmap.mmap:
+def _map(name: str, nbytes: int = 0, create: bool = False, writable: bool = True, populate: bool = True) -> mmap.mmap:
     """Segment ``name`` mapped whole (created with ``nbytes`` bytes when ``create``), its pages
-    populated at once."""
+    populated at once (``populate``; else each is mapped at its first touch: a KV cache's, whose
+    pages become resident as positions are written)."""
     fd = os.open(
         SHM_DIR / name, (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0), 0o600
     )
@@ -107,7 +116,10 @@ def _map(name: str, nbytes: int = 0, create: bool = False, writable: bool = True
             os.ftruncate(fd, max(nbytes, 1))
         size = os.fstat(fd).st_size
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+        pages = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0), prot=prot)
+        if not populate and hasattr(mmap, "MADV_NOHUGEPAGE"):  # as cache.zeroed_pages: ordinary pages
+            pages.madvise(mmap.MADV_NOHUGEPAGE)
+        return pages
     except BaseException:
         if create:
             os.unlink(SHM_DIR / name)
@@ -197,6 +209,74 @@ class SegmentAllocator:
             _unlink(name)
 
 
+class SharedCache:
+    """A KV cache's buffer ``[L, 2, B, H_kv, S, D]`` in a named segment of this process
+    (``kvforge-<pid>-cache-<hex>``, zero-filled, ordinary pages, resident as they are written), after
+    a header page of one state word per row: 0 while the row is its batch loop's, else the id of
+    the row's lending. ``KVCache(manifest, shared=True)`` makes one (``Engine.load(...,
+    kv_shared=True)``); a lending scheduler (``engine.scheduler(lend_rows=True)``) hands a request
+    off by lending its row: the block's data is a read-only view of the row's positions ``[0, n)``,
+    hashed in place, and the loop neither binds nor writes the row until its state word is 0
+    again (set by the taker's ``release``, by :func:`discard`, or here by the hand-off's own
+    ``release`` when it never left this process). :meth:`put` turns such a hand-off into a ref.
+    Thread-safe (the scheduler's thread lends, a worker's thread puts)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype) -> None:
+        dtype = np.dtype(dtype)
+        self.rows = int(shape[2])
+        self.offset = -(-8 * self.rows // SLOT_HEADER) * SLOT_HEADER  # the state words' pages, then the buffer
+        count = int(np.prod(shape, dtype=np.int64))
+        self.name = f"{segment_prefix()}cache-{secrets.token_hex(4)}"
+        pages = _map(self.name, self.offset + count * dtype.itemsize, create=True, populate=False)
+        self.state = np.frombuffer(pages, dtype=np.uint64, count=self.rows)
+        self.buffer = np.frombuffer(pages, dtype=dtype, count=count, offset=self.offset).reshape(shape)
+        self._lock = threading.Lock()
+        self._lent: dict[int, tuple[int, int]] = {}  # data address -> (row, lending id): lent, not put
+        self._count = itertools.count(1)
+
+    def lent(self, row: int) -> bool:
+        """Whether ``row`` is lent (its taker has not freed it yet)."""
+        return int(self.state[row]) != _FREE
+
+    def lend(self, row: int, data: np.ndarray) -> Callable[[], None]:
+        """Mark ``row`` lent, ``data`` (a view of its positions ``[0, n)``) the block lent; returns
+        the hook that frees it again while the block has not been :meth:`put` (the hand-off's
+        ``on_release``: a hand-off taken in this process frees the row once it is imported)."""
+        address = data.ctypes.data
+        with self._lock:
+            lending = next(self._count)
+            self.state[row] = lending
+            self._lent[address] = (row, lending)
+
+        def release() -> None:
+            with self._lock:
+                if self._lent.get(address) == (row, lending):
+                    del self._lent[address]
+                if int(self.state[row]) == lending:
+                    self.state[row] = _FREE
+
+        return release
+
+    def put(self, handoff: Handoff) -> ShmRef:
+        """The ref of ``handoff``, whose data is a row lent by this cache (no copy; its taker
+        frees the row), else (a hand-off exported by copy) its data copied into a segment of its
+        own (:func:`put`)."""
+        data = handoff.block.data
+        with self._lock:
+            where = self._lent.pop(data.ctypes.data, None)
+        if where is None or int(self.state[where[0]]) != where[1]:
+            return put(handoff)
+        row, lending = where
+        handoff.on_release = None  # the row is the taker's to free now
+        digest = handoff.checksum or checksum(data)  # the lending's, hashed in place by the scheduler
+        shape = list(self.buffer.shape)
+        return ShmRef(self.name, data.nbytes, digest, handoff.header(), self.offset, 8 * row, lending, shape, row)
+
+    def close(self) -> None:
+        """Unlink the segment (the buffer and views already mapped, here or by takers, stay valid)."""
+        _unlink(self.name)
+
+
 _segments = SegmentAllocator(arena_bytes=0)
 _arenas: dict[str, np.ndarray] = {}  # the arenas this process took from: mapped once, kept
 _lock = threading.Lock()
@@ -223,16 +303,43 @@ def _arena(ref: ShmRef) -> np.ndarray:
         if arena is None:
             for name in [n for n in _arenas if not (SHM_DIR / n).exists()]:
                 del _arenas[name]
-            try:
-                arena = _arenas[ref.name] = np.frombuffer(_map(ref.name), dtype=np.uint8)
+            try:  # a cache's pages are mapped as they are read (populating would make the whole cache resident)
+                pages = _map(ref.name, populate=ref.cache is None)
             except FileNotFoundError:
                 raise _gone(ref) from None
-    if not (ref.slot is not None and 0 <= ref.slot < ref.offset and ref.offset + ref.nbytes <= len(arena)):
+            arena = _arenas[ref.name] = np.frombuffer(pages, dtype=np.uint8)
+    end = ref.offset + (ref.nbytes if ref.cache is None else _cache_nbytes(ref))
+    if not (ref.slot is not None and 0 <= ref.slot < ref.offset and end <= len(arena)):
         raise KVBlockError(
-            f"this KV hand-off's bytes [{ref.offset}, {ref.offset + ref.nbytes}) are not inside arena {ref.name} "
+            f"this KV hand-off's bytes [{ref.offset}, {end}) are not inside segment {ref.name} "
             f"of {len(arena)} bytes: the ref is corrupted"
         )
     return arena
+
+
+def _dtype(ref: ShmRef) -> np.dtype:
+    name = ref.header["block"]["dtype"]
+    return np.dtype(DTYPES.get(name, name))
+
+
+def _cache_nbytes(ref: ShmRef) -> int:
+    return int(np.prod(ref.cache, dtype=np.int64)) * _dtype(ref).itemsize
+
+
+def _lent_view(ref: ShmRef) -> np.ndarray:
+    """The read-only strided view ``[L, 2, H_kv, n, D]`` of the lent row ``ref`` points at."""
+    shape, cache = list(ref.header["block"]["shape"]), ref.cache
+    fits = len(cache) == 6 and len(shape) == 5 and 0 <= ref.row < cache[2] and ref.slot == 8 * ref.row
+    if not (fits and shape[:3] == [cache[0], cache[1], cache[3]] and shape[4] == cache[5] and shape[3] <= cache[4]):
+        raise KVBlockError(
+            f"this KV hand-off's block {shape} is not positions [0, n) of row {ref.row} of a cache {cache} "
+            "([layers, 2, rows, kv heads, positions, head dim]): the ref is corrupted"
+        )
+    arena = _arena(ref)
+    buffer = arena[ref.offset : ref.offset + _cache_nbytes(ref)].view(_dtype(ref)).reshape(cache)
+    view = buffer[:, :, ref.row, :, : shape[3]]
+    view.flags.writeable = False
+    return view
 
 
 def _slot_state(ref: ShmRef) -> np.ndarray:
@@ -240,7 +347,8 @@ def _slot_state(ref: ShmRef) -> np.ndarray:
     state = _arena(ref)[ref.slot : ref.slot + 8].view(np.uint64)
     if int(state[0]) != ref.slot_id or ref.slot_id == _FREE:
         raise KVBlockError(
-            f"the arena slot of this KV hand-off in {ref.name} was freed (taken already, or discarded): "
+            f"the {'arena slot' if ref.cache is None else 'lent cache row'} of this KV hand-off in {ref.name} "
+            "was freed (taken already, or discarded): "
             "run the request again"
         )
     return state
@@ -249,8 +357,9 @@ def _slot_state(ref: ShmRef) -> np.ndarray:
 def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = True) -> Handoff:
     """The hand-off of ``ref`` (taken once), its block's data a read-only view on shared memory:
     a segment of its own is unlinked at once (its memory stays until the view is dropped), an
-    arena slot is freed by ``handoff.release()``, which the scheduler calls once the block is
-    imported. KVBlockError (the memory freed too) when the memory is gone or shorter than the ref
+    arena slot or a lent cache row (a strided view of the prefill worker's row; its segment is
+    mapped once per process) is freed by ``handoff.release()``, which the scheduler calls once the
+    block is imported. KVBlockError (the memory freed too) when the memory is gone or shorter than the ref
     says, when (with ``fingerprint``: the importing engine's ``kv_fingerprint``) it comes from
     another artifact, or (``verify``) when the data does not match its checksum. ``verify=False``
     (a decode worker's): the checksum is not computed here but goes with the hand-off
@@ -271,10 +380,13 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
                 "it is truncated; run the request again"
             )
         raw = np.frombuffer(pages, dtype=np.uint8, count=ref.nbytes)
-    else:
+    else:  # an arena slot, or a lent cache row (a strided view)
         state = _slot_state(ref)
-        raw = _arena(ref)[ref.offset : ref.offset + ref.nbytes]
-        raw.flags.writeable = False
+        if ref.cache is None:
+            raw = _arena(ref)[ref.offset : ref.offset + ref.nbytes]
+            raw.flags.writeable = False
+        else:
+            raw = _lent_view(ref)
 
         def release() -> None:
             if int(state[0]) == ref.slot_id:  # still this hand-off's
@@ -283,7 +395,8 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
     try:
         b = ref.header["block"]
         dtype = np.dtype(DTYPES.get(b["dtype"], b["dtype"]))
-        handoff = Handoff.from_parts(ref.header, raw.view(dtype).reshape(b["shape"]))  # reads no data
+        data = raw if ref.cache is not None else raw.view(dtype).reshape(b["shape"])
+        handoff = Handoff.from_parts(ref.header, data)  # reads no data
         if fingerprint is not None:
             handoff.block.check_compatible(fingerprint)
         algorithm = algorithm_of(ref.checksum)
