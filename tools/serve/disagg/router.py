@@ -207,6 +207,7 @@ class DisaggServer:
         replica_id: str | None = None,
         prefix_cache: int | str | None = None,
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
+        lend_rows: bool = True,
     ) -> None:
         for flag, count in (("--prefill-workers", prefill_workers), ("--decode-workers", decode_workers)):
             if count < 1:
@@ -231,7 +232,7 @@ class DisaggServer:
         self.in_flight = 0
         self.draining = False
         self.worker_timeout = worker_timeout
-        self._threads, self._prefix_cache = threads_per_worker, prefix_cache
+        self._threads, self._prefix_cache, self._lend_rows = threads_per_worker, prefix_cache, bool(lend_rows)
         self._heartbeat_s = min(0.5, worker_timeout / 4)
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -290,6 +291,7 @@ class DisaggServer:
             threads=self._threads,
             prefix_cache=self._prefix_cache,
             heartbeat_s=self._heartbeat_s,
+            lend_rows=self._lend_rows,
         )
         return PipeWorker(spec)
 
