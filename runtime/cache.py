@@ -113,8 +113,8 @@ class KVCache:
         """Write ``data`` ``[L, 2, H_kv, n, D]`` (contiguous, or a strided view such as another
         cache's row) into positions ``[start, start + n)`` of cache row ``row``: one strided copy
         (the inverse of :meth:`read_positions`). ``each``: called with each head's ``[n, D]``
-        piece of ``data``, in order, right before it is copied (which then reads it from the
-        CPU's cache)."""
+        piece as this cache holds it, in order, right after it is copied (a checksum of what was
+        written, computed while the piece is in the CPU's cache)."""
         stop = start + data.shape[3]
         if each is None:
             self.buffer[:, :, row, :, start:stop] = data
@@ -122,8 +122,9 @@ class KVCache:
         for layer in range(data.shape[0]):
             for kv in range(2):
                 for head in range(data.shape[2]):
-                    each(data[layer, kv, head])
-                    self.buffer[layer, kv, row, head, start:stop] = data[layer, kv, head]
+                    piece = self.buffer[layer, kv, row, head, start:stop]
+                    np.copyto(piece, data[layer, kv, head])
+                    each(piece)
 
     def close(self) -> None:
         """Unlink a shared buffer's segment (views mapped by other processes stay valid)."""

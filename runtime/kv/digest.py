@@ -7,7 +7,8 @@
 
 A hand-off exported by copy is two copies (the export and the import), and a separate pass over
 the block for the checksum on each side would read it from memory once more: each side hashes
-each contiguous piece right after (or right before) it copies it, while it is in the CPU's cache.
+each contiguous piece right after it copies it (the import: the piece as its cache now holds it),
+while it is in the CPU's cache.
 A lent row (:mod:`kvforge.runtime.kv.shm`) is one copy: the prefill side hashes the row in place
 (one read pass, no copy), the import hashes as it copies. Hashed in the order of its bytes (a
 strided view of a cache row piece by contiguous piece, per head), the streaming digest is the
@@ -20,6 +21,7 @@ producer's.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import numpy as np
@@ -61,9 +63,13 @@ class Digest:
         cache row's ``[H_kv, n, D]`` positions) piece by contiguous piece, which gives the digest of
         its C-contiguous copy."""
         if isinstance(piece, np.ndarray) and not piece.flags.c_contiguous:
-            for part in piece:  # along the first axis, down to contiguous pieces (e.g. one head's [n, D])
-                self.update(part)
+            lead = _strided_axes(piece)  # the pieces over the leading axes are contiguous (a head's [n, D])
+            for index in itertools.product(*map(range, piece.shape[:lead])):
+                self._update(piece[index])
             return
+        self._update(piece)
+
+    def _update(self, piece: np.ndarray | memoryview) -> None:
         raw = memoryview(piece).cast("B")
         if self.algorithm == "xxh3_64":
             self._xxh.update(raw)
@@ -74,6 +80,16 @@ class Digest:
         if self.algorithm == "xxh3_64":
             return f"xxh3_64:{self._xxh.hexdigest()}"
         return f"crc32:{self._crc:08x}"
+
+
+def _strided_axes(array: np.ndarray) -> int:
+    """How many leading axes of ``array`` to index for every sub-array to be C-contiguous."""
+    expected = array.itemsize
+    for axis in range(array.ndim - 1, -1, -1):
+        if array.shape[axis] != 1 and array.strides[axis] != expected:
+            return axis + 1
+        expected *= array.shape[axis]
+    return 0
 
 
 def checksum(data: np.ndarray | memoryview, algorithm: str | None = None) -> str:

@@ -61,6 +61,8 @@ def test_strided_digest_equals_contiguous(algorithm):
         for kv in range(2):
             digest.update(view[layer, kv])  # [H, n, D] pieces, strided
     assert digest.value() == checksum(view, algorithm) == checksum(np.ascontiguousarray(view), algorithm)
+    for odd in (cache[:, :, :, :, ::2], cache[..., ::3], cache[1:, :, 2:3]):  # any strides: the contiguous copy's
+        assert checksum(odd, algorithm) == checksum(np.ascontiguousarray(odd), algorithm)
 
 
 def test_cache_segment_named_and_unlinked(tiny_artifact):
