@@ -6,10 +6,28 @@
     handoff = take(ref)                               # decode worker: a read-only view, checked
     decode_sched.resume(handoff)                      # import_kv copies it in, then frees the slot
 
-Copies. The prefill side's export writes the cache row straight into shared memory
-(``block_alloc``); the decode side maps it and ``import_kv`` copies it into its cache: two copies
-in all, the export and the import. Nothing is pickled but the header (:meth:`Handoff.header`: the
-prompt ids and a few fields).
+Lent rows: one copy (what the disaggregated server's prefill workers do by default)::
+
+    engine = Engine.load(out, kv_shared=True)         # prefill worker: its cache is a segment (SharedCache)
+    sched = engine.scheduler(lend_rows=True)          # a hand-off lends its row: no copy, hashed in place
+    ref = engine.cache.segment.put(handle.result().handoff)   # the row, its lending id, checksum, header
+    handoff = take(ref, fingerprint, verify=False)    # decode worker: the row's strided read-only view
+    decode_sched.resume(handoff)                      # import_kv copies it (the one copy), frees the row
+
+Copies. Lent, the block's data never leaves the prefill worker's cache row until the decode
+side's ``import_kv`` copies it into its own cache: one copy; the prefill side reads the row once
+to hash it. Exported into an arena (``block_alloc``), the prefill side's export writes the row
+into shared memory and the decode side copies it in: two copies. Nothing is pickled but the
+header (:meth:`Handoff.header`: the prompt ids and a few fields) and the ref.
+
+Lending. A :class:`SharedCache` is a cache's buffer after a header page of one state word per
+row (0: the batch loop's; else the id of the lending), as an arena slot's. The lending scheduler
+neither binds nor writes a lent row (its active rows stay a contiguous run of rows not lent) and
+reads the state words before it admits anyone: the taker's release, or :func:`discard`, gives the
+row back with no message. While every row is lent, new work waits. The taker maps the cache's
+segment once (its pages as they are read, not populated: a cache is mostly unwritten) and keeps
+it; a dead prefill worker's cache segment is unlinked like its arena, and a taker that mapped it
+still reads the row.
 
 Memory. A new tmpfs page costs far more than the copy into it (~60 ms to fault in the pages of a
 55 MB block on this machine, against ~9 ms of memcpy; benchmarks/handoff.py), so a
@@ -19,13 +37,15 @@ and reused: the taker marks a slot free in the slot's own state word once the bl
 allocation reclaims it. The taker maps an arena once and keeps it. A block that does not fit
 the arena gets a segment of its own, which its taker unlinks as soon as it is mapped.
 
-Integrity. The scheduler's export hashes the data layer by layer as it copies it
+Integrity. The scheduler's export hashes the data layer by layer as it copies it (a lent row: in
+place, head by head, in the bytes' order of the contiguous block, so the digest is the same)
 (:mod:`kvforge.runtime.kv.digest`: xxh3-64 with the ``xxhash`` package of the ``serve`` extra,
 ~25 GB/s; else zlib's crc32, ~2 GB/s; sha256 runs at ~1 GB/s) and the ref carries the digest
 (:meth:`SegmentAllocator.put` hashes a hand-off that comes without one); :func:`take` checks the
 artifact's fingerprint and, by default, the digest in a pass of its own; a decode worker takes
-with ``verify=False`` and its scheduler's import checks the digest as it copies (no pass of
-its own on either side): a foreign or corrupted block is a :class:`KVBlockError`, never imported.
+with ``verify=False`` and its scheduler's import checks the digest as it copies (each piece
+hashed as its cache holds it, right after the copy; no pass of its own on the decode side): a
+foreign or corrupted block (a lent row overwritten too) is a :class:`KVBlockError`, never imported.
 
 Names. ``kvforge-<pid>-...`` after the creating process, in ``/dev/shm`` (Linux's POSIX shared
 memory: what ``shm_open`` and ``multiprocessing.shared_memory`` use). Opened with ``os.open``
