@@ -212,7 +212,9 @@ class Engine(GenerationFacade):
         ``kv_shared``: the KV cache in a named POSIX shared-memory segment (``/dev/shm``, the same
         memory use) whose rows a lending scheduler (``scheduler(lend_rows=True)``) lends to a
         decode worker's import instead of copying a hand-off out (:mod:`kvforge.runtime.kv.shm`);
-        CPU only. :meth:`close` unlinks the segment.
+        CPU only. Only a lending scheduler keeps lent rows out of use (generate, sessions and other
+        schedulers do not read the rows' state words; a taker refuses an overwritten row by its
+        checksum). :meth:`close` unlinks the segment.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)

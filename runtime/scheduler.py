@@ -29,7 +29,8 @@ Lent rows (``Scheduler(engine, lend_rows=True)`` on an engine loaded with ``kv_s
 a hand-off is not copied out of the cache; its block's data is a read-only view of the row,
 hashed in place, and the row stays out of use until the hand-off is released (imported by a
 taker: ``resume`` in this process, or :func:`kvforge.runtime.kv.shm.take` of
-``engine.cache.segment.put(handoff)`` in another; or discarded). While every row is lent, new
+``engine.cache.segment.put(handoff)`` in another; or discarded; a hand-off dropped otherwise must
+be released: ``handoff.release()``). While every row is lent, new
 requests wait (back-pressure); :meth:`close` with requests still waiting for a row waits for
 the takers too (``cancel=True`` does not).
 

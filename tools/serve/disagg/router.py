@@ -20,7 +20,8 @@ sequences a worker holds now (ties: the one given fewer so far). With no ready w
 (all restarting or unresponsive), sequences wait in the router.
 
 Cancellation (the client went away) is sent to whichever worker holds the sequence; one caught
-between the two pools has its segment unlinked by the router.
+between the two pools has its block freed by the router (its segment unlinked, or its arena slot
+or lent cache row marked free).
 
 Faults (:mod:`.workers` reports a dead process; the supervisor thread checks heartbeats):
 
@@ -596,7 +597,7 @@ class DisaggServer:
 
     def _unlink_orphans(self) -> None:
         """Unlink the shared memory of dead workers, once no block in flight is in it (a decode
-        worker may still take one from a dead prefill worker's arena)."""
+        worker may still take one from a dead prefill worker's arena or lent cache row)."""
         in_flight = {_ref_name(s.ref) for s in self._live if s.ref is not None}
         for worker in list(self._orphans):
             removed = worker.unlink_segments(keep=in_flight)
