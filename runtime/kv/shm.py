@@ -246,8 +246,16 @@ class SharedCache:
         self.rows = int(shape[2])
         self.offset = -(-8 * self.rows // SLOT_HEADER) * SLOT_HEADER  # the state words' pages, then the buffer
         count = int(np.prod(shape, dtype=np.int64))
+        nbytes, stat = self.offset + count * dtype.itemsize, os.statvfs(SHM_DIR)
+        if nbytes > stat.f_bavail * stat.f_frsize:  # a write past a full tmpfs is a SIGBUS, not an error
+            raise OSError(
+                f"the KV cache in shared memory needs {nbytes / 2**20:.0f} MiB, but {SHM_DIR} has "
+                f"{stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free: enlarge it (e.g. docker run --shm-size), "
+                "compile with a smaller --max-batch or --max-seq, or keep the cache private (kv_shared=False; "
+                "kvforge serve --no-lend-rows)"
+            )
         self.name = f"{segment_prefix()}cache-{secrets.token_hex(4)}"
-        pages = _map(self.name, self.offset + count * dtype.itemsize, create=True, populate=False)
+        pages = _map(self.name, nbytes, create=True, populate=False)
         self.state = np.frombuffer(pages, dtype=np.uint64, count=self.rows)
         self.buffer = np.frombuffer(pages, dtype=dtype, count=count, offset=self.offset).reshape(shape)
         self._lock = threading.Lock()

@@ -1,11 +1,12 @@
 """Hand-offs in one copy: a prefill engine's KV cache in shared memory lends the hand-off's row
 (runtime/kv/shm.py SharedCache, ``Engine.load(kv_shared=True)``, ``scheduler(lend_rows=True)``).
 
-Proves: the streaming digest of a strided view (a cache row) equals the checksum of its contiguous
-copy (xxh3 and crc32); the cache lives in a named segment ``kvforge-<pid>-cache-*``, unlinked by
-``Engine.close``; a lent hand-off's block is a read-only view of the prefill engine's row (no
-copy) whose checksum matches the data, and resumed on another engine (in this process, or taken
-from its ref) it gives exactly the colocated tokens (greedy and seeded, several at once); a lent
+Proves: the streaming digest of a strided view (a cache row, any strides) equals the checksum of
+its contiguous copy (xxh3 and crc32); the cache lives in a named segment
+``kvforge-<pid>-cache-*``, unlinked by ``Engine.close``, and one larger than /dev/shm's free
+space is refused up front; a lent hand-off's block is a read-only view of the prefill engine's
+row (no copy) whose checksum matches the data, and resumed on another engine (in this process, or
+taken from its ref) it gives exactly the colocated tokens (greedy and seeded, several at once); a lent
 row is out of use until its taker releases it (the loop runs the next requests on other rows and
 with every row lent they wait, then run once one is freed), and is used again after; a lent row
 corrupted in place is refused by the import's checksum (KVBlockError, nothing imported) and its
@@ -76,6 +77,9 @@ def test_cache_segment_named_and_unlinked(tiny_artifact):
     assert set(shm.segments(pid)) == before
     with Engine.load(tiny_artifact, threads=1, prefix_cache=0) as plain, pytest.raises(ValueError, match="kv_shared"):
         plain.scheduler(lend_rows=True)
+    with pytest.raises(OSError, match="needs 8388608 MiB, but /dev/shm has .* MiB free: enlarge it"):
+        shm.SharedCache((1, 2, 1, 1, 2**40, 1), np.float32)  # 8 TiB: refused before anything is created
+    assert set(shm.segments(pid)) == before
 
 
 def test_lent_handoffs_equal_colocated(lending):
