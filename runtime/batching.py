@@ -43,7 +43,7 @@ leaves its row right after its first token, unless that token ends it: the KV of
 (positions ``[0, len(prompt))``) is exported first, into memory from ``block_alloc(nbytes)`` when
 given (e.g. a shared-memory segment), and the request finishes with a :class:`Handoff` carrying
 the data's checksum (hashed layer by layer during that copy, :mod:`kvforge.runtime.kv.digest`).
-With a ``lender`` (the engine's shared cache, :class:`kvforge.runtime.kv.shm.SharedCache`: a
+With a ``lender`` (the engine's shared cache, :class:`kvforge.runtime.kv.lend.SharedCache`: a
 lending scheduler), the row is not copied but lent: the block's data is a read-only view of the
 row's positions, hashed in place, and the row's state word holds the lending's id until the taker
 frees it. The loop never binds nor writes a lent row: its active rows stay a contiguous run of
@@ -77,7 +77,7 @@ from kvforge.runtime.speculative.verify import Verifier
 
 if TYPE_CHECKING:
     from kvforge.runtime.engine import Engine
-    from kvforge.runtime.kv.shm import SharedCache
+    from kvforge.runtime.kv.lend import SharedCache
 
 
 class BatchLoop:

@@ -15,7 +15,7 @@ make all of it resident (every row and position of a layer's cache at once, for 
 the cache is therefore mapped by :func:`zeroed_pages`, in ordinary pages.
 
 Shared (``KVCache(manifest, shared=True)``, ``Engine.load(..., kv_shared=True)``): the buffer
-lives in a named POSIX shared-memory segment (:class:`kvforge.runtime.kv.shm.SharedCache`, also
+lives in a named POSIX shared-memory segment (:class:`kvforge.runtime.kv.lend.SharedCache`, also
 zero-filled, ordinary pages, resident as written) with a state word per row, so that a prefill
 worker can lend a row's KV to a decode worker's import instead of copying it out (disaggregated
 prefill/decode).
@@ -47,7 +47,7 @@ class KVCache:
         # attention weight would still be NaN.
         self.segment = None  # a SharedCache when shared: the buffer's segment and its rows' state words
         if shared:
-            from kvforge.runtime.kv.shm import SharedCache
+            from kvforge.runtime.kv.lend import SharedCache
 
             self.segment = SharedCache(self.shape, NP_DTYPES[manifest.dtype])
             self.buffer = self.segment.buffer

@@ -8,7 +8,7 @@
 
 Lent rows: one copy (what the disaggregated server's prefill workers do by default)::
 
-    engine = Engine.load(out, kv_shared=True)         # prefill worker: its cache is a segment (SharedCache)
+    engine = Engine.load(out, kv_shared=True)         # prefill worker: its cache is a segment (lend.SharedCache)
     sched = engine.scheduler(lend_rows=True)          # a hand-off lends its row: no copy, hashed in place
     ref = engine.cache.segment.put(handle.result().handoff)   # the row, its lending id, checksum, header
     handoff = take(ref, fingerprint, verify=False)    # decode worker: the row's strided read-only view
@@ -20,14 +20,10 @@ to hash it. Exported into an arena (``block_alloc``), the prefill side's export 
 into shared memory and the decode side copies it in: two copies. Nothing is pickled but the
 header (:meth:`Handoff.header`: the prompt ids and a few fields) and the ref.
 
-Lending. A :class:`SharedCache` is a cache's buffer after a header page of one state word per
-row (0: the batch loop's; else the id of the lending), as an arena slot's. The lending scheduler
-neither binds nor writes a lent row (its active rows stay a contiguous run of rows not lent) and
-reads the state words before it admits anyone: the taker's release, or :func:`discard`, gives the
-row back with no message. While every row is lent, new work waits. The taker maps the cache's
-segment once (its pages as they are read, not populated: a cache is mostly unwritten) and keeps
-it; a dead prefill worker's cache segment is unlinked like its arena, and a taker that mapped it
-still reads the row.
+Lending. :class:`kvforge.runtime.kv.lend.SharedCache` is a cache's buffer in a segment, with a
+state word per row as an arena slot's; :func:`take` of its ref maps the cache's segment once (its
+pages as they are read, not populated: a cache is mostly unwritten) and keeps it, and gives the
+row's strided view; release and :func:`discard` set the row's state word back to 0.
 
 Memory. A new tmpfs page costs far more than the copy into it (~60 ms to fault in the pages of a
 55 MB block on this machine, against ~9 ms of memcpy; benchmarks/handoff.py), so a
@@ -38,8 +34,8 @@ allocation reclaims it. The taker maps an arena once and keeps it. A block that 
 the arena gets a segment of its own, which its taker unlinks as soon as it is mapped.
 
 Integrity. The scheduler's export hashes the data layer by layer as it copies it (a lent row: in
-place, head by head, in the bytes' order of the contiguous block, so the digest is the same)
-(:mod:`kvforge.runtime.kv.digest`: xxh3-64 with the ``xxhash`` package of the ``serve`` extra,
+place, head by head, in the byte order of the contiguous block: the same digest;
+:mod:`kvforge.runtime.kv.digest`: xxh3-64 with the ``xxhash`` package of the ``serve`` extra,
 ~25 GB/s; else zlib's crc32, ~2 GB/s; sha256 runs at ~1 GB/s) and the ref carries the digest
 (:meth:`SegmentAllocator.put` hashes a hand-off that comes without one); :func:`take` checks the
 artifact's fingerprint and, by default, the digest in a pass of its own; a decode worker takes
@@ -62,7 +58,6 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +71,7 @@ from kvforge.runtime.kv.handoff import Handoff
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvforge-"
 SLOT_HEADER = 4096  # an arena slot: one page holding its state word, then the data (page-aligned)
-_FREE = 0  # a slot's state word: 0 once free again (set by the taker), else the id of its allocation
+FREE = 0  # a slot's state word: 0 once free again (set by the taker), else the id of its allocation
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page in one call, not a fault each
 
 
@@ -90,7 +85,7 @@ class ShmRef:
     """Where a hand-off's KV is (segment ``name``, bytes ``[offset, offset + nbytes)``), its
     ``checksum`` and the hand-off's ``header`` (:meth:`Handoff.header`); ``slot``: the offset of
     its slot's state word in an arena (None: a segment of its own), which holds ``slot_id`` until
-    the slot is freed. A lent cache row (:class:`SharedCache`): ``name`` is the cache's segment,
+    the slot is freed. A lent cache row (:class:`kvforge.runtime.kv.lend.SharedCache`): ``name`` is the cache's segment,
     ``cache`` the cache's shape ``[L, 2, B, H_kv, S, D]`` (its buffer at ``offset``, in the
     header's dtype), ``row`` the row whose first ``n`` positions are the block (``nbytes`` its
     bytes), ``slot`` the row's state word. Plain data: pickle it or send :meth:`to_dict` as JSON."""
@@ -124,7 +119,9 @@ class ShmRef:
         )
 
 
-def _map(name: str, nbytes: int = 0, create: bool = False, writable: bool = True, populate: bool = True) -> mmap.mmap:
+def map_segment(
+    name: str, nbytes: int = 0, create: bool = False, writable: bool = True, populate: bool = True
+) -> mmap.mmap:
     """Segment ``name`` mapped whole (created with ``nbytes`` bytes when ``create``), its pages
     populated at once (``populate``; else each is mapped at its first touch: a KV cache's, whose
     pages become resident as positions are written)."""
@@ -163,7 +160,7 @@ class SegmentAllocator:
         self._arena: np.ndarray | None = None
         if arena_bytes:
             self.arena_name = f"{segment_prefix()}arena-{secrets.token_hex(4)}"
-            self._arena = np.frombuffer(_map(self.arena_name, arena_bytes, create=True), dtype=np.uint8)
+            self._arena = np.frombuffer(map_segment(self.arena_name, arena_bytes, create=True), dtype=np.uint8)
 
     def __call__(self, nbytes: int) -> np.ndarray:
         with self._lock:
@@ -174,7 +171,7 @@ class SegmentAllocator:
                 self._open[buf.ctypes.data] = (self.arena_name, slot)
                 return buf
         name = f"{segment_prefix()}{next(self._count)}-{secrets.token_hex(4)}"
-        buf = np.frombuffer(_map(name, nbytes, create=True), dtype=np.uint8, count=nbytes)
+        buf = np.frombuffer(map_segment(name, nbytes, create=True), dtype=np.uint8, count=nbytes)
         with self._lock:
             self._open[buf.ctypes.data] = (name, None)
         return buf
@@ -188,7 +185,7 @@ class SegmentAllocator:
             return None
         size = -(-size // SLOT_HEADER) * SLOT_HEADER
         allocated = {slot for _, slot in self._open.values()}
-        for slot in [s for s in self._slots if self._state(s)[0] == _FREE and s not in allocated]:
+        for slot in [s for s in self._slots if self._state(s)[0] == FREE and s not in allocated]:
             del self._slots[slot]
         at = 0
         for slot in sorted(self._slots):
@@ -226,83 +223,7 @@ class SegmentAllocator:
             names = [name for name, slot in self._open.values() if slot is None]
             self._open, self._slots = {}, {}
         for name in [*names, *([self.arena_name] if self.arena_name else [])]:
-            _unlink(name)
-
-
-class SharedCache:
-    """A KV cache's buffer ``[L, 2, B, H_kv, S, D]`` in a named segment of this process
-    (``kvforge-<pid>-cache-<hex>``, zero-filled, ordinary pages, resident as they are written), after
-    a header page of one state word per row: 0 while the row is its batch loop's, else the id of
-    the row's lending. ``KVCache(manifest, shared=True)`` makes one (``Engine.load(...,
-    kv_shared=True)``); a lending scheduler (``engine.scheduler(lend_rows=True)``) hands a request
-    off by lending its row: the block's data is a read-only view of the row's positions ``[0, n)``,
-    hashed in place, and the loop neither binds nor writes the row until its state word is 0
-    again (set by the taker's ``release``, by :func:`discard`, or here by the hand-off's own
-    ``release`` when it never left this process). :meth:`put` turns such a hand-off into a ref.
-    Thread-safe (the scheduler's thread lends, a worker's thread puts)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype) -> None:
-        dtype = np.dtype(dtype)
-        self.rows = int(shape[2])
-        self.offset = -(-8 * self.rows // SLOT_HEADER) * SLOT_HEADER  # the state words' pages, then the buffer
-        count = int(np.prod(shape, dtype=np.int64))
-        nbytes, stat = self.offset + count * dtype.itemsize, os.statvfs(SHM_DIR)
-        if nbytes > stat.f_bavail * stat.f_frsize:  # a write past a full tmpfs is a SIGBUS, not an error
-            raise OSError(
-                f"the KV cache in shared memory needs {nbytes / 2**20:.0f} MiB, but {SHM_DIR} has "
-                f"{stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free: enlarge it (e.g. docker run --shm-size), "
-                "compile with a smaller --max-batch or --max-seq, or keep the cache private (kv_shared=False; "
-                "kvforge serve --no-lend-rows)"
-            )
-        self.name = f"{segment_prefix()}cache-{secrets.token_hex(4)}"
-        pages = _map(self.name, nbytes, create=True, populate=False)
-        self.state = np.frombuffer(pages, dtype=np.uint64, count=self.rows)
-        self.buffer = np.frombuffer(pages, dtype=dtype, count=count, offset=self.offset).reshape(shape)
-        self._lock = threading.Lock()
-        self._lent: dict[int, tuple[int, int]] = {}  # data address -> (row, lending id): lent, not put
-        self._count = itertools.count(1)
-
-    def lent(self, row: int) -> bool:
-        """Whether ``row`` is lent (its taker has not freed it yet)."""
-        return int(self.state[row]) != _FREE
-
-    def lend(self, row: int, data: np.ndarray) -> Callable[[], None]:
-        """Mark ``row`` lent, ``data`` (a view of its positions ``[0, n)``) the block lent; returns
-        the hook that frees it again while the block has not been :meth:`put` (the hand-off's
-        ``on_release``: a hand-off taken in this process frees the row once it is imported)."""
-        address = data.ctypes.data
-        with self._lock:
-            lending = next(self._count)
-            self.state[row] = lending
-            self._lent[address] = (row, lending)
-
-        def release() -> None:
-            with self._lock:
-                if self._lent.get(address) == (row, lending):
-                    del self._lent[address]
-                if int(self.state[row]) == lending:
-                    self.state[row] = _FREE
-
-        return release
-
-    def put(self, handoff: Handoff) -> ShmRef:
-        """The ref of ``handoff``, whose data is a row lent by this cache (no copy; its taker
-        frees the row), else (a hand-off exported by copy) its data copied into a segment of its
-        own (:func:`put`)."""
-        data = handoff.block.data
-        with self._lock:
-            where = self._lent.pop(data.ctypes.data, None)
-        if where is None or int(self.state[where[0]]) != where[1]:
-            return put(handoff)
-        row, lending = where
-        handoff.on_release = None  # the row is the taker's to free now
-        digest = handoff.checksum or checksum(data)  # the lending's, hashed in place by the scheduler
-        shape = list(self.buffer.shape)
-        return ShmRef(self.name, data.nbytes, digest, handoff.header(), self.offset, 8 * row, lending, shape, row)
-
-    def close(self) -> None:
-        """Unlink the segment (the buffer and views already mapped, here or by takers, stay valid)."""
-        _unlink(self.name)
+            unlink(name)
 
 
 _segments = SegmentAllocator(arena_bytes=0)
@@ -332,7 +253,7 @@ def _arena(ref: ShmRef) -> np.ndarray:
             for name in [n for n in _arenas if not (SHM_DIR / n).exists()]:
                 del _arenas[name]
             try:  # a cache's pages are mapped as they are read (populating would make the whole cache resident)
-                pages = _map(ref.name, populate=ref.cache is None)
+                pages = map_segment(ref.name, populate=ref.cache is None)
             except FileNotFoundError:
                 raise _gone(ref) from None
             arena = _arenas[ref.name] = np.frombuffer(pages, dtype=np.uint8)
@@ -373,7 +294,7 @@ def _lent_view(ref: ShmRef) -> np.ndarray:
 def _slot_state(ref: ShmRef) -> np.ndarray:
     """The state word of ``ref``'s arena slot; KVBlockError when the slot is no longer ``ref``'s."""
     state = _arena(ref)[ref.slot : ref.slot + 8].view(np.uint64)
-    if int(state[0]) != ref.slot_id or ref.slot_id == _FREE:
+    if int(state[0]) != ref.slot_id or ref.slot_id == FREE:
         raise KVBlockError(
             f"the {'arena slot' if ref.cache is None else 'lent cache row'} of this KV hand-off in {ref.name} "
             "was freed (taken already, or discarded): "
@@ -397,11 +318,11 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
     release = None
     if ref.slot is None:
         try:
-            pages = _map(ref.name, writable=False)
+            pages = map_segment(ref.name, writable=False)
         except FileNotFoundError:
             raise _gone(ref) from None
         finally:
-            _unlink(ref.name)
+            unlink(ref.name)
         if len(pages) < ref.nbytes:
             raise KVBlockError(
                 f"the shared-memory segment {ref.name} holds {len(pages)} bytes, the hand-off needs {ref.nbytes}: "
@@ -418,7 +339,7 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
 
         def release() -> None:
             if int(state[0]) == ref.slot_id:  # still this hand-off's
-                state[0] = _FREE
+                state[0] = FREE
 
     try:
         b = ref.header["block"]
@@ -444,7 +365,8 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
     return handoff
 
 
-def _unlink(name: str) -> bool:
+def unlink(name: str) -> bool:
+    """Unlink segment ``name`` (mapped views stay valid); False when it was gone already."""
     try:
         os.unlink(SHM_DIR / name)
     except FileNotFoundError:
@@ -456,9 +378,9 @@ def discard(ref: ShmRef) -> bool:
     """Free ``ref``'s memory without reading it (a request cancelled in transit): unlink its own
     segment, or mark its arena slot free; False when it was gone already."""
     if ref.slot is None:
-        return _unlink(ref.name)
+        return unlink(ref.name)
     try:
-        _slot_state(ref)[0] = _FREE
+        _slot_state(ref)[0] = FREE
     except KVBlockError:
         return False
     return True
@@ -485,4 +407,4 @@ def segments(pid: int | None = None) -> list[str]:
 def unlink_segments(pid: int) -> list[str]:
     """Unlink every segment created by process ``pid`` (a worker that died: its hand-offs not yet
     taken); returns their names."""
-    return [name for name in segments(pid) if _unlink(name)]
+    return [name for name in segments(pid) if unlink(name)]

@@ -1,5 +1,6 @@
 """Hand-offs in one copy: a prefill engine's KV cache in shared memory lends the hand-off's row
-(runtime/kv/shm.py SharedCache, ``Engine.load(kv_shared=True)``, ``scheduler(lend_rows=True)``).
+(runtime/kv/lend.py SharedCache, its refs through runtime/kv/shm.py; ``Engine.load(kv_shared=True)``,
+``scheduler(lend_rows=True)``).
 
 Proves: the streaming digest of a strided view (a cache row, any strides) equals the checksum of
 its contiguous copy (xxh3 and crc32); the cache lives in a named segment
@@ -26,6 +27,7 @@ from kvforge.runtime import Engine
 from kvforge.runtime.batching import BatchLoop
 from kvforge.runtime.kv import KVBlockError, shm
 from kvforge.runtime.kv.digest import Digest, checksum
+from kvforge.runtime.kv.lend import SharedCache
 
 PROMPT = "Once upon a time there was"
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=7, logprobs=3, repetition_penalty=1.2)
@@ -78,7 +80,7 @@ def test_cache_segment_named_and_unlinked(tiny_artifact):
     with Engine.load(tiny_artifact, threads=1, prefix_cache=0) as plain, pytest.raises(ValueError, match="kv_shared"):
         plain.scheduler(lend_rows=True)
     with pytest.raises(OSError, match="needs 8388608 MiB, but /dev/shm has .* MiB free: enlarge it"):
-        shm.SharedCache((1, 2, 1, 1, 2**40, 1), np.float32)  # 8 TiB: refused before anything is created
+        SharedCache((1, 2, 1, 1, 2**40, 1), np.float32)  # 8 TiB: refused before anything is created
     assert set(shm.segments(pid)) == before
 
 
