@@ -215,8 +215,8 @@ class Scheduler:
             with self._cond:
                 while not self._incoming and loop.idle and not self._closing:
                     self._cond.wait()
-                if loop.stalled and not self._incoming and not self._closing:
-                    self._cond.wait(LENT_POLL_S)  # every row lent: poll the takers' state words
+                if loop.stalled and not self._incoming:
+                    self._cond.wait(LENT_POLL_S)  # every row lent: poll the takers' state words (no busy loop)
                 for gen in self._incoming:
                     loop.add(gen)
                 self._incoming.clear()
