@@ -7,12 +7,13 @@ its contiguous copy (xxh3 and crc32); the cache lives in a named segment
 ``kvforge-<pid>-cache-*``, unlinked by ``Engine.close``, and one larger than /dev/shm's free
 space is refused up front; a lent hand-off's block is a read-only view of the prefill engine's
 row (no copy) whose checksum matches the data, and resumed on another engine (in this process, or
-taken from its ref) it gives exactly the colocated tokens (greedy and seeded, several at once); a lent
-row is out of use until its taker releases it (the loop runs the next requests on other rows and
-with every row lent they wait, then run once one is freed), and is used again after; a lent row
-corrupted in place is refused by the import's checksum (KVBlockError, nothing imported) and its
-row is still freed; ``discard`` frees a row nobody took; a request decoding above a hand-off in
-the same batch makes that hand-off go out by copy, with the right tokens on both sides.
+taken from its ref) it gives exactly the colocated tokens (greedy and seeded, several at once); a
+lent row is out of use until its taker releases it (the loop runs the next requests on other
+rows; with every row lent they wait, a cancel still served, then run once one is freed) and is
+used again after; a lent row corrupted in place is refused by the import's checksum
+(KVBlockError, nothing imported) and its row is still freed; ``discard`` frees a row nobody took;
+a request decoding above a hand-off in the same batch makes that hand-off go out by copy, with the
+right tokens on both sides.
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def test_lent_row_not_reused_until_released(lending):
         waiting = sp.submit("Another prompt, another day", 8, hand_off=True)
         time.sleep(0.2)
         assert not waiting.done  # back-pressure: every row is lent
+        cancelled = sp.submit(PROMPT, 8, hand_off=True)
+        cancelled.cancel()  # a stalled loop still retires what is cancelled while it waits
+        assert cancelled.result(timeout=5).finish_reason == "cancelled"
         assert all((h.block.data == c).all() for h, c in zip(handoffs, copies))  # untouched
         [row] = [r for r in range(pre.max_batch) if np.shares_memory(handoffs[3].block.data, pre.cache.buffer[:, :, r])]
         assert sd.resume(handoffs[3]).result().token_ids == expected.token_ids  # imported, then released
