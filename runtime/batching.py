@@ -42,7 +42,16 @@ Disaggregated prefill/decode (:mod:`kvforge.runtime.kv.handoff`). A request with
 leaves its row right after its first token, unless that token ends it: the KV of its prompt
 (positions ``[0, len(prompt))``) is exported first, into memory from ``block_alloc(nbytes)`` when
 given (e.g. a shared-memory segment), and the request finishes with a :class:`Handoff` carrying
-the data's checksum (hashed layer by layer during that copy, :mod:`kvforge.runtime.kv.digest`). A
+the data's checksum (hashed layer by layer during that copy, :mod:`kvforge.runtime.kv.digest`).
+With a ``lender`` (the engine's shared cache, :class:`kvforge.runtime.kv.lend.SharedCache`: a
+lending scheduler), the row is not copied but lent: the block's data is a read-only view of the
+row's positions, hashed in place, and the row's state word holds the lending's id until the taker
+frees it. The loop never binds nor writes a lent row: its active rows stay a contiguous run of
+rows not lent (``[first, first + active)``, ``first`` moving to the longest such run when nothing
+runs), so a row is lent only when no running request would be compacted into it (a request still
+decoding in a higher row: it is exported by copy then; a prefill worker has none), and each step
+looks for freed rows before it admits anyone (no message back). With every row lent, new work
+waits in the queue (back-pressure) until a taker frees one. A
 resumed request (``Generation.resume_from`` set) is admitted before any prefill of its step: its
 block is imported into the next free row (its checksum checked during that copy: a mismatch fails
 the request with KVBlockError, nothing imported) and it joins the decoding rows directly, its first token fed at
@@ -68,6 +77,7 @@ from kvforge.runtime.speculative.verify import Verifier
 
 if TYPE_CHECKING:
     from kvforge.runtime.engine import Engine
+    from kvforge.runtime.kv.lend import SharedCache
 
 
 class BatchLoop:
@@ -81,12 +91,16 @@ class BatchLoop:
         first: int = 0,
         chunk: int | None = None,
         block_alloc: Callable[[int], object] | None = None,
+        lender: SharedCache | None = None,
     ) -> None:
         if rows < 1:
             raise ValueError(f"a batch loop needs at least one cache row, got {rows}")
         self.engine = engine
         self.rows = rows
-        self.first = first
+        self.lo = first  # the loop's rows are [lo, lo + rows)
+        self.first = first  # the active rows are [first, first + active): moves only with a lender
+        self.lender = lender  # the shared cache whose rows hand-offs are lent from; None: exported by copy
+        self._limit = rows  # rows the active ones may use from first on, this step (up to a lent row)
         chunk = validate.optional_count("prefill_chunk", chunk)
         self.chunk = engine.chunk_tokens if chunk is None else min(chunk, engine.chunk_tokens)
         self.waiting: deque[Generation] = deque()
@@ -107,6 +121,12 @@ class BatchLoop:
         """Rows in use (decoding and filling)."""
         return len(self.decoding) + (self.filling is not None)
 
+    @property
+    def stalled(self) -> bool:
+        """Requests wait, nothing runs, and every row they could use is lent: the loop can only
+        wait for a taker to free one (its caller polls)."""
+        return self.active == 0 and not self.idle and self._limit == 0
+
     def add(self, gen: Generation) -> None:
         (self.resuming if gen.resume_from is not None else self.waiting).append(gen)
 
@@ -114,6 +134,7 @@ class BatchLoop:
         """One iteration: cancellations, resumed requests in, at most one prefill chunk, one decode
         step, retirements."""
         self._cancel()
+        self._limit = self._room()
         self._resume()
         self._prefill()
         if self.decoding:
@@ -129,6 +150,24 @@ class BatchLoop:
         self.resuming.clear()
 
     # ------------------------------------------------------------------ steps
+
+    def _room(self) -> int:
+        """Rows the active requests may use from ``first`` on: up to the lowest lent row above
+        them (freed rows count again: their state words are read here). With nothing active,
+        ``first`` first moves to the longest run of rows not lent (nothing to copy)."""
+        if self.lender is None:
+            return self.rows
+        end = self.lo + self.rows
+        free = [not self.lender.lent(r) for r in range(self.lo, end)]
+        if self.active == 0:
+            best, at, run = 0, self.first, 0
+            for i, ok in enumerate(free):
+                run = run + 1 if ok else 0
+                if run > best:
+                    best, at = run, self.lo + i - run + 1
+            self.first = at
+        stop = next((r for r in range(self.first, end) if not free[r - self.lo]), end)
+        return stop - self.first
 
     def _cancel(self) -> None:
         for queued in (self.waiting, self.resuming):
@@ -148,7 +187,7 @@ class BatchLoop:
 
     def _resume(self) -> None:
         """Resumed requests into free rows: import each one's prompt KV, join the decoding rows."""
-        while self.resuming and self.active < self.rows:
+        while self.resuming and self.active < self._limit:
             g = self.resuming.popleft()
             row = self.first + len(self.decoding)
             if self.filling is not None:
@@ -174,7 +213,7 @@ class BatchLoop:
             if group:
                 self._prefill_group(group)
                 return
-            if self.waiting and len(self.decoding) < self.rows:
+            if self.waiting and len(self.decoding) < self._limit:
                 self.filling = self.waiting.popleft()
                 self.filling.admit()
                 self._import_prefix(self.filling, self.first + len(self.decoding))
@@ -184,7 +223,7 @@ class BatchLoop:
     def _take_group(self) -> list[Generation]:
         """Queued requests whose whole remaining prompts fit, together, in the free rows and in one
         chunk (``count × longest ≤ chunk``), in arrival order."""
-        free = self.rows - len(self.decoding)
+        free = self._limit - len(self.decoding)
         group: list[Generation] = []
         longest = 0
         while self.waiting and len(group) < free:
@@ -297,6 +336,7 @@ class BatchLoop:
             greedy = self._next[: len(gens)]
             np.argmax(logits, axis=-1, out=greedy)
         lengths, max_seq = self.engine.lengths, self.engine.max_seq
+        handing: list[tuple[Generation, int]] = []
         for j, g in enumerate(gens):
             try:
                 token = g.pick(None if logits is None else logits[j], None if greedy is None else int(greedy[j]))
@@ -304,19 +344,34 @@ class BatchLoop:
             except Exception as error:  # this request alone fails
                 g.fail(error)
             if g.handing_off:
-                self._hand_off(g, self.first + row0 + j)
+                handing.append((g, row0 + j))
+        if handing:
+            # A row is lent only above every request that keeps decoding: compaction never moves one into it.
+            survivors = sum(not g.done and not g.handing_off for g in self.decoding)
+            for g, i in handing:
+                lend = self.lender is not None and self.filling is None and i >= survivors
+                self._hand_off(g, self.first + i, lend=lend)
         self._retire()
 
-    def _hand_off(self, gen: Generation, row: int) -> None:
-        """Export ``gen``'s prompt KV from ``row`` (into ``block_alloc``'s memory when set) and
-        finish it with its hand-off; retirement then frees the row."""
+    def _hand_off(self, gen: Generation, row: int, lend: bool = False) -> None:
+        """Finish ``gen`` with its hand-off: its prompt KV in ``row`` lent (``lend``: a view of
+        the row, hashed in place, the row lent until its taker frees it) or exported by copy (into
+        ``block_alloc``'s memory when set); retirement then takes the row out of the active ones."""
+        release = None
         try:
-            out = None if self.block_alloc is None else self.block_alloc(self.engine.kv_nbytes(len(gen.prompt_ids)))
-            digest = Digest()  # hashed layer by layer as it is copied: no second pass over the block
+            digest = Digest()  # hashed as it is copied, or in place: no second pass over the block
             started = time.perf_counter()
-            block = self.engine.export_kv(row, gen.prompt_ids, out=out, digest=digest)
-            gen.finish_handoff(block, digest.value(), export_s=time.perf_counter() - started)
+            if lend:
+                block = self.engine.export_kv(row, gen.prompt_ids, digest=digest, view=True)
+                release = self.lender.lend(row, block.data)  # before the request is done: a taker may come at once
+            else:
+                nbytes = self.engine.kv_nbytes(len(gen.prompt_ids))
+                out = None if self.block_alloc is None else self.block_alloc(nbytes)
+                block = self.engine.export_kv(row, gen.prompt_ids, out=out, digest=digest)
+            gen.finish_handoff(block, digest.value(), export_s=time.perf_counter() - started, on_release=release)
         except Exception as error:
+            if release is not None:
+                release()
             gen.fail(error)
 
     def _retire(self) -> None:

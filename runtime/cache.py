@@ -13,6 +13,12 @@ of ``max_seq`` 512 that holds 192 positions per row costs 192/512 of its size. n
 kernel for transparent huge pages on large arrays, so the first write into a 2 MiB region would
 make all of it resident (every row and position of a layer's cache at once, for small models);
 the cache is therefore mapped by :func:`zeroed_pages`, in ordinary pages.
+
+Shared (``KVCache(manifest, shared=True)``, ``Engine.load(..., kv_shared=True)``): the buffer
+lives in a named POSIX shared-memory segment (:class:`kvforge.runtime.kv.lend.SharedCache`, also
+zero-filled, ordinary pages, resident as written) with a state word per row, so that a prefill
+worker can lend a row's KV to a decode worker's import instead of copying it out (disaggregated
+prefill/decode).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class KVCache:
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, shared: bool = False) -> None:
         m, limits = manifest.model, manifest.limits
         if manifest.dtype not in NP_DTYPES:
             raise ArtifactError(f"the CPU runtime has no {manifest.dtype} buffers; recompile with --dtype float32")
@@ -39,7 +45,14 @@ class KVCache:
         self.max_seq = limits.max_seq
         # Zeros, not empty: rows past a sequence's length are masked, but NaN garbage times a zero
         # attention weight would still be NaN.
-        self.buffer = zeroed_pages(self.shape, NP_DTYPES[manifest.dtype])
+        self.segment = None  # a SharedCache when shared: the buffer's segment and its rows' state words
+        if shared:
+            from kvforge.runtime.kv.lend import SharedCache
+
+            self.segment = SharedCache(self.shape, NP_DTYPES[manifest.dtype])
+            self.buffer = self.segment.buffer
+        else:
+            self.buffer = zeroed_pages(self.shape, NP_DTYPES[manifest.dtype])
 
     @property
     def nbytes(self) -> int:
@@ -88,19 +101,35 @@ class KVCache:
                 each(out[layer, kv])
         return out
 
+    def view_positions(self, row: int, start: int, stop: int) -> np.ndarray:
+        """Positions ``[start, stop)`` of cache row ``row`` as a read-only strided view
+        ``[L, 2, H_kv, stop - start, D]`` of the buffer (no copy; valid while the row is not
+        written: a lent row, :mod:`kvforge.runtime.kv.shm`)."""
+        view = self.buffer[:, :, row, :, start:stop]
+        view.flags.writeable = False
+        return view
+
     def write_positions(self, row: int, start: int, data: np.ndarray, each: Callable | None = None) -> None:
-        """Write ``data`` ``[L, 2, H_kv, n, D]`` into positions ``[start, start + n)`` of cache row
-        ``row``: one strided copy (the inverse of :meth:`read_positions`). ``each``: called with each
-        ``[H_kv, n, D]`` piece of ``data``, in order, right before it is copied (which then reads
-        it from the CPU's cache)."""
+        """Write ``data`` ``[L, 2, H_kv, n, D]`` (contiguous, or a strided view such as another
+        cache's row) into positions ``[start, start + n)`` of cache row ``row``: one strided copy
+        (the inverse of :meth:`read_positions`). ``each``: called with each head's ``[n, D]``
+        piece as this cache holds it, in order, right after it is copied (a checksum of what was
+        written, computed while the piece is in the CPU's cache)."""
         stop = start + data.shape[3]
         if each is None:
             self.buffer[:, :, row, :, start:stop] = data
             return
         for layer in range(data.shape[0]):
             for kv in range(2):
-                each(data[layer, kv])
-                self.buffer[layer, kv, row, :, start:stop] = data[layer, kv]
+                for head in range(data.shape[2]):
+                    piece = self.buffer[layer, kv, row, head, start:stop]
+                    np.copyto(piece, data[layer, kv, head])
+                    each(piece)
+
+    def close(self) -> None:
+        """Unlink a shared buffer's segment (views mapped by other processes stay valid)."""
+        if self.segment is not None:
+            self.segment.close()
 
 
 def zeroed_pages(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -97,7 +97,12 @@ DEFAULT_PREFIX_CACHE = "512MiB"
 
 class Engine(GenerationFacade):
     def __init__(
-        self, artifact_dir: Path, manifest: mf.Manifest, backend: OrtBackend, decode_graph: str = "prefill"
+        self,
+        artifact_dir: Path,
+        manifest: mf.Manifest,
+        backend: OrtBackend,
+        decode_graph: str = "prefill",
+        kv_shared: bool = False,
     ) -> None:
         self.artifact_dir = artifact_dir
         self.manifest = manifest
@@ -113,7 +118,9 @@ class Engine(GenerationFacade):
 
         limits, vocab = manifest.limits, manifest.model.vocab_size
         self.max_batch, self.max_seq, self.vocab_size = limits.max_batch, limits.max_seq, vocab
-        self.cache = backend.allocate_cache(manifest)  # on the backend's device, owned by the backend
+        # On the backend's device, owned by the backend; kv_shared: host memory in a named shared-memory
+        # segment whose rows a lending scheduler lends to another process (kvforge.runtime.kv.shm).
+        self.cache = backend.allocate_cache(manifest, shared=True) if kv_shared else backend.allocate_cache(manifest)
         # Persistent input/output buffers; a call binds the leading elements as [B, S] views.
         n, b = limits.max_batch * limits.max_seq, limits.max_batch
         self._ids = np.zeros(n, dtype=np.int64)
@@ -171,6 +178,7 @@ class Engine(GenerationFacade):
         prefix_cache: int | str | None = None,
         speculative: object = None,
         draft: str | Path | None = None,
+        kv_shared: bool = False,
     ) -> Engine:
         """Load an artifact on ONNX Runtime's CPU provider, or on a GPU.
 
@@ -200,6 +208,13 @@ class Engine(GenerationFacade):
         or a :class:`~kvforge.runtime.speculative.SpeculativeConfig`; see
         :mod:`kvforge.runtime.speculative`. The one session then runs the artifact's verify graph
         (schema 2) for every step; greedy output is token-identical to plain decoding.
+
+        ``kv_shared``: the KV cache in a named POSIX shared-memory segment (``/dev/shm``, the same
+        memory use) whose rows a lending scheduler (``scheduler(lend_rows=True)``) lends to a
+        decode worker's import instead of copying a hand-off out (:mod:`kvforge.runtime.kv.shm`);
+        CPU only. Only a lending scheduler keeps lent rows out of use (generate, sessions and other
+        schedulers do not read the rows' state words; a taker refuses an overwritten row by its
+        checksum). :meth:`close` unlinks the segment.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
@@ -212,6 +227,7 @@ class Engine(GenerationFacade):
             check.flag(name, value)
         check.flag("one_session", one_session)
         check.flag("verify", verify)
+        check.flag("kv_shared", kv_shared)
         if not isinstance(device, str) or not isinstance(backend, str):
             raise check.WrongType(
                 f"device={check.short_repr(device)}, backend={check.short_repr(backend)} are not accepted: "
@@ -230,6 +246,11 @@ class Engine(GenerationFacade):
         if spec is not None:
             setup.check_artifact(manifest, device, one_session)
         if device == "cuda":
+            if kv_shared:
+                raise ValueError(
+                    "kv_shared=True puts the KV cache in host shared memory, which the GPU backends do not use; "
+                    "leave it off on device='cuda'"
+                )
             return cls(root, manifest, backends.open_gpu_backend(root, manifest, backend))
         if manifest.dtype == "bfloat16":
             raise mf.ArtifactError(
@@ -246,7 +267,7 @@ class Engine(GenerationFacade):
         step = "verify" if spec is not None else "prefill"
         lazy = tuple(name for name in graph_files if name != step)
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
-        engine = cls(root, manifest, backend, decode_graph=step if one_session else "decode")
+        engine = cls(root, manifest, backend, decode_graph=step if one_session else "decode", kv_shared=kv_shared)
         engine.prefix_pool = PrefixPool(budget) if budget else None
         if spec is not None:
             try:
@@ -329,6 +350,8 @@ class Engine(GenerationFacade):
         self._verify_bindings.clear()
         self.last_bindings.clear()
         self.backend.close()
+        if hasattr(self.cache, "close"):
+            self.cache.close()  # a shared cache's segment is unlinked (mapped views stay valid)
 
     def __enter__(self) -> Engine:
         return self
@@ -621,14 +644,18 @@ class Engine(GenerationFacade):
         m = self.manifest.model
         return m.num_layers * 2 * m.num_kv_heads * int(positions) * m.head_dim * self.cache.buffer.dtype.itemsize
 
-    def export_kv(self, row: int, token_ids: Sequence[int], start: int = 0, out=None, digest=None) -> KVBlock:
+    def export_kv(
+        self, row: int, token_ids: Sequence[int], start: int = 0, out=None, digest=None, view: bool = False
+    ) -> KVBlock:
         """Cache row ``row``'s positions ``[start, start + n)`` as a :class:`KVBlock` (``n =
         len(token_ids)``, the tokens those positions hold, which the caller knows: the engine keeps
         lengths, not tokens). One strided copy into the block's own contiguous buffer, or into
         ``out``: a writable buffer of at least :meth:`kv_nbytes` ``(n)`` bytes (e.g. shared memory),
         which the block's data is then a view of. ``digest``: a :class:`~kvforge.runtime.kv.digest.Digest`
         fed the block's data as it is copied, layer by layer (its value is then the data's
-        checksum). ValueError when the row does not hold those positions."""
+        checksum). ``view``: no copy; the block's data is a read-only strided view of the row's
+        positions (hashed in place when ``digest`` is given), valid while the row is not written
+        (a lent row). ValueError when the row does not hold those positions."""
         ids = check.token_ids("token_ids", token_ids, vocab_size=self.vocab_size)
         if not hasattr(self.cache, "read_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV export yet; use the CPU backend")
@@ -648,8 +675,13 @@ class Engine(GenerationFacade):
                     f"positions [{start}, {start + len(ids)}) are not in cache row {row}, which holds [0, {held}): "
                     "export at most the positions a prefill or decode wrote"
                 )
-            each = None if digest is None else digest.update
-            data = self.cache.read_positions(row, start, start + len(ids), out=out, each=each)
+            if view:
+                data = self.cache.view_positions(row, start, start + len(ids))
+                if digest is not None:
+                    digest.update(data)  # in place, per head: one read pass
+            else:
+                each = None if digest is None else digest.update
+                data = self.cache.read_positions(row, start, start + len(ids), out=out, each=each)
         return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data)
 
     def check_kv(self, block: KVBlock) -> None:

@@ -189,14 +189,15 @@ class GenerationFacade:
                 raise
         return session
 
-    def scheduler(self, prefill_chunk: int | None = None, block_alloc=None):
+    def scheduler(self, prefill_chunk: int | None = None, block_alloc=None, lend_rows: bool = False):
         """A :class:`~kvforge.runtime.scheduler.Scheduler` (in-flight batching on a background
         thread) over rows ``[0, k)``; it holds them until ``close()``. ``prefill_chunk``: tokens per
         prefill call of a joining request (default :attr:`chunk_tokens`); ``block_alloc``: where a
-        hand-off's KV is exported (see the scheduler's module docstring)."""
+        hand-off's KV is exported; ``lend_rows``: hand-offs lend their rows of a shared cache
+        instead (``load(..., kv_shared=True)``; see the scheduler's module docstring)."""
         from kvforge.runtime.scheduler import Scheduler
 
-        return Scheduler(self, prefill_chunk, block_alloc)
+        return Scheduler(self, prefill_chunk, block_alloc, lend_rows)
 
 
 def _sampling_params(sampling: Sampling) -> SamplingParams:

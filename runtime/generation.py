@@ -242,10 +242,13 @@ class Generation:
         """The first token is accepted and the prompt's KV waits to be exported (:meth:`finish_handoff`)."""
         return self.state == "handing_off"
 
-    def finish_handoff(self, block: KVBlock, checksum: str | None = None, export_s: float = 0.0) -> None:
+    def finish_handoff(
+        self, block: KVBlock, checksum: str | None = None, export_s: float = 0.0, on_release=None
+    ) -> None:
         """End with finish_reason "handoff": ``block`` holds the prompt's KV (``checksum``: its
-        data's, from the export, which took ``export_s`` seconds); the first token's chunk
-        (finish_reason "handoff") is emitted and the result carries the :class:`Handoff`."""
+        data's, from the export, which took ``export_s`` seconds; ``on_release``: the hand-off's
+        hook that frees the memory the data is a view of, e.g. a lent cache row); the first token's
+        chunk (finish_reason "handoff") is emitted and the result carries the :class:`Handoff`."""
         self.handoff = Handoff(
             prompt_ids=self.prompt_ids,
             max_new_tokens=self.max_new_tokens,
@@ -258,6 +261,7 @@ class Generation:
             cached_tokens=self.cached_tokens,
             checksum=checksum,
             export_s=export_s,
+            on_release=on_release,
         )
         self.finish_reason = "handoff"
         self.state = "done"

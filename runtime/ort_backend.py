@@ -172,9 +172,10 @@ class OrtBackend:
         session = self.session(graph)
         return {t.name: list(t.shape) for t in [*session.get_inputs(), *session.get_outputs()]}
 
-    def allocate_cache(self, manifest) -> KVCache:
-        """The KV cache of this backend: one numpy array in host memory (see :mod:`kvforge.runtime.cache`)."""
-        return KVCache(manifest)
+    def allocate_cache(self, manifest, shared: bool = False) -> KVCache:
+        """The KV cache of this backend: one numpy array in host memory (see :mod:`kvforge.runtime.cache`);
+        ``shared``: in a named shared-memory segment whose rows can be lent to another process."""
+        return KVCache(manifest, shared=shared)
 
     def input_names(self, graph: str) -> list[str]:
         return [i.name for i in self.session(graph).get_inputs()]

@@ -25,6 +25,15 @@ row and continues the request in the batch: its chunks start after the first tok
 is the whole request's as the colocated scheduler would give it (first token, all logprobs; the
 timing is this side's: ``first_token`` is when the KV was imported).
 
+Lent rows (``Scheduler(engine, lend_rows=True)`` on an engine loaded with ``kv_shared=True``):
+a hand-off is not copied out of the cache; its block's data is a read-only view of the row,
+hashed in place, and the row stays out of use until the hand-off is released (imported by a
+taker: ``resume`` in this process, or :func:`kvforge.runtime.kv.shm.take` of
+``engine.cache.segment.put(handoff)`` in another; or discarded; a hand-off dropped otherwise must
+be released: ``handoff.release()``). While every row is lent, new
+requests wait (back-pressure); :meth:`close` with requests still waiting for a row waits for
+the takers too (``cancel=True`` does not).
+
 Errors. ``submit`` validates everything it can (``max_new_tokens``, sampling parameters, stop
 strings, prompt length and token ids) and raises ValueError there; a request that fails later
 fails alone: its handle raises the error, the other requests go on.
@@ -46,6 +55,9 @@ if TYPE_CHECKING:
     from kvforge.runtime.engine import Engine, Prompt
     from kvforge.runtime.kv.handoff import Handoff
     from kvforge.runtime.sampling import SamplingParams
+
+
+LENT_POLL_S = 0.001  # how often a lending scheduler whose rows are all lent looks for a freed one
 
 
 class RequestHandle:
@@ -95,15 +107,25 @@ class Scheduler:
         engine: Engine,
         prefill_chunk: int | None = None,
         block_alloc: Callable[[int], object] | None = None,
+        lend_rows: bool = False,
     ) -> None:
         """``block_alloc``: ``nbytes -> writable buffer`` a hand-off's KV is exported into (default:
-        a new numpy array per hand-off)."""
+        a new numpy array per hand-off). ``lend_rows``: hand-offs lend their cache rows instead
+        (the engine loaded with ``kv_shared=True``; module docstring)."""
         self.engine = engine
         prefill_chunk = validate.optional_count("prefill_chunk", prefill_chunk)  # before the rows are taken
+        lender = getattr(engine.cache, "segment", None) if lend_rows else None
+        if lend_rows and (lender is None or block_alloc is not None):
+            raise ValueError(
+                "lend_rows=True lends hand-offs' rows of a cache in shared memory: load the engine with "
+                "Engine.load(..., kv_shared=True), and give no block_alloc (nothing is exported by copy)"
+                if lender is None
+                else "lend_rows=True and block_alloc are exclusive: a lent hand-off is not exported by copy"
+            )
         self._rows = engine.own_rows(self)
         rows = self._rows.__enter__()  # released in close()
         try:
-            self._loop = BatchLoop(engine, rows, chunk=prefill_chunk, block_alloc=block_alloc)
+            self._loop = BatchLoop(engine, rows, chunk=prefill_chunk, block_alloc=block_alloc, lender=lender)
         except BaseException:
             self._rows.__exit__(None, None, None)
             raise
@@ -193,6 +215,8 @@ class Scheduler:
             with self._cond:
                 while not self._incoming and loop.idle and not self._closing:
                     self._cond.wait()
+                if loop.stalled and not self._incoming:
+                    self._cond.wait(LENT_POLL_S)  # every row lent: poll the takers' state words (no busy loop)
                 for gen in self._incoming:
                     loop.add(gen)
                 self._incoming.clear()

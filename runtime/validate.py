@@ -126,7 +126,9 @@ def token_ids(name: str, value: object, *, vocab_size: int | None = None, rule: 
         )
     if not _is_id_sequence(value):
         raise WrongType(f"{name}={short_repr(value)} ({type(value).__name__}) is not accepted: {rule}")
-    if isinstance(value, np.ndarray):
+    if type(value) is list and all(type(t) is int for t in value):  # the common case, checked fast
+        ids = list(value)
+    elif isinstance(value, np.ndarray):
         if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
             raise WrongType(
                 f"{name}=<array of dtype {value.dtype}, ndim {value.ndim}> is not accepted: {rule} "
@@ -142,7 +144,7 @@ def token_ids(name: str, value: object, *, vocab_size: int | None = None, rule: 
                     "bools, floats, strings, nested lists and None are refused as ids"
                 )
             ids.append(int(t))
-    if vocab_size is not None:
+    if vocab_size is not None and ids and not (min(ids) >= 0 and max(ids) < vocab_size):
         for i, t in enumerate(ids):
             if not 0 <= t < vocab_size:
                 raise InvalidValue(f"{name}[{i}]={short_repr(t)} is outside the vocabulary [0, {vocab_size})")

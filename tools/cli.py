@@ -644,6 +644,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="a worker silent this many seconds (no heartbeat) leaves routing until it answers again (default 5)",
     )
+    disagg.add_argument(
+        "--no-lend-rows",
+        dest="lend_rows",
+        action="store_false",
+        help="prefill workers copy each hand-off's KV into a shared-memory arena (two copies) instead of lending "
+        "the decode worker their cache row (one copy; the default)",
+    )
     ray = p.add_argument_group("Ray Serve (scale-out)")
     ray.add_argument(
         "--ray",
@@ -755,6 +762,7 @@ def _disaggregated(args: argparse.Namespace):
         max_queue=args.max_queue,
         prefix_cache=args.prefix_cache,
         worker_timeout=args.worker_timeout,
+        lend_rows=args.lend_rows,
     )
 
 

@@ -3,7 +3,8 @@ their own (:mod:`.block`: format, artifact fingerprint, file round trip) and the
 reuses them between requests (:mod:`.prefix_pool`: token-block index, byte budget, LRU eviction,
 pinning), and the hand-off of disaggregated prefill/decode (:mod:`.handoff`: a request after its
 first token as plain data plus one block; :mod:`.shm`: its block in POSIX shared memory between
-processes). None imports the engine nor ONNX Runtime; the batch loop calls them."""
+processes; :mod:`.lend`: a cache in shared memory whose rows are lent to the taker, one copy).
+None imports the engine nor ONNX Runtime; the batch loop calls them."""
 
 from kvforge.runtime.kv.block import KVBlock, KVBlockError, fingerprint
 from kvforge.runtime.kv.prefix_pool import PrefixHit, PrefixPool, PrefixPoolStats, parse_bytes

@@ -5,10 +5,14 @@
     digest.value()                          # "xxh3_64:<hex>": the checksum of the whole block
     engine.import_kv(block, row, checksum=digest.value())  # checked as it is copied: KVBlockError
 
-A hand-off is two copies (the export and the import); a separate pass over the block for the
-checksum on each side reads it from memory once more. Hashed in the order of its bytes, each
-contiguous piece right after it is copied (while it is in the CPU's cache), the streaming digest
-is the digest of the whole block: the same value as :func:`checksum` of the data in one call.
+A hand-off exported by copy is two copies (the export and the import), and a separate pass over
+the block for the checksum on each side would read it from memory once more: each side hashes
+each contiguous piece right after it copies it (the import: the piece as its cache now holds it),
+while it is in the CPU's cache.
+A lent row (:mod:`kvforge.runtime.kv.shm`) is one copy: the prefill side hashes the row in place
+(one read pass, no copy), the import hashes as it copies. Hashed in the order of its bytes (a
+strided view of a cache row piece by contiguous piece, per head), the streaming digest is the
+digest of the whole contiguous block: the same value as :func:`checksum` of the data in one call.
 
 Algorithms: ``xxh3_64`` (the ``xxhash`` package of the ``serve`` extra, ~25 GB/s) or ``crc32``
 (zlib, ~2 GB/s; the fallback). A checksum names its algorithm, so the taker checks with the
@@ -17,6 +21,7 @@ producer's.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import numpy as np
@@ -54,7 +59,17 @@ class Digest:
             raise KVBlockError(f"unknown checksum algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
 
     def update(self, piece: np.ndarray | memoryview) -> None:
-        """Hash the bytes of ``piece`` (C-contiguous), the next part of the data."""
+        """Hash the bytes of ``piece``, the next part of the data, in C order: a strided array (a
+        cache row's ``[H_kv, n, D]`` positions) piece by contiguous piece, which gives the digest of
+        its C-contiguous copy."""
+        if isinstance(piece, np.ndarray) and not piece.flags.c_contiguous:
+            lead = _strided_axes(piece)  # the pieces over the leading axes are contiguous (a head's [n, D])
+            for index in itertools.product(*map(range, piece.shape[:lead])):
+                self._update(piece[index])
+            return
+        self._update(piece)
+
+    def _update(self, piece: np.ndarray | memoryview) -> None:
         raw = memoryview(piece).cast("B")
         if self.algorithm == "xxh3_64":
             self._xxh.update(raw)
@@ -67,8 +82,19 @@ class Digest:
         return f"crc32:{self._crc:08x}"
 
 
+def _strided_axes(array: np.ndarray) -> int:
+    """How many leading axes of ``array`` to index for every sub-array to be C-contiguous."""
+    expected = array.itemsize
+    for axis in range(array.ndim - 1, -1, -1):
+        if array.shape[axis] != 1 and array.strides[axis] != expected:
+            return axis + 1
+        expected *= array.shape[axis]
+    return 0
+
+
 def checksum(data: np.ndarray | memoryview, algorithm: str | None = None) -> str:
-    """``"algorithm:hex digest"`` of ``data``'s bytes (C-contiguous) in one call."""
+    """``"algorithm:hex digest"`` of ``data``'s bytes in C order, in one call (a strided array
+    piece by contiguous piece: the checksum of its contiguous copy)."""
     digest = Digest(algorithm)
     digest.update(data)
     return digest.value()

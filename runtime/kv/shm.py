@@ -6,10 +6,24 @@
     handoff = take(ref)                               # decode worker: a read-only view, checked
     decode_sched.resume(handoff)                      # import_kv copies it in, then frees the slot
 
-Copies. The prefill side's export writes the cache row straight into shared memory
-(``block_alloc``); the decode side maps it and ``import_kv`` copies it into its cache: two copies
-in all, the export and the import. Nothing is pickled but the header (:meth:`Handoff.header`: the
-prompt ids and a few fields).
+Lent rows: one copy (what the disaggregated server's prefill workers do by default)::
+
+    engine = Engine.load(out, kv_shared=True)         # prefill worker: its cache is a segment (lend.SharedCache)
+    sched = engine.scheduler(lend_rows=True)          # a hand-off lends its row: no copy, hashed in place
+    ref = engine.cache.segment.put(handle.result().handoff)   # the row, its lending id, checksum, header
+    handoff = take(ref, fingerprint, verify=False)    # decode worker: the row's strided read-only view
+    decode_sched.resume(handoff)                      # import_kv copies it (the one copy), frees the row
+
+Copies. Lent, the block's data never leaves the prefill worker's cache row until the decode
+side's ``import_kv`` copies it into its own cache: one copy; the prefill side reads the row once
+to hash it. Exported into an arena (``block_alloc``), the prefill side's export writes the row
+into shared memory and the decode side copies it in: two copies. Nothing is pickled but the
+header (:meth:`Handoff.header`: the prompt ids and a few fields) and the ref.
+
+Lending. :class:`kvforge.runtime.kv.lend.SharedCache` is a cache's buffer in a segment, with a
+state word per row as an arena slot's; :func:`take` of its ref maps the cache's segment once (its
+pages as they are read, not populated: a cache is mostly unwritten) and keeps it, and gives the
+row's strided view; release and :func:`discard` set the row's state word back to 0.
 
 Memory. A new tmpfs page costs far more than the copy into it (~60 ms to fault in the pages of a
 55 MB block on this machine, against ~9 ms of memcpy; benchmarks/handoff.py), so a
@@ -19,13 +33,15 @@ and reused: the taker marks a slot free in the slot's own state word once the bl
 allocation reclaims it. The taker maps an arena once and keeps it. A block that does not fit
 the arena gets a segment of its own, which its taker unlinks as soon as it is mapped.
 
-Integrity. The scheduler's export hashes the data layer by layer as it copies it
-(:mod:`kvforge.runtime.kv.digest`: xxh3-64 with the ``xxhash`` package of the ``serve`` extra,
+Integrity. The scheduler's export hashes the data layer by layer as it copies it (a lent row: in
+place, head by head, in the byte order of the contiguous block: the same digest;
+:mod:`kvforge.runtime.kv.digest`: xxh3-64 with the ``xxhash`` package of the ``serve`` extra,
 ~25 GB/s; else zlib's crc32, ~2 GB/s; sha256 runs at ~1 GB/s) and the ref carries the digest
 (:meth:`SegmentAllocator.put` hashes a hand-off that comes without one); :func:`take` checks the
 artifact's fingerprint and, by default, the digest in a pass of its own; a decode worker takes
-with ``verify=False`` and its scheduler's import checks the digest as it copies (no pass of
-its own on either side): a foreign or corrupted block is a :class:`KVBlockError`, never imported.
+with ``verify=False`` and its scheduler's import checks the digest as it copies (each piece
+hashed as its cache holds it, right after the copy; no pass of its own on the decode side): a
+foreign or corrupted block (a lent row overwritten too) is a :class:`KVBlockError`, never imported.
 
 Names. ``kvforge-<pid>-...`` after the creating process, in ``/dev/shm`` (Linux's POSIX shared
 memory: what ``shm_open`` and ``multiprocessing.shared_memory`` use). Opened with ``os.open``
@@ -55,7 +71,7 @@ from kvforge.runtime.kv.handoff import Handoff
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvforge-"
 SLOT_HEADER = 4096  # an arena slot: one page holding its state word, then the data (page-aligned)
-_FREE = 0  # a slot's state word: 0 once free again (set by the taker), else the id of its allocation
+FREE = 0  # a slot's state word: 0 once free again (set by the taker), else the id of its allocation
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page in one call, not a fault each
 
 
@@ -69,7 +85,10 @@ class ShmRef:
     """Where a hand-off's KV is (segment ``name``, bytes ``[offset, offset + nbytes)``), its
     ``checksum`` and the hand-off's ``header`` (:meth:`Handoff.header`); ``slot``: the offset of
     its slot's state word in an arena (None: a segment of its own), which holds ``slot_id`` until
-    the slot is freed. Plain data: pickle it or send :meth:`to_dict` as JSON."""
+    the slot is freed. A lent cache row (:class:`kvforge.runtime.kv.lend.SharedCache`): ``name`` is the cache's segment,
+    ``cache`` the cache's shape ``[L, 2, B, H_kv, S, D]`` (its buffer at ``offset``, in the
+    header's dtype), ``row`` the row whose first ``n`` positions are the block (``nbytes`` its
+    bytes), ``slot`` the row's state word. Plain data: pickle it or send :meth:`to_dict` as JSON."""
 
     name: str
     nbytes: int
@@ -78,6 +97,8 @@ class ShmRef:
     offset: int = 0
     slot: int | None = None
     slot_id: int = 0
+    cache: list[int] | None = None
+    row: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,12 +114,17 @@ class ShmRef:
             int(d.get("offset", 0)),
             None if slot is None else int(slot),
             int(d.get("slot_id", 0)),
+            None if d.get("cache") is None else [int(x) for x in d["cache"]],
+            int(d.get("row", 0)),
         )
 
 
-def _map(name: str, nbytes: int = 0, create: bool = False, writable: bool = True) -> mmap.mmap:
+def map_segment(
+    name: str, nbytes: int = 0, create: bool = False, writable: bool = True, populate: bool = True
+) -> mmap.mmap:
     """Segment ``name`` mapped whole (created with ``nbytes`` bytes when ``create``), its pages
-    populated at once."""
+    populated at once (``populate``; else each is mapped at its first touch: a KV cache's, whose
+    pages become resident as positions are written)."""
     fd = os.open(
         SHM_DIR / name, (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0), 0o600
     )
@@ -107,7 +133,10 @@ def _map(name: str, nbytes: int = 0, create: bool = False, writable: bool = True
             os.ftruncate(fd, max(nbytes, 1))
         size = os.fstat(fd).st_size
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+        pages = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0), prot=prot)
+        if not populate and hasattr(mmap, "MADV_NOHUGEPAGE"):  # as cache.zeroed_pages: ordinary pages
+            pages.madvise(mmap.MADV_NOHUGEPAGE)
+        return pages
     except BaseException:
         if create:
             os.unlink(SHM_DIR / name)
@@ -131,7 +160,7 @@ class SegmentAllocator:
         self._arena: np.ndarray | None = None
         if arena_bytes:
             self.arena_name = f"{segment_prefix()}arena-{secrets.token_hex(4)}"
-            self._arena = np.frombuffer(_map(self.arena_name, arena_bytes, create=True), dtype=np.uint8)
+            self._arena = np.frombuffer(map_segment(self.arena_name, arena_bytes, create=True), dtype=np.uint8)
 
     def __call__(self, nbytes: int) -> np.ndarray:
         with self._lock:
@@ -142,7 +171,7 @@ class SegmentAllocator:
                 self._open[buf.ctypes.data] = (self.arena_name, slot)
                 return buf
         name = f"{segment_prefix()}{next(self._count)}-{secrets.token_hex(4)}"
-        buf = np.frombuffer(_map(name, nbytes, create=True), dtype=np.uint8, count=nbytes)
+        buf = np.frombuffer(map_segment(name, nbytes, create=True), dtype=np.uint8, count=nbytes)
         with self._lock:
             self._open[buf.ctypes.data] = (name, None)
         return buf
@@ -156,7 +185,7 @@ class SegmentAllocator:
             return None
         size = -(-size // SLOT_HEADER) * SLOT_HEADER
         allocated = {slot for _, slot in self._open.values()}
-        for slot in [s for s in self._slots if self._state(s)[0] == _FREE and s not in allocated]:
+        for slot in [s for s in self._slots if self._state(s)[0] == FREE and s not in allocated]:
             del self._slots[slot]
         at = 0
         for slot in sorted(self._slots):
@@ -194,7 +223,7 @@ class SegmentAllocator:
             names = [name for name, slot in self._open.values() if slot is None]
             self._open, self._slots = {}, {}
         for name in [*names, *([self.arena_name] if self.arena_name else [])]:
-            _unlink(name)
+            unlink(name)
 
 
 _segments = SegmentAllocator(arena_bytes=0)
@@ -223,24 +252,52 @@ def _arena(ref: ShmRef) -> np.ndarray:
         if arena is None:
             for name in [n for n in _arenas if not (SHM_DIR / n).exists()]:
                 del _arenas[name]
-            try:
-                arena = _arenas[ref.name] = np.frombuffer(_map(ref.name), dtype=np.uint8)
+            try:  # a cache's pages are mapped as they are read (populating would make the whole cache resident)
+                pages = map_segment(ref.name, populate=ref.cache is None)
             except FileNotFoundError:
                 raise _gone(ref) from None
-    if not (ref.slot is not None and 0 <= ref.slot < ref.offset and ref.offset + ref.nbytes <= len(arena)):
+            arena = _arenas[ref.name] = np.frombuffer(pages, dtype=np.uint8)
+    end = ref.offset + (ref.nbytes if ref.cache is None else _cache_nbytes(ref))
+    if not (ref.slot is not None and 0 <= ref.slot < ref.offset and end <= len(arena)):
         raise KVBlockError(
-            f"this KV hand-off's bytes [{ref.offset}, {ref.offset + ref.nbytes}) are not inside arena {ref.name} "
+            f"this KV hand-off's bytes [{ref.offset}, {end}) are not inside segment {ref.name} "
             f"of {len(arena)} bytes: the ref is corrupted"
         )
     return arena
 
 
+def _dtype(ref: ShmRef) -> np.dtype:
+    name = ref.header["block"]["dtype"]
+    return np.dtype(DTYPES.get(name, name))
+
+
+def _cache_nbytes(ref: ShmRef) -> int:
+    return int(np.prod(ref.cache, dtype=np.int64)) * _dtype(ref).itemsize
+
+
+def _lent_view(ref: ShmRef) -> np.ndarray:
+    """The read-only strided view ``[L, 2, H_kv, n, D]`` of the lent row ``ref`` points at."""
+    shape, cache = list(ref.header["block"]["shape"]), ref.cache
+    fits = len(cache) == 6 and len(shape) == 5 and 0 <= ref.row < cache[2] and ref.slot == 8 * ref.row
+    if not (fits and shape[:3] == [cache[0], cache[1], cache[3]] and shape[4] == cache[5] and shape[3] <= cache[4]):
+        raise KVBlockError(
+            f"this KV hand-off's block {shape} is not positions [0, n) of row {ref.row} of a cache {cache} "
+            "([layers, 2, rows, kv heads, positions, head dim]): the ref is corrupted"
+        )
+    arena = _arena(ref)
+    buffer = arena[ref.offset : ref.offset + _cache_nbytes(ref)].view(_dtype(ref)).reshape(cache)
+    view = buffer[:, :, ref.row, :, : shape[3]]
+    view.flags.writeable = False
+    return view
+
+
 def _slot_state(ref: ShmRef) -> np.ndarray:
     """The state word of ``ref``'s arena slot; KVBlockError when the slot is no longer ``ref``'s."""
     state = _arena(ref)[ref.slot : ref.slot + 8].view(np.uint64)
-    if int(state[0]) != ref.slot_id or ref.slot_id == _FREE:
+    if int(state[0]) != ref.slot_id or ref.slot_id == FREE:
         raise KVBlockError(
-            f"the arena slot of this KV hand-off in {ref.name} was freed (taken already, or discarded): "
+            f"the {'arena slot' if ref.cache is None else 'lent cache row'} of this KV hand-off in {ref.name} "
+            "was freed (taken already, or discarded): "
             "run the request again"
         )
     return state
@@ -249,8 +306,9 @@ def _slot_state(ref: ShmRef) -> np.ndarray:
 def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = True) -> Handoff:
     """The hand-off of ``ref`` (taken once), its block's data a read-only view on shared memory:
     a segment of its own is unlinked at once (its memory stays until the view is dropped), an
-    arena slot is freed by ``handoff.release()``, which the scheduler calls once the block is
-    imported. KVBlockError (the memory freed too) when the memory is gone or shorter than the ref
+    arena slot or a lent cache row (a strided view of the prefill worker's row; its segment is
+    mapped once per process) is freed by ``handoff.release()``, which the scheduler calls once the
+    block is imported. KVBlockError (the memory freed too) when the memory is gone or shorter than the ref
     says, when (with ``fingerprint``: the importing engine's ``kv_fingerprint``) it comes from
     another artifact, or (``verify``) when the data does not match its checksum. ``verify=False``
     (a decode worker's): the checksum is not computed here but goes with the hand-off
@@ -260,30 +318,34 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
     release = None
     if ref.slot is None:
         try:
-            pages = _map(ref.name, writable=False)
+            pages = map_segment(ref.name, writable=False)
         except FileNotFoundError:
             raise _gone(ref) from None
         finally:
-            _unlink(ref.name)
+            unlink(ref.name)
         if len(pages) < ref.nbytes:
             raise KVBlockError(
                 f"the shared-memory segment {ref.name} holds {len(pages)} bytes, the hand-off needs {ref.nbytes}: "
                 "it is truncated; run the request again"
             )
         raw = np.frombuffer(pages, dtype=np.uint8, count=ref.nbytes)
-    else:
+    else:  # an arena slot, or a lent cache row (a strided view)
         state = _slot_state(ref)
-        raw = _arena(ref)[ref.offset : ref.offset + ref.nbytes]
-        raw.flags.writeable = False
+        if ref.cache is None:
+            raw = _arena(ref)[ref.offset : ref.offset + ref.nbytes]
+            raw.flags.writeable = False
+        else:
+            raw = _lent_view(ref)
 
         def release() -> None:
             if int(state[0]) == ref.slot_id:  # still this hand-off's
-                state[0] = _FREE
+                state[0] = FREE
 
     try:
         b = ref.header["block"]
         dtype = np.dtype(DTYPES.get(b["dtype"], b["dtype"]))
-        handoff = Handoff.from_parts(ref.header, raw.view(dtype).reshape(b["shape"]))  # reads no data
+        data = raw if ref.cache is not None else raw.view(dtype).reshape(b["shape"])
+        handoff = Handoff.from_parts(ref.header, data)  # reads no data
         if fingerprint is not None:
             handoff.block.check_compatible(fingerprint)
         algorithm = algorithm_of(ref.checksum)
@@ -303,7 +365,8 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
     return handoff
 
 
-def _unlink(name: str) -> bool:
+def unlink(name: str) -> bool:
+    """Unlink segment ``name`` (mapped views stay valid); False when it was gone already."""
     try:
         os.unlink(SHM_DIR / name)
     except FileNotFoundError:
@@ -315,9 +378,9 @@ def discard(ref: ShmRef) -> bool:
     """Free ``ref``'s memory without reading it (a request cancelled in transit): unlink its own
     segment, or mark its arena slot free; False when it was gone already."""
     if ref.slot is None:
-        return _unlink(ref.name)
+        return unlink(ref.name)
     try:
-        _slot_state(ref)[0] = _FREE
+        _slot_state(ref)[0] = FREE
     except KVBlockError:
         return False
     return True
@@ -344,4 +407,4 @@ def segments(pid: int | None = None) -> list[str]:
 def unlink_segments(pid: int) -> list[str]:
     """Unlink every segment created by process ``pid`` (a worker that died: its hand-offs not yet
     taken); returns their names."""
-    return [name for name in segments(pid) if _unlink(name)]
+    return [name for name in segments(pid) if unlink(name)]

@@ -20,7 +20,10 @@ sequence mid-stream ends that request with an error naming the worker and the si
 the requests on the other worker finish exactly, and the front end restarts it and unlinks its
 segments; a block not yet imported by a killed decode worker is resumed on another; kill -9 of
 the prefill worker holding requests that streamed nothing re-runs them (exact outputs).
-A decode worker refuses a corrupted block and a foreign one (KVBlockError) and goes on serving.
+A decode worker refuses a corrupted block and a foreign one (KVBlockError) and goes on serving;
+a lent cache row corrupted in place is refused by its checksum too, and its row freed. The
+module's server runs with lent rows (the default: one copy per hand-off); tests/serve/test_disagg_cli.py
+runs the arena (``--no-lend-rows``: two copies).
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ def test_health_lists_each_worker_role_pid_and_state(served):
     assert len(pids) == 3 and os.getpid() not in pids
     for pid in pids:
         os.kill(pid, 0)  # each is a live process
+    # The prefill worker's KV cache is in shared memory (its hand-offs lend rows of it), and it has no arena.
+    [cache] = shm.segments(workers[0]["pid"])
+    assert cache.startswith(f"kvforge-{workers[0]['pid']}-cache-")
 
 
 def test_greedy_completions_equal_colocated_with_exact_usage(client, engine):
@@ -552,6 +558,25 @@ def test_decode_worker_refuses_corrupted_and_foreign_blocks(llama_chat_artifact,
         w.resume(3, alloc.put(handoff()))  # the worker goes on: a good block decodes exactly
         done = next_event({"error", "done"})
         assert done.kind == "done" and done.payload.token_ids == expected.token_ids
+
+        # A lent row (a prefill worker's default): corrupted in place, it is refused by the import's
+        # checksum and its row freed; the next one lent from that row decodes exactly.
+        with (
+            Engine.load(llama_chat_artifact, threads=1, prefix_cache=0, kv_shared=True) as lender,
+            lender.scheduler(lend_rows=True) as sched,
+        ):
+            lent = lender.cache.segment.put(sched.submit(prompt, 6, GREEDY, hand_off=True).result().handoff)
+            lender.cache.buffer[-1, 0, lent.row, 0, 1, :4] += 1.0
+            w.resume(4, lent)
+            error = next_event({"error", "done"})
+            assert error.kind == "error" and error.payload["type"] == "KVBlockError"
+            assert "checksum" in error.payload["message"] and not lender.cache.segment.lent(lent.row)
+            again = lender.cache.segment.put(sched.submit(prompt, 6, GREEDY, hand_off=True).result().handoff)
+            assert again.row == lent.row and again.cache is not None
+            w.resume(5, again)
+            done = next_event({"error", "done"})
+            assert done.kind == "done" and done.payload.token_ids == expected.token_ids
+            assert not lender.cache.segment.lent(again.row)
     finally:
         w.close()
         alloc.close()

@@ -2,7 +2,9 @@
 
 Proves: the worker flags are checked before anything starts (one-line errors, exit 2); the real
 command serves a greedy completion equal to the colocated one, and SIGTERM drains it and exits 0
-with its worker processes gone and no shared memory of theirs left.
+with its worker processes gone and no shared memory of theirs left; it runs with
+``--no-lend-rows`` (hand-offs through the prefill worker's arena, two copies: the fallback; the
+default, lent rows, is what tests/serve/test_disagg.py's server runs).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def test_serve_with_workers_answers_then_sigterm_exits_0_leaving_nothing(llama_c
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(llama_chat_artifact), "--port", str(port)]
-    cmd += ["--prefill-workers", "1", "--decode-workers", "1", "--threads-per-worker", "1"]
+    cmd += ["--prefill-workers", "1", "--decode-workers", "1", "--threads-per-worker", "1", "--no-lend-rows"]
     proc = subprocess.Popen(
         [*cmd, "--served-model-name", MODEL, "--log-level", "warning"],
         stdout=subprocess.PIPE,

@@ -20,7 +20,8 @@ sequences a worker holds now (ties: the one given fewer so far). With no ready w
 (all restarting or unresponsive), sequences wait in the router.
 
 Cancellation (the client went away) is sent to whichever worker holds the sequence; one caught
-between the two pools has its segment unlinked by the router.
+between the two pools has its block freed by the router (its segment unlinked, or its arena slot
+or lent cache row marked free).
 
 Faults (:mod:`.workers` reports a dead process; the supervisor thread checks heartbeats):
 
@@ -207,6 +208,7 @@ class DisaggServer:
         replica_id: str | None = None,
         prefix_cache: int | str | None = None,
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
+        lend_rows: bool = True,
     ) -> None:
         for flag, count in (("--prefill-workers", prefill_workers), ("--decode-workers", decode_workers)):
             if count < 1:
@@ -231,7 +233,7 @@ class DisaggServer:
         self.in_flight = 0
         self.draining = False
         self.worker_timeout = worker_timeout
-        self._threads, self._prefix_cache = threads_per_worker, prefix_cache
+        self._threads, self._prefix_cache, self._lend_rows = threads_per_worker, prefix_cache, bool(lend_rows)
         self._heartbeat_s = min(0.5, worker_timeout / 4)
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -290,6 +292,7 @@ class DisaggServer:
             threads=self._threads,
             prefix_cache=self._prefix_cache,
             heartbeat_s=self._heartbeat_s,
+            lend_rows=self._lend_rows,
         )
         return PipeWorker(spec)
 
@@ -594,7 +597,7 @@ class DisaggServer:
 
     def _unlink_orphans(self) -> None:
         """Unlink the shared memory of dead workers, once no block in flight is in it (a decode
-        worker may still take one from a dead prefill worker's arena)."""
+        worker may still take one from a dead prefill worker's arena or lent cache row)."""
         in_flight = {_ref_name(s.ref) for s in self._live if s.ref is not None}
         for worker in list(self._orphans):
             removed = worker.unlink_segments(keep=in_flight)

@@ -8,9 +8,12 @@ worker's holds the rows it finished), sends "ready", then serves the messages of
 holds and exits.
 
 - prefill (``submit``): ``scheduler.submit(..., hand_off=True)``; the first chunk goes back as it
-  comes; a sequence that goes on is handed off: the scheduler exports its KV straight into a new
-  shared-memory segment (:mod:`kvforge.runtime.kv.shm`, named after this process's pid) and the
-  reference goes back ("handoff").
+  comes; a sequence that goes on is handed off and the reference goes back ("handoff"). By default
+  (``spec.lend_rows``) the engine's KV cache is in shared memory (``kv_shared=True``, a segment
+  named after this process's pid, :mod:`kvforge.runtime.kv.shm`) and the hand-off lends the
+  sequence's row: nothing is copied here (the checksum is computed over the row in place), the
+  decode worker's import copies straight from the row and frees it. Otherwise the scheduler
+  exports the KV into a slot of this process's shared-memory arena.
 - decode (``submit``): the whole request in its scheduler, no hand-off (the router sends it one
   whose prompt's most is in this worker's prefix cache).
 - decode (``resume``): take the block from shared memory (``shm.take`` checks its fingerprint:
@@ -48,7 +51,8 @@ def main(conn, spec: WorkerSpec) -> None:
     try:
         # A decode worker's prefix cache holds the rows it finished (a chat's previous turn), which the
         # router may send the next turn to directly (the prefill of its short rest runs there).
-        engine = Engine.load(spec.artifact_dir, threads=spec.threads, prefix_cache=spec.prefix_cache)
+        lend = spec.role == PREFILL and spec.lend_rows  # the cache in shared memory: hand-offs lend their rows
+        engine = Engine.load(spec.artifact_dir, threads=spec.threads, prefix_cache=spec.prefix_cache, kv_shared=lend)
     except Exception as e:
         conn.send(WorkerEvent("failed", None, f"{type(e).__name__}: {e}"))
         return
@@ -63,11 +67,15 @@ class Worker:
 
     def __init__(self, conn, spec: WorkerSpec, engine, shm) -> None:
         self.conn, self.spec, self.engine, self.shm = conn, spec, engine, shm
-        # A prefill worker exports each hand-off's KV straight into a new shared-memory segment.
-        # Its arena holds two full-length blocks per row (at most 256 MiB); a larger block gets its own segment.
-        arena = min(256 * 2**20, 2 * engine.max_batch * (engine.kv_nbytes(engine.max_seq) + shm.SLOT_HEADER))
-        self.segments = shm.SegmentAllocator(arena) if spec.role == PREFILL else None
-        self.scheduler = engine.scheduler(block_alloc=self.segments)
+        # A prefill worker lends each hand-off's cache row (its engine's cache in shared memory: refs
+        # from the cache's segment), or exports the KV into a shared-memory arena: two full-length
+        # blocks per row (at most 256 MiB); a larger block gets its own segment.
+        self.lender = getattr(engine.cache, "segment", None) if spec.role == PREFILL else None
+        self.segments = None
+        if spec.role == PREFILL and self.lender is None:
+            arena = min(256 * 2**20, 2 * engine.max_batch * (engine.kv_nbytes(engine.max_seq) + shm.SLOT_HEADER))
+            self.segments = shm.SegmentAllocator(arena)
+        self.scheduler = engine.scheduler(block_alloc=self.segments, lend_rows=self.lender is not None)
         self.handles: dict[int, Any] = {}  # seq -> RequestHandle, while its pump runs
         self.cancelled: set[int] = set()  # cancels that came before a resume had its handle
         self._lock = threading.Lock()  # guards handles, cancelled and the pipe's send side
@@ -139,7 +147,8 @@ class Worker:
                 self.send(WorkerEvent("done", seq, result))
                 return
             started = time.perf_counter()
-            ref = self.segments.put(result.handoff)  # the KV and its checksum are in the segment already
+            # the KV and its checksum are in shared memory already: a lent row, or an arena slot
+            ref = (self.lender or self.segments).put(result.handoff)
             export_s = result.handoff.export_s + time.perf_counter() - started  # the copy out of the cache, and this
             self.send(WorkerEvent(HANDOFF, seq, {"ref": ref, "nbytes": ref.nbytes, "export_s": export_s}))
         except Exception as e:  # this sequence fails; the worker goes on

@@ -69,6 +69,7 @@ class WorkerSpec:
     threads: int | None  # ONNX Runtime intra-op threads of its engine
     prefix_cache: int | str | None  # the engine's prefix-cache budget (prefill workers)
     heartbeat_s: float  # how often it sends "beat"
+    lend_rows: bool = True  # a prefill worker lends its cache rows (one copy per hand-off); False: an arena
 
 
 # the messages to a worker (tuples: small and cheap to pickle)
