@@ -189,6 +189,11 @@ def build_app(
         server.admit(len(prep.sequences))
         flight = server.start(prep.sequences)
         if body.stream:
+            if server.late_refusals:  # a worker's scheduler may refuse it: the 400, not a 200 then an error
+                first = await flight.peek()
+                if first.kind == "error" and isinstance(first.payload, ServingError):
+                    flight.cancel()
+                    raise first.payload
             stream = handler.stream(server, body, prep, flight)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         try:

@@ -95,13 +95,20 @@ class Flight:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.handles: list[Any] = []
         self.finished: set[int] = set()
+        self._peeked: list[Event] = []
+
+    async def peek(self) -> Event:
+        """The first event, without taking it (:meth:`events` yields it first)."""
+        if not self._peeked:
+            self._peeked.append(await self.queue.get())
+        return self._peeked[0]
 
     async def events(self) -> AsyncIterator[Event]:
         """Every sequence's events as they come, until each is done or failed. Closing or cancelling
         the iterator early cancels what has not finished."""
         try:
             while len(self.finished) < self.count:
-                event = await self.queue.get()
+                event = self._peeked.pop() if self._peeked else await self.queue.get()
                 if event.kind != "chunk":
                     self.finished.add(event.index)
                 yield event
@@ -264,6 +271,10 @@ class ModelServer:
 
     Owns the engine (closed by :meth:`close`). Built once per process or per Ray Serve replica.
     """
+
+    # Whether a request can be refused after :meth:`start` (its scheduler is in another process):
+    # the app then holds a stream's 200 until the first event says it was not.
+    late_refusals = False
 
     def __init__(
         self,

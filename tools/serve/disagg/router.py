@@ -190,6 +190,7 @@ class DisaggServer:
     """See the module docstring. Build it with :meth:`load`; ``close()`` stops the workers."""
 
     # The request checks are the one-process server's own: same limits, same messages.
+    late_refusals = True  # a worker's scheduler refuses what the front end cannot check (ModelServer's)
     check_model = ModelServer.check_model
     encode = ModelServer.encode
     check_lengths = ModelServer.check_lengths
