@@ -86,7 +86,9 @@ def _onnx_translation(exact: bool = False) -> Callable:
         present_value = op.TensorScatter(past_value, value, write_indices, axis=-2)
         if exact:
             kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
-            output = _exact_attention(op, query, present_key, present_value, mask, scale, softcap, kv_heads)
+            output = _exact_attention(
+                op, query, present_key, present_value, write_indices, mask, scale, softcap, kv_heads
+            )
             return output, present_key, present_value
         if softcap > 0.0:  # TensorRT's parser rejects Attention's softcap attribute: spell it out
             kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
@@ -150,7 +152,7 @@ def _softcapped_attention(op, query, key, value, mask, scale: float, softcap: fl
     return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
 
 
-def _exact_attention(op, query, key, value, mask, scale: float, softcap: float, kv_heads: int):
+def _exact_attention(op, query, key, value, write_indices, mask, scale: float, softcap: float, kv_heads: int):
     """Grouped-query attention whose result for each query token does not depend on how many
     tokens the call holds (the ``exact`` lowering).
 
@@ -172,15 +174,22 @@ def _exact_attention(op, query, key, value, mask, scale: float, softcap: float, 
     rows = _named(rows, "attention/exact/query_rows")
     if groups == 1:  # M = S would be 1 in a one-token call: double the rows, drop the copy at the end
         rows, groups = _named(op.Concat(rows, rows, axis=2), "attention/exact/double_rows"), 2
-    keys_t = _named(op.Transpose(key, perm=[0, 1, 3, 2]), "attention/exact/keys_transposed")  # (B, H_kv, D, S_max)
-    scores = _named(op.MatMul(rows, keys_t), "attention/exact/qk")  # (B, H_kv, G·S, S_max)
+    # Only the keys some query of the call attends, [0, T) with T = max(write_indices) + S: the
+    # sums do not depend on T (masked keys add exact zeros; MLAS's K-blocks start at multiples of 256)
+    live = op.Add(op.ReduceMax(write_indices, keepdims=1), op.Shape(query, start=2, end=3))  # (1,): T
+    start, axis = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
+    key = _named(op.Slice(key, start, live, axis), "attention/exact/live_keys")  # (B, H_kv, T, D)
+    value = _named(op.Slice(value, start, live, axis), "attention/exact/live_values")  # (B, H_kv, T, D)
+    mask = _named(op.Slice(mask, start, live, op.Constant(value_ints=[3])), "attention/exact/live_mask")
+    keys_t = _named(op.Transpose(key, perm=[0, 1, 3, 2]), "attention/exact/keys_transposed")  # (B, H_kv, D, T)
+    scores = _named(op.MatMul(rows, keys_t), "attention/exact/qk")  # (B, H_kv, G·S, T)
     scores = _named(op.Mul(scores, op.CastLike(op.Constant(value_float=scale), query)), "attention/exact/scale")
     if softcap > 0.0:
         cap = op.CastLike(op.Constant(value_float=softcap), query)
         scores = _named(op.Mul(op.Tanh(op.Div(scores, cap)), cap), "attention/exact/softcap")
     if model_dtype != ir.DataType.FLOAT:  # transformers' softmax upcasts to float32
         scores = _named(op.Cast(scores, to=ir.DataType.FLOAT), "attention/exact/softmax/upcast")
-    # (B, 1, G·S, S_max): row g·S + s is token s's mask, as the query rows are
+    # (B, 1, G·S, T): row g·S + s is token s's mask, as the query rows are
     allowed = _named(op.Tile(mask, op.Constant(value_ints=[1, 1, groups, 1])), "attention/exact/mask_rows")
     masked = _named(op.Where(allowed, scores, op.Constant(value_float=float("-inf"))), "attention/exact/mask")
     probs = _named(op.Softmax(masked, axis=-1), "attention/exact/softmax")
