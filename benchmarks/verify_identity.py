@@ -10,7 +10,8 @@ and what the ``exact`` lowering costs (issue 23).
    ``exact`` lowering's plain-op attention (:func:`kvforge.graphs.lowering._exact_attention`).
 2. Each artifact ``OUT`` (e.g. SmolLM2 compiled with ``--lowering gqa|onnx|exact``, ``--quantize
    int4``, ``--max-seq 1024``): one 8-token verify call against 8 one-token steps after a 280-token
-   prefill: max |difference| of the logits and of every layer's keys and values written.
+   prefill, and 16 tokens after 250: max |difference| of the logits and of every layer's keys and
+   values written.
 3. Cost, the artifacts taking turns in each round: a plain engine's one-token decode step at 280
    cached positions, a 280-token prefill, and a verify call of width 2, 4, 8, 16, 17 in steps of the
    same engine.
@@ -129,8 +130,8 @@ def nodes(threads: int) -> None:
         print(f"   GroupQueryAttention's {what}, S=8 rows vs 1-token calls: {worst:.2g}")
 
 
-def _time(fn, reps: int) -> float:
-    for _ in range(5):
+def _time(fn, reps: int, warm: int = 5) -> float:
+    for _ in range(warm):
         fn()
     runs = []
     for _ in range(3):
@@ -147,32 +148,30 @@ PROMPT = [(i * 7919) % 40000 + 50 for i in range(PAST + 40)]
 def identity(path: Path, threads: int) -> None:
     config = SpeculativeConfig(method="prediction", prediction_k=16)
     with Engine.load(path, threads=threads, speculative=config, prefix_cache=0) as e:
-        n, k = PAST, 8
-
-        def written():
-            return {name: np.array(c[0, :, n : n + k]) for name, c in e.cache.views(1, 0).items()}
-
-        e.prefill_rows([PROMPT[:n]], [0], 0)
-        e.lengths[0] = n
-        e.verify_ids(1, k)[0] = PROMPT[n : n + k]
-        one_call = e.verify_rows(1, k, 0)[0].copy()
-        cache_call = written()
-        e.lengths[0] = n
-        steps = []
-        for token in PROMPT[n : n + k]:
-            e.decode_ids(1)[0] = token
-            steps.append(e.decode_rows(1, 0)[0].copy())
-        cache_steps = written()
-        logits = float(np.abs(one_call - np.array(steps)).max())
-        cache = max(float(np.abs(cache_call[name] - cache_steps[name]).max()) for name in cache_call)
-        bad = [name for name in cache_call if not np.array_equal(cache_call[name], cache_steps[name])]
-        first = bad[0].split(".")[1] if bad else None
         weights = (e.manifest.quantization or {}).get("scheme", e.manifest.dtype)
-        print(
-            f"   {path.name} ({e.manifest.lowering}, {weights}): "
-            f"logits {logits:.2g}, keys/values written {cache:.2g}"
-            + (f" (first differing layer {first})" if bad else " (bit-identical)")
-        )
+        found = []
+        for n, k in ((PAST, 8), (250, 16)):  # the second crosses MLAS's K-block edge at 256
+
+            def written(n=n, k=k):
+                return {name: np.array(c[0, :, n : n + k]) for name, c in e.cache.views(1, 0).items()}
+
+            e.prefill_rows([PROMPT[:n]], [0], 0)
+            e.lengths[0] = n
+            e.verify_ids(1, k)[0] = PROMPT[n : n + k]
+            one_call = e.verify_rows(1, k, 0)[0].copy()
+            cache_call = written()
+            e.lengths[0] = n
+            steps = []
+            for token in PROMPT[n : n + k]:
+                e.decode_ids(1)[0] = token
+                steps.append(e.decode_rows(1, 0)[0].copy())
+            cache_steps = written()
+            logits = float(np.abs(one_call - np.array(steps)).max())
+            cache = max(float(np.abs(cache_call[name] - cache_steps[name]).max()) for name in cache_call)
+            bad = [name for name in cache_call if not np.array_equal(cache_call[name], cache_steps[name])]
+            where = f" (first differing layer {bad[0].split('.')[1]})" if bad else ""
+            found.append(f"{k} tokens at {n}: logits {logits:.2g}, keys/values {cache:.2g}{where}")
+        print(f"   {path.name} ({e.manifest.lowering}, {weights}): " + "; ".join(found))
 
 
 def cost(paths: list[Path], threads: int, rounds: int) -> None:
@@ -194,7 +193,7 @@ def cost(paths: list[Path], threads: int, rounds: int) -> None:
                     engine.decode_rows(1, 0)
 
                 steps[p.name].append(_time(step, 20))
-                prefills[p.name].append(_time(lambda engine=plain: engine.prefill_rows([PROMPT[:PAST]], [0], 0), 1))
+                prefills[p.name].append(_time(lambda engine=plain: engine.prefill_rows([PROMPT[:PAST]], [0], 0), 1, 1))
                 base = _time(lambda engine=e: _verify(engine, 1), 20)
                 for w in WIDTHS:
                     widths[p.name][w].append(_time(lambda engine=e, w=w: _verify(engine, w), 10) / base)
@@ -225,7 +224,7 @@ def main() -> None:
     print(f"load {os.getloadavg()}; onnxruntime {ort.__version__}")
     nodes(args.threads)
     if args.artifacts:
-        print("2. one 8-token verify call vs 8 one-token steps after a 280-token prefill: max |difference|")
+        print("2. one k-token verify call vs k one-token steps: max |difference|")
         for path in args.artifacts:
             identity(path, args.threads)
         print(f"3. cost, artifacts taking turns, {args.rounds} rounds (medians), {PAST} positions cached")
