@@ -12,9 +12,10 @@ and what the ``exact`` lowering costs (issue 23).
    int4``, ``--max-seq 1024``): one 8-token verify call against 8 one-token steps after a 280-token
    prefill, and 16 tokens after 250: max |difference| of the logits and of every layer's keys and
    values written.
-3. Cost, the artifacts taking turns in each round: a plain engine's one-token decode step at 280
-   cached positions, a 280-token prefill, and a verify call of width 2, 4, 8, 16, 17 in steps of the
-   same engine.
+3. Cost, ``--rounds`` rounds of a block per artifact, calls of each kind interleaved in it: a plain
+   one-token decode step at 280 cached positions (and as a multiple of the first
+   artifact's), a 280-token prefill, and a verify call of width 2, 4, 8, 16, 17 in steps of the
+   same artifact.
 """
 
 from __future__ import annotations
@@ -130,18 +131,6 @@ def nodes(threads: int) -> None:
         print(f"   GroupQueryAttention's {what}, S=8 rows vs 1-token calls: {worst:.2g}")
 
 
-def _time(fn, reps: int, warm: int = 5) -> float:
-    for _ in range(warm):
-        fn()
-    runs = []
-    for _ in range(3):
-        started = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        runs.append((time.perf_counter() - started) / reps)
-    return statistics.median(runs)
-
-
 PROMPT = [(i * 7919) % 40000 + 50 for i in range(PAST + 40)]
 
 
@@ -175,37 +164,45 @@ def identity(path: Path, threads: int) -> None:
 
 
 def cost(paths: list[Path], threads: int, rounds: int) -> None:
+    """Every call timed alone; per round a block per artifact (its weights stay in the caches), the
+    call kinds interleaved call by call inside it (a loaded machine's drift hits all alike); medians."""
     config = SpeculativeConfig(method="prediction", prediction_k=16)
+    # one engine per artifact (each session's threads spin a while after a call: a second session
+    # timed right after it would share the cores with them); its one-token step is the verify
+    # graph's, the same computation as the prefill graph's a plain engine runs
     engines = [Engine.load(p, threads=threads, speculative=config, prefix_cache=0) for p in paths]
-    plains = [Engine.load(p, threads=threads, prefix_cache=0) for p in paths]
-    steps = {p.name: [] for p in paths}
-    prefills = {p.name: [] for p in paths}
-    widths = {p.name: {w: [] for w in WIDTHS} for p in paths}
+    kinds = ["step", *WIDTHS]
+    times = {(p.name, kind): [] for p in paths for kind in [*kinds, "prefill"]}
     try:
-        for e in engines + plains:
+        for e in engines:
             e.prefill_rows([PROMPT[:PAST]], [0], 0)
         for _ in range(rounds):
-            for p, e, plain in zip(paths, engines, plains):
-
-                def step(engine=plain):
-                    engine.lengths[0] = PAST
-                    engine.decode_ids(1)[0] = 5
-                    engine.decode_rows(1, 0)
-
-                steps[p.name].append(_time(step, 20))
-                prefills[p.name].append(_time(lambda engine=plain: engine.prefill_rows([PROMPT[:PAST]], [0], 0), 1, 1))
-                base = _time(lambda engine=e: _verify(engine, 1), 20)
-                for w in WIDTHS:
-                    widths[p.name][w].append(_time(lambda engine=e, w=w: _verify(engine, w), 10) / base)
+            for p, e in zip(paths, engines):  # a block per artifact: its weights stay cached
+                for rep in range(-2, 10):  # two warm-up passes, then 10 timed calls of each kind
+                    for kind in kinds:
+                        started = time.perf_counter()
+                        if kind == "step":
+                            e.lengths[0] = PAST
+                            e.decode_ids(1)[0] = 5
+                            e.decode_rows(1, 0)
+                        else:
+                            _verify(e, kind)
+                        if rep >= 0:
+                            times[p.name, kind].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                e.prefill_rows([PROMPT[:PAST]], [0], 0)
+                times[p.name, "prefill"].append(time.perf_counter() - started)
+        med = statistics.median
+        first = paths[0].name
         for p in paths:
-            med = statistics.median
+            step = med(times[p.name, "step"])
             print(
-                f"   {p.name}: step {med(steps[p.name]) * 1e3:.2f} ms, {PAST}-token prefill "
-                f"{med(prefills[p.name]) * 1e3:.0f} ms; verify call in steps: "
-                + ", ".join(f"width {w} {med(v):.2f}" for w, v in widths[p.name].items())
+                f"   {p.name}: step {step * 1e3:.2f} ms ({step / med(times[first, 'step']):.2f}x {first}'s), "
+                f"{PAST}-token prefill {med(times[p.name, 'prefill']) * 1e3:.0f} ms; verify call in its steps: "
+                + ", ".join(f"width {w} {med(times[p.name, w]) / step:.2f}" for w in WIDTHS)
             )
     finally:
-        for e in engines + plains:
+        for e in engines:
             e.close()
 
 
@@ -227,7 +224,7 @@ def main() -> None:
         print("2. one k-token verify call vs k one-token steps: max |difference|")
         for path in args.artifacts:
             identity(path, args.threads)
-        print(f"3. cost, artifacts taking turns, {args.rounds} rounds (medians), {PAST} positions cached")
+        print(f"3. cost, {args.rounds} rounds x 10 calls of each kind (medians), {PAST} positions cached")
         cost(args.artifacts, args.threads, args.rounds)
     print(f"load {os.getloadavg()}")
 
