@@ -15,7 +15,10 @@ and what the ``exact`` lowering costs (issue 23).
 3. Cost, ``--rounds`` rounds of a block per artifact, calls of each kind interleaved in it: a plain
    one-token decode step at 280 cached positions (and as a multiple of the first
    artifact's), a 280-token prefill, and a verify call of width 2, 4, 8, 16, 17 in steps of the
-   same artifact.
+   same artifact; and the one-token step at 100, 400, 700, 1000 cached positions.
+4. End to end, the artifacts taking turns: predicted_outputs.py's code edit (a ~300-token answer)
+   decoded greedily, plain and with n-gram drafts (``ngram:8``) and with the original code as the
+   prediction: tokens/s, and whether the tokens are plain decoding's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +34,10 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from kvforge.runtime import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from predicted_outputs import CODE, INSTRUCTION
+
+from kvforge.runtime import Engine, SamplingParams
 from kvforge.runtime.speculative import SpeculativeConfig
 
 H, KV, D, CAP, PAST = 9, 3, 64, 1024, 280
@@ -132,6 +139,7 @@ def nodes(threads: int) -> None:
 
 
 PROMPT = [(i * 7919) % 40000 + 50 for i in range(PAST + 40)]
+PROMPT_LONG = [(i * 7919) % 40000 + 50 for i in range(1000)]
 
 
 def identity(path: Path, threads: int) -> None:
@@ -206,10 +214,70 @@ def cost(paths: list[Path], threads: int, rounds: int) -> None:
             e.close()
 
 
+def steps_by_context(paths: list[Path], threads: int, rounds: int) -> None:
+    """One-token step time at 100 … 1000 cached positions (the attention's share grows with them)."""
+    lengths = (100, 400, 700, 1000)
+    engines = [Engine.load(p, threads=threads, prefix_cache=0) for p in paths]
+    times = {(p.name, n): [] for p in paths for n in lengths}
+    try:
+        for e in engines:
+            e.prefill_rows([PROMPT_LONG], [0], 0)
+        for _ in range(rounds):
+            for p, e in zip(paths, engines):
+                for n in lengths:
+                    for rep in range(-3, 15):
+                        e.lengths[0] = n - 1
+                        e.decode_ids(1)[0] = 5
+                        started = time.perf_counter()
+                        e.decode_rows(1, 0)
+                        if rep >= 0:
+                            times[p.name, n].append(time.perf_counter() - started)
+        for p in paths:
+            print(
+                f"   {p.name}: "
+                + ", ".join(f"{n}: {statistics.median(times[p.name, n]) * 1e3:.2f} ms" for n in lengths)
+            )
+    finally:
+        for e in engines:
+            e.close()
+
+
 def _verify(engine: Engine, width: int) -> None:
     engine.lengths[0] = PAST
     engine.verify_ids(1, width)[0] = 5
     engine.verify_rows(1, width, 0)
+
+
+def end_to_end(paths: list[Path], threads: int, rounds: int) -> None:
+    messages = [{"role": "user", "content": INSTRUCTION + CODE}]
+    runs = {(p.name, how): [] for p in paths for how in ("plain", "ngram:8", "prediction")}
+    same = {}
+    for _ in range(rounds):
+        for p in paths:
+            with Engine.load(p, threads=threads, speculative="ngram:8", prefix_cache=0) as e:
+                prediction = e.tokenizer.encode(CODE, add_special_tokens=False)
+                plain = None
+                for how, sampling in [
+                    ("plain", SamplingParams(temperature=0, speculative=False)),
+                    ("ngram:8", SamplingParams(temperature=0)),
+                    ("prediction", SamplingParams(temperature=0, prediction=prediction)),
+                ]:
+                    started = time.perf_counter()
+                    r = e.chat(messages, max_new_tokens=400, sampling=sampling)
+                    runs[p.name, how].append(len(r.token_ids) / (time.perf_counter() - started))
+                    plain = plain or r.token_ids
+                    same[p.name, how] = (r.token_ids == plain, len(r.token_ids), r.accepted_tokens)
+    for p in paths:
+        base = statistics.median(runs[p.name, "plain"])
+        print(
+            f"   {p.name}: plain {base:.1f} tokens/s; "
+            + "; ".join(
+                f"{how} {statistics.median(runs[p.name, how]) / base:.2f}x, "
+                f"{'identical' if same[p.name, how][0] else 'DIFFERS'} ({same[p.name, how][1]} tokens, "
+                f"{same[p.name, how][2]} accepted)"
+                for how in ("ngram:8", "prediction")
+            )
+        )
 
 
 def main() -> None:
@@ -226,6 +294,10 @@ def main() -> None:
             identity(path, args.threads)
         print(f"3. cost, {args.rounds} rounds x 10 calls of each kind (medians), {PAST} positions cached")
         cost(args.artifacts, args.threads, args.rounds)
+        print(f"3b. one-token step by cached positions, {args.rounds} rounds x 15 (medians)")
+        steps_by_context(args.artifacts, args.threads, args.rounds)
+        print(f"4. code edit end to end, {args.rounds} rounds (medians)")
+        end_to_end(args.artifacts, args.threads, args.rounds)
     print(f"load {os.getloadavg()}")
 
 
