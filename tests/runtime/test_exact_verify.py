@@ -33,7 +33,9 @@ def exact_fp32(llama_dir, tmp_path_factory):
     from kvforge.compile import compile_model
 
     out = tmp_path_factory.mktemp("exact") / "fp32"
-    compile_model(llama_dir, out, max_batch=2, max_seq=96, lowering="exact", score_graph=False, progress=None)
+    compile_model(  # no ORT-optimized copies (seconds saved): ORT optimizes these graphs at load
+        llama_dir, out, max_batch=2, max_seq=96, lowering="exact", score_graph=False, optimize=False, progress=None
+    )
     return out
 
 
