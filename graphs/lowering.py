@@ -156,14 +156,15 @@ def _exact_attention(op, query, key, value, write_indices, mask, scale: float, s
     """Grouped-query attention whose result for each query token does not depend on how many
     tokens the call holds (the ``exact`` lowering).
 
-    Same inputs and output as :func:`_softcapped_attention` (``softcap`` 0: none). Every query
-    head of one KV head and every token of the call are the rows of ONE matrix product per KV head,
-    ``(B, H_kv, G·S, D) · (B, H_kv, D, S_max)``: M = G·S is never 1 (a model without grouping,
-    G = 1, has its query rows doubled), so MLAS never takes its M = 1 kernel; its M > 1 kernel
-    computes each row of the product the same way whatever M is, the K-blocking of ``P·V`` depends
-    only on ``D`` and ``S_max``, and the mask, softmax and scale act on each row alone. Measured:
-    every row of calls of 2 … 33 tokens equals a one-token call's, 0.0 difference
-    (``benchmarks/verify_identity.py``).
+    Same inputs and output as :func:`_softcapped_attention` (``softcap`` 0: none), plus
+    ``write_indices``. Every query head of one KV head and every token of the call are the rows of
+    ONE matrix product per KV head, ``(B, H_kv, G·S, D) · (B, H_kv, D, T)`` over the filled cache
+    rows ``T = max(write_indices) + S``: M = G·S is never 1 (a model without grouping, G = 1, has
+    its query rows doubled), so MLAS never takes its M = 1 kernel; its M > 1 kernel computes each
+    row the same way whatever M is; ``P·V``'s K-blocks start at fixed multiples whatever T is, a
+    masked key adds an exact zero, and the mask, softmax (trailing ``-inf`` change nothing) and
+    scale act on each row alone. Measured in float32 (fp32 and int4 artifacts): every row of calls
+    of 2 … 33 tokens equals a one-token call's, 0.0 difference (``benchmarks/verify_identity.py``).
     """
     from onnxscript import ir
 
@@ -175,7 +176,7 @@ def _exact_attention(op, query, key, value, write_indices, mask, scale: float, s
     if groups == 1:  # M = S would be 1 in a one-token call: double the rows, drop the copy at the end
         rows, groups = _named(op.Concat(rows, rows, axis=2), "attention/exact/double_rows"), 2
     # Only the keys some query of the call attends, [0, T) with T = max(write_indices) + S: the
-    # sums do not depend on T (masked keys add exact zeros; MLAS's K-blocks start at multiples of 256)
+    # sums do not depend on T (masked keys add exact zeros; MLAS's K-blocks start at fixed multiples)
     live = op.Add(op.ReduceMax(write_indices, keepdims=1), op.Shape(query, start=2, end=3))  # (1,): T
     start, axis = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
     key = _named(op.Slice(key, start, live, axis), "attention/exact/live_keys")  # (B, H_kv, T, D)
