@@ -16,6 +16,12 @@ the op with the translation of the chosen lowering:
   right padding counts as tokens, is written, never attended by a real token, and is overwritten
   later) and ``total_sequence_length = max(seqlens_k) + 1``. A sliding window of ``w`` tokens
   (transformers: keys ``(i - w, i]``) is ``local_window_size = w``, checked against transformers.
+* ``exact``: ``onnx``'s ``TensorScatter`` cache update, with the attention spelled out in standard
+  ops (:func:`_exact_attention`) so that a call of S tokens gives each token bit for bit what a
+  one-token call gives: speculative verification then reproduces plain decoding exactly, in
+  float32 and in int4 (issue 23). ORT's ``Attention`` and ``GroupQueryAttention`` multiply one
+  query row per head (M = S); at M = 1 MLAS takes its matrix-vector kernel, whose float32 sums
+  differ from the M > 1 kernel's in the last bits.
 
 The op is functional (it returns new present tensors, it never mutates its inputs) because the
 exporter requires it; "in place" is a property of the runtime binding (past and present share a
@@ -33,7 +39,7 @@ import torch
 
 from kvforge.graphs import reference
 
-LOWERINGS = ("onnx", "gqa")
+LOWERINGS = ("onnx", "gqa", "exact")
 
 
 @torch.library.custom_op("kvforge::cached_attention", mutates_args=())
@@ -68,8 +74,9 @@ def _(query, key, value, past_key, past_value, write_indices, mask, scale, softc
     return query.new_empty(query.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
 
 
-def _onnx_translation() -> Callable:
-    """The ``onnx`` lowering, written with onnxscript (imported lazily: export-time only)."""
+def _onnx_translation(exact: bool = False) -> Callable:
+    """The ``onnx`` lowering (``exact``: the ``exact`` one), written with onnxscript (imported
+    lazily: export-time only)."""
     from onnxscript import values
 
     op = values.Opset("", 24)
@@ -77,6 +84,12 @@ def _onnx_translation() -> Callable:
     def cached_attention_onnx(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
         present_key = op.TensorScatter(past_key, key, write_indices, axis=-2)
         present_value = op.TensorScatter(past_value, value, write_indices, axis=-2)
+        if exact:
+            kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
+            output = _exact_attention(
+                op, query, present_key, present_value, write_indices, mask, scale, softcap, kv_heads
+            )
+            return output, present_key, present_value
         if softcap > 0.0:  # TensorRT's parser rejects Attention's softcap attribute: spell it out
             kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
             output = _softcapped_attention(op, query, present_key, present_value, mask, scale, softcap, kv_heads)
@@ -136,6 +149,57 @@ def _softcapped_attention(op, query, key, value, mask, scale: float, softcap: fl
     if model_dtype != ir.DataType.FLOAT:
         probs = _named(op.Cast(probs, to=model_dtype), "attention/softmax/downcast")
     output = _named(op.MatMul(probs, values), "attention/pv")  # (B, H_kv, G, S, D)
+    return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
+
+
+def _exact_attention(op, query, key, value, write_indices, mask, scale: float, softcap: float, kv_heads: int):
+    """Grouped-query attention whose result for each query token does not depend on how many
+    tokens the call holds (the ``exact`` lowering).
+
+    Same inputs and output as :func:`_softcapped_attention` (``softcap`` 0: none), plus
+    ``write_indices``. Every query head of one KV head and every token of the call are the rows of
+    ONE matrix product per KV head, ``(B, H_kv, G·S, D) · (B, H_kv, D, T)`` over the filled cache
+    rows ``T = max(write_indices) + S``: M = G·S is never 1 (a model without grouping, G = 1, has
+    its query rows doubled), so MLAS never takes its M = 1 kernel; its M > 1 kernel computes each
+    row the same way whatever M is; ``P·V``'s K-blocks start at fixed multiples whatever T is, a
+    masked key adds an exact zero, and the mask, softmax (trailing ``-inf`` change nothing) and
+    scale act on each row alone. Measured in float32 (fp32 and int4 artifacts): every row of calls
+    of 2 … 33 tokens equals a one-token call's, 0.0 difference (``benchmarks/verify_identity.py``).
+    """
+    from onnxscript import ir
+
+    num_heads, head_dim = query.shape[1], query.shape[3]  # static ints
+    groups = num_heads // kv_heads
+    model_dtype = query.dtype
+    rows = op.Reshape(query, op.Constant(value_ints=[0, kv_heads, -1, head_dim]))  # (B, H_kv, G·S, D): heads kv-major
+    rows = _named(rows, "attention/exact/query_rows")
+    if groups == 1:  # M = S would be 1 in a one-token call: double the rows, drop the copy at the end
+        rows, groups = _named(op.Concat(rows, rows, axis=2), "attention/exact/double_rows"), 2
+    # Only the keys some query of the call attends, [0, T) with T = max(write_indices) + S: the
+    # sums do not depend on T (masked keys add exact zeros; MLAS's K-blocks start at fixed multiples)
+    live = op.Add(op.ReduceMax(write_indices, keepdims=1), op.Shape(query, start=2, end=3))  # (1,): T
+    start, axis = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
+    key = _named(op.Slice(key, start, live, axis), "attention/exact/live_keys")  # (B, H_kv, T, D)
+    value = _named(op.Slice(value, start, live, axis), "attention/exact/live_values")  # (B, H_kv, T, D)
+    mask = _named(op.Slice(mask, start, live, op.Constant(value_ints=[3])), "attention/exact/live_mask")
+    keys_t = _named(op.Transpose(key, perm=[0, 1, 3, 2]), "attention/exact/keys_transposed")  # (B, H_kv, D, T)
+    scores = _named(op.MatMul(rows, keys_t), "attention/exact/qk")  # (B, H_kv, G·S, T)
+    scores = _named(op.Mul(scores, op.CastLike(op.Constant(value_float=scale), query)), "attention/exact/scale")
+    if softcap > 0.0:
+        cap = op.CastLike(op.Constant(value_float=softcap), query)
+        scores = _named(op.Mul(op.Tanh(op.Div(scores, cap)), cap), "attention/exact/softcap")
+    if model_dtype != ir.DataType.FLOAT:  # transformers' softmax upcasts to float32
+        scores = _named(op.Cast(scores, to=ir.DataType.FLOAT), "attention/exact/softmax/upcast")
+    # (B, 1, G·S, T): row g·S + s is token s's mask, as the query rows are
+    allowed = _named(op.Tile(mask, op.Constant(value_ints=[1, 1, groups, 1])), "attention/exact/mask_rows")
+    masked = _named(op.Where(allowed, scores, op.Constant(value_float=float("-inf"))), "attention/exact/mask")
+    probs = _named(op.Softmax(masked, axis=-1), "attention/exact/softmax")
+    if model_dtype != ir.DataType.FLOAT:
+        probs = _named(op.Cast(probs, to=model_dtype), "attention/exact/softmax/downcast")
+    output = _named(op.MatMul(probs, value), "attention/exact/pv")  # (B, H_kv, G·S, D)
+    if num_heads == kv_heads:  # the doubled rows: keep the first copy
+        copies = op.Reshape(output, op.Constant(value_ints=[0, kv_heads, 2, -1, head_dim]))  # (B, H_kv, 2, S, D)
+        output = _named(op.Gather(copies, op.Constant(value_int=0), axis=2), "attention/exact/first_copy")
     return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
 
 
@@ -210,7 +274,7 @@ def translation_table(lowering: str) -> dict:
     """``custom_translation_table`` for ``torch.onnx.export`` under the given lowering."""
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; choose one of {', '.join(LOWERINGS)}")
-    translate = _onnx_translation() if lowering == "onnx" else _gqa_translation()
+    translate = _gqa_translation() if lowering == "gqa" else _onnx_translation(exact=lowering == "exact")
     return {torch.ops.kvforge.cached_attention.default: translate}
 
 

@@ -1,7 +1,7 @@
 """The ``kvforge`` command line: thin subcommands over the public APIs.
 
     kvforge compile MODEL_DIR|FILE.gguf|ORG/NAME -o OUT [--revision R] [--target cpu|cuda|tensorrt] [--dtype D]
-                                     [--max-batch 4] [--max-seq 512] [--max-prompt N] [--lowering gqa|onnx]
+                                     [--max-batch 4] [--max-seq 512] [--max-prompt N] [--lowering gqa|onnx|exact]
     kvforge plan MODEL_DIR|OUT [--dtype D] [--max-batch N] [--max-seq N] [--max-prompt N] [--gpu-memory 70GiB] [--json]
     kvforge plan --serve OUT --rate R --slo-ttft MS --slo-tpot MS [--prompt-lens ..] [--output-lens ..]
                  [--long-fraction F --long-lens ..] [--cores N] [--bench JSON ...] [--scale 8,16,32]
@@ -70,9 +70,10 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lowering",
         default=None,
-        choices=["onnx", "gqa"],
-        help="attention lowering: gqa (ORT GroupQueryAttention, the fast one on ORT; default for cpu and cuda) or "
-        "onnx (standard opset 24, the graph for TensorRT; --target tensorrt's)",
+        choices=["onnx", "gqa", "exact"],
+        help="attention lowering: gqa (ORT GroupQueryAttention, the fast one on ORT; default for cpu and cuda), "
+        "onnx (standard opset 24, the graph for TensorRT; --target tensorrt's) or exact (onnx with attention in "
+        "plain ops: speculative verification gives plain decoding's tokens exactly, fp32 and int4)",
     )
     p.add_argument(
         "--gpu-memory", default=None, metavar="SIZE", help="--target tensorrt: memory budget of the build, e.g. 70GiB"

@@ -76,5 +76,5 @@ def open_gpu_backend(root: Path, manifest: mf.Manifest, backend: str):
     from kvforge.runtime.backends.ort_cuda import OrtCudaBackend
 
     if manifest.lowering != "gqa":
-        print("[kvforge] ORT CUDA runs the onnx lowering through ORT's standard Attention (slower than gqa)")
+        print(f"[kvforge] ORT CUDA runs the {manifest.lowering} lowering's standard-op attention (slower than gqa)")
     return OrtCudaBackend(root, manifest)
