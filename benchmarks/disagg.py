@@ -45,7 +45,7 @@ import httpx
 
 from kvforge.tools.loadtest import LoadOptions, plan, run_loadtest
 from kvforge.tools.serveplan import latency, planner
-from kvforge.tools.serveplan.simulate import Layout, Request, simulate, summarize
+from kvforge.tools.serveplan.simulate import Layout, Request
 
 
 def _common():
@@ -147,19 +147,6 @@ def requests_in_tokens(artifact: Path, options: LoadOptions) -> list[Request]:
 
     tokenizer = Tokenizer(artifact / "tokenizer.json")
     return [Request(i["arrival_s"], len(tokenizer.encode(i["prompt"])), i["max_tokens"]) for i in plan(options)]
-
-
-def predict(table: latency.LatencyTable, layout: Layout, requests: list[Request], options: LoadOptions) -> dict:
-    outcomes = simulate(
-        requests,
-        layout,
-        table.at(layout.threads),
-        table.rows,
-        table.chunk,
-        table.kv_bytes_per_token,
-        table.copy_bytes_per_s,
-    )
-    return summarize(outcomes, options.slo_ttft_ms, options.slo_tpot_ms)
 
 
 def run_mode(common, artifact: Path, name: str, options: LoadOptions) -> dict:
@@ -298,7 +285,8 @@ def main() -> int:
         for _ in range(args.rounds):
             for name in modes:
                 measured = run_mode(common, artifact, name, options)
-                predicted = predict(table, MODES[name][1], requests, options)
+                # the planner on exactly these requests; options carries the SLOs
+                predicted = planner.evaluate(table, MODES[name][1], None, options, requests=requests)
                 run = {"layout": name, "measured": measured, "predicted": predicted}
                 if measured.get("handoff_metrics"):
                     metrics = measured["handoff_metrics"]

@@ -695,6 +695,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             args.strict_fields,
             args.prefix_cache,
         )
+        cluster = dict(host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus)
         if disagg:  # the prefill, decode and ingress roles as Ray Serve deployments
             if args.prefill_workers is None or args.decode_workers is None:
                 raise ValueError("--ray with workers needs both --prefill-workers and --decode-workers (each >= 1)")
@@ -704,22 +705,11 @@ def _run_serve(args: argparse.Namespace) -> int:
                 settings,
                 prefill_workers=args.prefill_workers,
                 decode_workers=args.decode_workers,
-                host=args.host,
-                port=args.port,
-                address=args.address,
-                num_cpus=args.num_cpus,
                 worker_cpus=args.replica_cpus,
+                **cluster,
             )
             return 0
-        serve_ray(
-            settings,
-            replicas=args.replicas,
-            host=args.host,
-            port=args.port,
-            address=args.address,
-            num_cpus=args.num_cpus,
-            replica_cpus=args.replica_cpus,
-        )
+        serve_ray(settings, replicas=args.replicas, replica_cpus=args.replica_cpus, **cluster)
         return 0
     if args.prefill_workers is not None or args.decode_workers is not None:
         server = _disaggregated(args)

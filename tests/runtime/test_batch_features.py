@@ -9,13 +9,16 @@ prompt (a prefix-cache hit), each request gives exactly what it gives alone on a
 prefix cache, no drafts): the same tokens, text, finish reason and stop string. The hit takes its
 prefix from the cache (``cached_tokens > 0``) and drafts are accepted somewhere in the batch.
 A seeded request handed off after its first token (disaggregated prefill) in that batch and
-resumed in a second batch beside a drafting row gives its solo answer too.
+resumed in a second batch beside a drafting row gives its solo answer too: under ``gqa`` its row
+is lent (the KV cache in shared memory, lending schedulers: what a prefill worker does) and freed
+once imported, under ``onnx`` its KV is exported by copy.
 """
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from kvforge.runtime import Engine, SamplingParams
@@ -43,8 +46,10 @@ REQUESTS = {
 HANDOFF = ("The for loop", 14, SamplingParams(temperature=0.7, seed=3), ["zzz"])
 
 
-def _run(engine: Engine, requests: dict, cancel: str | None = None, hand_off: str | None = None) -> dict:
-    with engine.scheduler() as sched:
+def _run(
+    engine: Engine, requests: dict, cancel: str | None = None, hand_off: str | None = None, lend: bool = False
+) -> dict:
+    with engine.scheduler(lend_rows=lend) as sched:
         handles = {
             name: sched.submit(p, max_new_tokens=n, sampling=s, stop=stop, hand_off=name == hand_off)
             for name, (p, n, s, stop) in requests.items()
@@ -80,14 +85,20 @@ def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request,
     assert re.fullmatch(r"[a-z]+( [a-z]+){1,5}\.", solo["regex"].text), solo["regex"].text
     assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "."
 
-    with Engine.load(tiny_artifact, speculative="ngram", threads=1) as engine:
+    lend = lowering == "gqa"
+    with Engine.load(tiny_artifact, speculative="ngram", threads=1, kv_shared=lend) as engine:
         assert engine.prefix_pool is not None  # the default: on
-        together = _run(engine, {**requests, "handoff": HANDOFF}, cancel="cancelled", hand_off="handoff")
+        together = _run(engine, {**requests, "handoff": HANDOFF}, cancel="cancelled", hand_off="handoff", lend=lend)
         assert together["handoff"].finish_reason == "handoff"
-        with engine.scheduler() as sched:  # the decode side: beside a drafting row
+        handoff = together["handoff"].handoff
+        lent = [r for r in range(engine.max_batch) if lend and engine.cache.segment.lent(r)]
+        assert len(lent) == lend  # gqa: the row is lent (a view of it), onnx: a copy
+        assert np.shares_memory(handoff.block.data, engine.cache.buffer) == lend
+        with engine.scheduler(lend_rows=lend) as sched:  # the decode side: beside a drafting row
             drafting = sched.submit(REPEAT, max_new_tokens=24, sampling=GREEDY)
-            together["handoff"] = sched.resume(together["handoff"].handoff).result(timeout=120)
+            together["handoff"] = sched.resume(handoff).result(timeout=120)
             assert drafting.result(timeout=120).token_ids == solo["drafts"].token_ids
+        assert not any(lend and engine.cache.segment.lent(r) for r in range(engine.max_batch))  # freed once imported
         for name in [*requests, "handoff"]:
             got, want = _same(together[name], solo[name])
             assert got == want, name

@@ -106,24 +106,48 @@ def serve_ray(
     ``address``: join this cluster (``auto`` or ``ray://host:10001``); None starts a local one with
     ``num_cpus`` CPUs (default: this machine's). ``replica_cpus``: CPUs Ray reserves per replica
     (default: an equal share of the local cluster, or 1 on a joined one)."""
+    settings, num_cpus = start_ray(settings, address, num_cpus)
+    if replica_cpus is None:
+        replica_cpus = 1.0 if address else max(0.1, (num_cpus or 1) / replicas)
+    settings = with_threads(settings, replica_cpus)
+    run_until_signal(
+        lambda: deploy(settings, replicas=replicas, replica_cpus=replica_cpus, host=host, port=port),
+        f"kvforge: serving {replicas} replica(s) on http://{host}:{port}/v1 (Ray Serve)",
+    )
+
+
+def start_ray(settings: ReplicaSettings, address: str | None, num_cpus: int | None) -> tuple[ReplicaSettings, int]:
+    """``settings`` with its artifact as an absolute path (ValueError when it is not a directory),
+    and Ray initialised: joined at ``address``, else a local cluster of ``num_cpus`` CPUs (default:
+    this machine's). Returns the settings and the local cluster's CPUs (0 on a joined one)."""
     settings = ReplicaSettings(**{**asdict(settings), "artifact": str(Path(settings.artifact).resolve())})
     if not Path(settings.artifact).is_dir():
         raise ValueError(f"artifact directory {settings.artifact!r} does not exist")
     if address:
         ray.init(address=address)
-    else:
-        num_cpus = num_cpus or os.cpu_count() or 1
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-    if replica_cpus is None:
-        replica_cpus = 1.0 if address else max(0.1, (num_cpus or 1) / replicas)
-    if settings.threads is None:  # ORT's default (every core) would oversubscribe the replicas' share
-        settings = ReplicaSettings(**{**asdict(settings), "threads": max(1, round(replica_cpus))})
+        return settings, 0
+    num_cpus = num_cpus or os.cpu_count() or 1
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    return settings, num_cpus
+
+
+def with_threads(settings: ReplicaSettings, cpus: float) -> ReplicaSettings:
+    """``settings`` whose engines use ``cpus`` threads when no thread count was given (ORT's default,
+    every core, would oversubscribe a replica's share)."""
+    if settings.threads is not None:
+        return settings
+    return ReplicaSettings(**{**asdict(settings), "threads": max(1, round(cpus))})
+
+
+def run_until_signal(deploy_app, banner: str) -> None:
+    """Run ``deploy_app()``, print ``banner``, serve until SIGTERM/SIGINT, then shut Serve down (each
+    replica's lifespan closes its scheduler after what it runs) and leave or stop the cluster."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        deploy(settings, replicas=replicas, replica_cpus=replica_cpus, host=host, port=port)
-        print(f"kvforge: serving {replicas} replica(s) on http://{host}:{port}/v1 (Ray Serve)", flush=True)
+        deploy_app()
+        print(banner, flush=True)
         stop.wait()
     finally:
         serve.shutdown()

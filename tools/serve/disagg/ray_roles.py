@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -46,7 +45,7 @@ from kvforge.graphs import manifest as mf
 from kvforge.tools.serve.app import build_app
 from kvforge.tools.serve.disagg.router import DisaggServer
 from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, WorkerEvent, health_row
-from kvforge.tools.serve.ray_app import ReplicaSettings
+from kvforge.tools.serve.ray_app import ReplicaSettings, run_until_signal, start_ray, with_threads
 
 APP_NAME = "kvforge-disagg"
 HANDOFF = "handoff"
@@ -324,36 +323,19 @@ def serve_disagg_ray(
     cluster; None starts a local one of ``num_cpus`` CPUs. ``worker_cpus``: CPUs reserved per
     role replica (default: an equal share of the local cluster, 1 on a joined one); the engines'
     threads default to it."""
-    settings = ReplicaSettings(**{**asdict(settings), "artifact": str(Path(settings.artifact).resolve())})
-    if not Path(settings.artifact).is_dir():
-        raise ValueError(f"artifact directory {settings.artifact!r} does not exist")
-    if address:
-        ray.init(address=address)
-    else:
-        num_cpus = num_cpus or os.cpu_count() or 1
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+    settings, num_cpus = start_ray(settings, address, num_cpus)
     if worker_cpus is None:
-        worker_cpus = 1.0 if address else max(0.1, ((num_cpus or 1) - 0.1) / (prefill_workers + decode_workers))
-    if settings.threads is None:
-        settings = ReplicaSettings(**{**asdict(settings), "threads": max(1, round(worker_cpus))})
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        deploy(
+        worker_cpus = 1.0 if address else max(0.1, (num_cpus - 0.1) / (prefill_workers + decode_workers))
+    settings = with_threads(settings, worker_cpus)
+    run_until_signal(
+        lambda: deploy(
             settings,
             prefill_workers=prefill_workers,
             decode_workers=decode_workers,
             worker_cpus=worker_cpus,
             host=host,
             port=port,
-        )
-        print(
-            f"kvforge: serving {prefill_workers} prefill + {decode_workers} decode worker(s) on "
-            f"http://{host}:{port}/v1 (Ray Serve)",
-            flush=True,
-        )
-        stop.wait()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        ),
+        f"kvforge: serving {prefill_workers} prefill + {decode_workers} decode worker(s) on "
+        f"http://{host}:{port}/v1 (Ray Serve)",
+    )
