@@ -166,3 +166,27 @@ def smollm2_dir() -> Path:
             "SmolLM2-135M-Instruct directory"
         )
     return SMOLLM2_DIR
+
+
+# The OpenAI-compatible server's test modules (tests/tools/test_serve*.py, tests/serve/) each start a
+# server as their module fixture ``served`` (url, server); these two fixtures serve them all.
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    """The official OpenAI client of the module's ``served`` server (API key ``tests.helpers.KEY``)."""
+    import openai
+
+    from tests.helpers import KEY
+
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_chat_artifact):
+    """The reference outputs: an engine on the served chat artifact, in this process (a module on
+    another artifact defines its own ``engine``)."""
+    from kvforge.runtime import Engine
+
+    with Engine.load(llama_chat_artifact, threads=1) as e:
+        yield e

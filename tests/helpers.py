@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+KEY = "test-key"  # the API key of the test servers (tests/tools/test_serve.py's ``running``)
+
 
 def assert_close(actual, expected, atol: float, rtol: float, what: str = "logits") -> None:
     """``|actual - expected| <= atol + rtol * |expected|`` everywhere; on failure, report the worst element."""

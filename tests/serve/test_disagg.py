@@ -47,9 +47,9 @@ from kvforge.runtime import Engine, SamplingParams
 from kvforge.runtime.kv import shm
 from kvforge.tools.serve.disagg.router import DisaggServer
 from kvforge.tools.serve.disagg.workers import DECODE, PipeWorker, WorkerSpec
-from tests.tools.test_serve import metric, serving, sse_events
+from tests.helpers import KEY
+from tests.tools.test_serve import metric, serving, sse_events, stream_joins_to
 
-KEY = "test-key"
 MODEL = "tiny-chat"
 PROMPTS = ["The for statement", "A list is a mutable"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -72,18 +72,6 @@ def served(llama_chat_artifact):
         server,
     ):
         yield url, server
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def engine(llama_chat_artifact):
-    """The colocated reference: one engine on the same artifact in this process."""
-    with Engine.load(llama_chat_artifact, threads=1) as e:
-        yield e
 
 
 def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
@@ -154,20 +142,7 @@ def test_greedy_completions_equal_colocated_with_exact_usage(client, engine):
 
 def test_stream_joins_to_the_colocated_answer(served, client, engine):
     [expected] = engine.generate(PROMPTS[:1], max_new_tokens=16, sampling=GREEDY)
-    chunks = list(
-        client.completions.create(
-            model=MODEL,
-            prompt=PROMPTS[0],
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finals == [expected.finish_reason]  # the prefill side's "handoff" never reaches the client
-    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    stream_joins_to(client, PROMPTS[0], expected)  # the prefill side's "handoff" never reaches the client
 
 
 def test_chat_whole_and_streamed_equal_colocated(client, engine):

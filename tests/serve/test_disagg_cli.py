@@ -9,12 +9,8 @@ default, lent rows, is what tests/serve/test_disagg.py's server runs).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -22,7 +18,7 @@ import pytest
 from kvforge.runtime import Engine, SamplingParams
 from kvforge.runtime.kv import shm
 from kvforge.tools.cli import main
-from tests.tools.test_serve import free_port
+from tests.tools.test_serve import free_port, start_cli_server
 
 MODEL = "tiny-chat"
 
@@ -47,22 +43,10 @@ def test_serve_with_workers_answers_then_sigterm_exits_0_leaving_nothing(llama_c
         [expected] = engine.generate(["The for statement"], max_new_tokens=8, sampling=SamplingParams(temperature=0.0))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(llama_chat_artifact), "--port", str(port)]
-    cmd += ["--prefill-workers", "1", "--decode-workers", "1", "--threads-per-worker", "1", "--no-lend-rows"]
-    proc = subprocess.Popen(
-        [*cmd, "--served-model-name", MODEL, "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    args = [str(llama_chat_artifact), "--prefill-workers", "1", "--decode-workers", "1", "--threads-per-worker", "1"]
+    args += ["--no-lend-rows", "--served-model-name", MODEL, "--log-level", "warning"]
+    proc = start_cli_server(args, port, timeout=90)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            time.sleep(0.1)
         pids = [w["pid"] for w in httpx.get(url + "/health").json()["workers"]]
         body = {"model": MODEL, "prompt": "The for statement", "max_tokens": 8, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)

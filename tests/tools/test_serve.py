@@ -31,8 +31,8 @@ from kvforge.runtime import Engine, SamplingParams
 from kvforge.tools.serve.app import REPLICA_HEADER, build_app
 from kvforge.tools.serve.runner import DrainingServer
 from kvforge.tools.serve.serving import ModelServer
+from tests.helpers import KEY
 
-KEY = "test-key"
 MODEL = "tiny-chat"
 PROMPTS = ["The for statement", "A list is a mutable"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -43,6 +43,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_cli_server(args: list[str], port: int, timeout: float = 60.0) -> subprocess.Popen:
+    """``python -m kvforge.tools.cli serve ARGS --port PORT`` in a process of its own (stdout and
+    stderr piped, as text), returned once its ``/health`` answers 200; fails with its output if it
+    exits or is not up within ``timeout`` seconds."""
+    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        time.sleep(0.1)
+
+
+def stream_joins_to(client, prompt: str, expected) -> list:
+    """Stream a greedy completion of ``prompt`` (16 tokens, usage included) and check it joins to
+    ``expected`` (a GenerationResult) with one finish reason, the usage's count last; the chunks."""
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [expected.finish_reason]  # (disaggregated: the prefill side's "handoff" never shows)
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    return chunks
 
 
 @contextlib.contextmanager
@@ -79,18 +114,6 @@ def serving(server, **app_options):
 def served(llama_chat_artifact):
     with running(llama_chat_artifact, max_queue=4) as (url, server):
         yield url, server
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def engine(llama_chat_artifact):
-    """A second engine on the same artifact: the reference outputs."""
-    with Engine.load(llama_chat_artifact, threads=1) as e:
-        yield e
 
 
 def post(url: str, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
@@ -146,20 +169,8 @@ def test_completions_greedy_equal_generate_with_exact_usage(client, engine):
 
 def test_completions_stream_joins_to_the_whole_answer(served, client, engine):
     [expected] = engine.generate(PROMPTS[:1], max_new_tokens=16, sampling=GREEDY)
-    chunks = list(
-        client.completions.create(
-            model=MODEL,
-            prompt=PROMPTS[0],
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finals == [expected.finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    chunks = stream_joins_to(client, PROMPTS[0], expected)
+    assert chunks[-1].choices == []
     assert chunks[-1].usage.prompt_tokens == expected.prompt_tokens
     # The wire format: data lines of JSON, ending with data: [DONE].
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True}
@@ -511,21 +522,9 @@ def test_sigterm_exits_0_after_answering(llama_chat_artifact, engine):
     [expected] = engine.generate(PROMPTS[:1], max_new_tokens=8, sampling=GREEDY)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(llama_chat_artifact), "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--threads", "1", "--served-model-name", MODEL, "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    args = [str(llama_chat_artifact), "--threads", "1", "--served-model-name", MODEL, "--log-level", "warning"]
+    proc = start_cli_server(args, port)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            time.sleep(0.1)
         r = post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["text"] == expected.text
         proc.send_signal(signal.SIGTERM)

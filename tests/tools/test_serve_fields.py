@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
-import sys
-import time
 import typing
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import (
@@ -42,11 +38,11 @@ from openai.types.chat import (
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel
 
-from kvforge.runtime import Engine, SamplingParams
+from kvforge.runtime import SamplingParams
 from kvforge.tools.cli import build_parser
 from kvforge.tools.serve import fields, serving
 from kvforge.tools.serve import protocol as p
-from tests.tools.test_serve import KEY, MESSAGES, MODEL, PROMPTS, free_port, metric, post, running
+from tests.tools.test_serve import KEY, MESSAGES, MODEL, PROMPTS, free_port, metric, post, running, start_cli_server
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # vLLM's documented extensions, and kvforge's usage.speculative (drafted/accepted tokens, README)
@@ -185,17 +181,6 @@ COMPLETION_EVERYTHING = {
 def served(llama_chat_artifact):
     with running(llama_chat_artifact, max_queue=4) as (url, server):
         yield url, server
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def engine(llama_chat_artifact):
-    with Engine.load(llama_chat_artifact, threads=1) as e:
-        yield e
 
 
 def assert_no_lost_fields(obj, where: str = "response") -> None:
@@ -396,20 +381,9 @@ def test_cli_strict_fields_flag(llama_chat_artifact):
     assert build_parser().parse_args(["serve", "out", "--strict-fields"]).strict_fields
     assert not build_parser().parse_args(["serve", "out"]).strict_fields
     port = free_port()
-    cmd = [sys.executable, "-m", "kvforge.tools.cli", "serve", str(llama_chat_artifact), "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--strict-fields", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    proc = start_cli_server([str(llama_chat_artifact), "--strict-fields", "--threads", "1"], port)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(url + "/health")
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.1)
         body = {"model": Path(llama_chat_artifact).name, "prompt": "hi", "max_tokens": 2, "frobnicate": 1}
         r = post(url, "/v1/completions", body, key=None)
         assert r.status_code == 400 and "unknown field 'frobnicate'" in r.json()["error"]["message"]

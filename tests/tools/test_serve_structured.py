@@ -20,7 +20,6 @@ import shutil
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 
@@ -149,11 +148,6 @@ def chat_artifact(tiny_artifact, tmp_path_factory):
 def served(chat_artifact):
     with running(chat_artifact, max_queue=8) as (url, server):
         yield url, server
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0)
 
 
 def _schema_format(schema: dict) -> dict:
