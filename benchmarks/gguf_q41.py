@@ -74,19 +74,7 @@ def _session(form: str, k: int, n: int, packed, d, m, threads: int) -> ort.Infer
             helper.make_node("MatMul", ["sums", "M"], ["corr"]),
             helper.make_node("Add", ["y0", "corr"], ["y"]),
         ]
-    graph = helper.make_graph(
-        nodes,
-        form,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", n])],
-        inits,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    )
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return _graph_session(nodes, form, inits, k, n, threads)
 
 
 def _rows_session(k: int, n: int, packed, d, m, threads: int) -> ort.InferenceSession:
@@ -103,9 +91,14 @@ def _rows_session(k: int, n: int, packed, d, m, threads: int) -> ort.InferenceSe
         helper.make_node("MatMul", ["sums", "M"], ["corr"]),
         helper.make_node("Add", ["y0", "corr"], ["y"]),
     ]
+    return _graph_session(nodes, "zp0+rows", inits, k, n, threads)
+
+
+def _graph_session(nodes, name: str, inits, k: int, n: int, threads: int) -> ort.InferenceSession:
+    """An ORT CPU session of ``nodes`` mapping ``x [1, m, k]`` to ``y [1, m, n]``."""
     graph = helper.make_graph(
         nodes,
-        "zp0+rows",
+        name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", n])],
         inits,
