@@ -207,7 +207,8 @@ class Engine(GenerationFacade):
         with the same settings), ``"prediction"`` (only requests' ``SamplingParams(prediction=...)``)
         or a :class:`~kvforge.runtime.speculative.SpeculativeConfig`; see
         :mod:`kvforge.runtime.speculative`. The one session then runs the artifact's verify graph
-        (schema 2) for every step; greedy output is token-identical to plain decoding.
+        (schema 2) for every step; greedy output is token-identical to plain decoding (bit for bit
+        with ``--lowering exact``; with ``gqa``/``onnx`` up to near-ties, README "Exact").
 
         ``kv_shared``: the KV cache in a named POSIX shared-memory segment (``/dev/shm``, the same
         memory use) whose rows a lending scheduler (``scheduler(lend_rows=True)``) lends to a
