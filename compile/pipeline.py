@@ -20,6 +20,7 @@ Output layout (see docs/manifest.md)::
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import gc
 import os
@@ -70,7 +71,7 @@ def stderr_progress(message: str) -> None:
 class CompileOptions:
     dtype: str = "float32"
     max_batch: int = 4
-    max_seq: int = DEFAULT_MAX_SEQ
+    max_seq: int | None = DEFAULT_MAX_SEQ  # None: min(DEFAULT_MAX_SEQ, the model's max positions)
     lowering: str = "gqa"
     score_graph: bool = True
     quantize: str | None = None  # "int4" | "int8": MatMul weights as MatMulNBits (ORT only)
@@ -95,7 +96,7 @@ class CompileOptions:
             raise ValueError(
                 "--quantize makes MatMulNBits graphs, which only ONNX Runtime runs; not with --target tensorrt"
             )
-        if self.max_prompt is not None and not 1 <= self.max_prompt <= self.max_seq:
+        if self.max_prompt is not None and not 1 <= self.max_prompt <= (self.max_seq or self.max_prompt):
             raise ValueError(f"max_prompt must lie in 1..max_seq={self.max_seq}, got {self.max_prompt}")
         if self.dtype not in load_stage.DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(load_stage.DTYPES)}")
@@ -103,7 +104,7 @@ class CompileOptions:
             raise ValueError(f"unknown lowering {self.lowering!r}; choose one of {', '.join(lowering.LOWERINGS)}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
-        if self.max_seq < 2:
+        if self.max_seq is not None and self.max_seq < 2:
             raise ValueError(f"max_seq must be at least 2 (one prompt token, one generated), got {self.max_seq}")
         if self.quantize is not None and self.quantize not in quantize_stage.QUANTIZE_BITS:
             raise ValueError(
@@ -203,90 +204,51 @@ def compile_model(
     out = Path(out_dir)
     _check_out_dir(out)
     scratch = out.parent / f".{out.name}.source-kvforge"  # a GGUF file's conversion, removed after
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    options = CompileOptions(
+        dtype=dtype or TARGETS[target][0],
+        max_batch=max_batch,
+        max_seq=max_seq,
+        lowering=lowering or TARGETS[target][1],
+        score_graph=score_graph,
+        quantize=quantize,
+        block_size=block_size,
+        optimize=optimize and target == "cpu",  # the .ort.onnx graphs are optimized for ORT's CPU provider
+        target=target,
+        max_prompt=max_prompt,
+        trust_remote_code=trust_remote_code,
+        full_trace=full_trace,
+        pack_tied_lm_head=pack_tied_lm_head,
+        symmetric=symmetric,
+        quantize_lm_head=quantize_lm_head,
+    )
+    options.check()  # before a Hub download or a GGUF conversion
     with source_stage.resolve(model_dir, revision, scratch, say) as source:
-        return _compile_source(
-            source,
-            out,
-            dtype,
-            max_batch,
-            max_seq,
-            lowering,
-            score_graph,
-            quantize,
-            block_size,
-            optimize,
-            target,
-            max_prompt,
-            gpu_memory,
-            trust_remote_code,
-            full_trace,
-            pack_tied_lm_head,
-            symmetric,
-            quantize_lm_head,
-            say,
-        )
+        return _compile_source(source, out, options, gpu_memory, say)
 
 
 def _compile_source(
-    source: source_stage.Source,
-    out: Path,
-    dtype: str | None,
-    max_batch: int,
-    max_seq: int | None,
-    lowering: str | None,
-    score_graph: bool,
-    quantize: str | None,
-    block_size: int,
-    optimize: bool,
-    target: str,
-    max_prompt: int | None,
-    gpu_memory: str | None,
-    trust_remote_code: bool,
-    full_trace: bool,
-    pack_tied_lm_head: bool,
-    symmetric: bool,
-    quantize_lm_head: bool,
-    say: Progress,
+    source: source_stage.Source, out: Path, options: CompileOptions, gpu_memory: str | None, say: Progress
 ) -> mf.Manifest:
-    """:func:`compile_model` on a resolved source (a Hugging Face directory)."""
+    """:func:`compile_model` on a resolved source (a Hugging Face directory); ``options.max_seq``
+    None is resolved from the model's config here."""
     model_dir = source.model_dir
     config, weight_files = load_stage.read_config(model_dir)  # fail fast, before any heavy work
-    spec = load_stage.resolve_spec(config, model_dir, trust_remote_code)
+    spec = load_stage.resolve_spec(config, model_dir, options.trust_remote_code)
     if not spec.verified:
         say(
             f"{spec.architecture} is not in kvforge's verified table: taking the generic path; "
             "the parity check against transformers decides"
         )
     max_positions = config.get("max_position_embeddings") or config.get("n_positions")
-    if max_seq is None:
-        max_seq = min(DEFAULT_MAX_SEQ, max_positions or DEFAULT_MAX_SEQ)
-    elif max_positions and max_seq > max_positions:
+    if options.max_seq is None:
+        options = dataclasses.replace(options, max_seq=min(DEFAULT_MAX_SEQ, max_positions or DEFAULT_MAX_SEQ))
+    elif max_positions and options.max_seq > max_positions:
         raise ValueError(
-            f"max_seq={max_seq} exceeds the model's max_position_embeddings={max_positions}; "
+            f"max_seq={options.max_seq} exceeds the model's max_position_embeddings={max_positions}; "
             f"use --max-seq {max_positions} or less"
         )
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
-    dtype = dtype or TARGETS[target][0]
-    lowering = lowering or TARGETS[target][1]
-    optimize = optimize and target == "cpu"  # the .ort.onnx graphs are optimized for ORT's CPU provider
-    options = CompileOptions(
-        dtype,
-        max_batch,
-        max_seq,
-        lowering,
-        score_graph,
-        quantize,
-        block_size,
-        optimize,
-        target,
-        max_prompt,
-        trust_remote_code,
-        full_trace,
-        pack_tied_lm_head,
-        symmetric=symmetric,
-        quantize_lm_head=quantize_lm_head,
-    )
     options.check()
     _check_out_dir(out)
 
@@ -308,7 +270,7 @@ def _compile_source(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     say(f"done in {time.perf_counter() - started:.1f}s -> {out}")
-    if target == "tensorrt":
+    if options.target == "tensorrt":
         manifest = _build_if_possible(out, manifest, gpu_memory, say)
     return manifest
 
