@@ -50,7 +50,8 @@ The calls users make (``generate``, ``stream``, ``chat``, ``session()``, ``sched
 step machine under them.
 
 KV blocks. ``export_kv`` copies a row's positions out as a :class:`~kvforge.runtime.kv.KVBlock`
-and ``import_kv`` copies one in (one strided copy each way). The prefix pool
+and ``import_kv`` copies one in (one strided copy each way): :class:`~kvforge.runtime.kv.transfer.KVTransfer`'s,
+which ``Engine`` inherits too. The prefix pool
 (``prefix_pool``, made by ``load(prefix_cache=...)``) is held here for the batch loop, which
 imports cached prefixes at admission and offers finished rows; the engine never calls it.
 
@@ -77,8 +78,8 @@ from kvforge.runtime import validate as check
 from kvforge.runtime.constraints import GrammarFactory
 from kvforge.runtime.facade import GenerationFacade
 from kvforge.runtime.generation import GenerationResult, StreamChunk
-from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool, fingerprint, parse_bytes
-from kvforge.runtime.kv.digest import Digest, algorithm_of
+from kvforge.runtime.kv import PrefixPool, fingerprint, parse_bytes
+from kvforge.runtime.kv.transfer import KVTransfer
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
 from kvforge.runtime.speculative import parse_speculative, setup
@@ -95,7 +96,7 @@ __all__ = ["Engine", "GenerationResult", "Prompt", "StreamChunk"]
 DEFAULT_PREFIX_CACHE = "512MiB"
 
 
-class Engine(GenerationFacade):
+class Engine(GenerationFacade, KVTransfer):
     def __init__(
         self,
         artifact_dir: Path,
@@ -637,98 +638,6 @@ class Engine(GenerationFacade):
         and its length: one copy, used to keep the active rows of a batch contiguous."""
         self.cache.copy_row(src, dst, int(self.lengths[src]))
         self.lengths[dst] = self.lengths[src]
-
-    # ---------------------------------------------------------------- KV blocks
-
-    def kv_nbytes(self, positions: int) -> int:
-        """Bytes of a :class:`KVBlock` of ``positions`` positions (``L × 2 × H_kv × n × D`` values)."""
-        m = self.manifest.model
-        return m.num_layers * 2 * m.num_kv_heads * int(positions) * m.head_dim * self.cache.buffer.dtype.itemsize
-
-    def export_kv(
-        self, row: int, token_ids: Sequence[int], start: int = 0, out=None, digest=None, view: bool = False
-    ) -> KVBlock:
-        """Cache row ``row``'s positions ``[start, start + n)`` as a :class:`KVBlock` (``n =
-        len(token_ids)``, the tokens those positions hold, which the caller knows: the engine keeps
-        lengths, not tokens). One strided copy into the block's own contiguous buffer, or into
-        ``out``: a writable buffer of at least :meth:`kv_nbytes` ``(n)`` bytes (e.g. shared memory),
-        which the block's data is then a view of. ``digest``: a :class:`~kvforge.runtime.kv.digest.Digest`
-        fed the block's data as it is copied, layer by layer (its value is then the data's
-        checksum). ``view``: no copy; the block's data is a read-only strided view of the row's
-        positions (hashed in place when ``digest`` is given), valid while the row is not written
-        (a lent row). ValueError when the row does not hold those positions."""
-        ids = check.token_ids("token_ids", token_ids, vocab_size=self.vocab_size)
-        if not hasattr(self.cache, "read_positions"):
-            raise RuntimeError(f"the {self.backend.name} backend's cache has no KV export yet; use the CPU backend")
-        if out is not None:
-            m, nbytes = self.manifest.model, self.kv_nbytes(len(ids))
-            if memoryview(out).nbytes < nbytes or memoryview(out).readonly:
-                raise ValueError(f"out must be a writable buffer of at least {nbytes} bytes for {len(ids)} positions")
-            shape = (m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim)
-            out = np.frombuffer(out, dtype=self.cache.buffer.dtype, count=nbytes // self.cache.buffer.dtype.itemsize)
-            out = out.reshape(shape)
-        with self._lock:
-            if not (check.is_int(row) and 0 <= row < self.max_batch):
-                raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
-            held = int(self.lengths[row])
-            if start < 0 or start + len(ids) > held:
-                raise ValueError(
-                    f"positions [{start}, {start + len(ids)}) are not in cache row {row}, which holds [0, {held}): "
-                    "export at most the positions a prefill or decode wrote"
-                )
-            if view:
-                data = self.cache.view_positions(row, start, start + len(ids))
-                if digest is not None:
-                    digest.update(data)  # in place, per head: one read pass
-            else:
-                each = None if digest is None else digest.update
-                data = self.cache.read_positions(row, start, start + len(ids), out=out, each=each)
-        return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data)
-
-    def check_kv(self, block: KVBlock) -> None:
-        """Raise :class:`~kvforge.runtime.kv.KVBlockError` when ``block`` cannot be imported into
-        this engine's cache: another artifact or dtype, or longer than a row."""
-        block.check_compatible(self.kv_fingerprint)
-        m = self.manifest.model
-        want = (m.num_layers, 2, m.num_kv_heads, block.n, m.head_dim)
-        if block.data.shape != want or block.data.dtype != self.cache.buffer.dtype:
-            raise KVBlockError(
-                f"the KV block's data is {block.data.dtype} {block.data.shape}; this artifact's cache needs "
-                f"{self.cache.buffer.dtype} {want} ([layers, 2, kv heads, positions, head dim])"
-            )
-        if block.stop > self.max_seq:
-            raise KVBlockError(
-                f"the KV block holds positions [{block.start}, {block.stop}), longer than a cache row of this "
-                f"artifact (max_seq={self.max_seq}); recompile with a larger --max-seq"
-            )
-
-    def import_kv(self, block: KVBlock, row: int, checksum: str | None = None) -> None:
-        """Write ``block`` into cache row ``row`` at its positions ``[block.start, block.stop)``
-        (one strided copy) and make the row hold ``[0, block.stop)``. The caller owns the row (a
-        session's, or its batch loop's) and its positions before ``block.start``. Raises
-        :class:`~kvforge.runtime.kv.KVBlockError` for a block of another artifact or dtype, or one
-        that does not fit the row (:meth:`check_kv`). ``checksum`` (``"algorithm:hex"``, e.g. a
-        hand-off's): the data is hashed layer by layer as it is copied, and a mismatch raises
-        KVBlockError with the row left as it was held (its length unchanged: nothing imported)."""
-        self.check_kv(block)
-        digest = None if checksum is None else Digest(algorithm_of(checksum))
-        if not hasattr(self.cache, "write_positions"):
-            raise RuntimeError(f"the {self.backend.name} backend's cache has no KV import yet; use the CPU backend")
-        with self._lock:
-            if not (check.is_int(row) and 0 <= row < self.max_batch):
-                raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
-            if block.start > self.lengths[row]:
-                raise ValueError(
-                    f"the KV block starts at position {block.start}, but cache row {row} holds only "
-                    f"[0, {int(self.lengths[row])}): import the blocks before it first"
-                )
-            self.cache.write_positions(row, block.start, block.data, each=None if digest is None else digest.update)
-            if digest is not None and digest.value() != checksum:
-                raise KVBlockError(
-                    f"the KV block does not match its {digest.algorithm} checksum: the data was corrupted or "
-                    "overwritten on its way; it is not imported (run the request again)"
-                )
-            self.lengths[row] = block.stop
 
     @property
     def chunk_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """The KV side of the runtime that lives above the cache: blocks of a sequence's KV as objects of
-their own (:mod:`.block`: format, artifact fingerprint, file round trip) and the prefix pool that
+their own (:mod:`.block`: format, artifact fingerprint, file round trip; :mod:`.transfer`: the
+engine's export of a cache row's positions as a block and import of one), the prefix pool that
 reuses them between requests (:mod:`.prefix_pool`: token-block index, byte budget, LRU eviction,
 pinning), and the hand-off of disaggregated prefill/decode (:mod:`.handoff`: a request after its
 first token as plain data plus one block; :mod:`.shm`: its block in POSIX shared memory between
