@@ -379,6 +379,28 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(report: dict[str, Any]) -> str:
+    """Rows x prompts: decode tok/s, and for a drafting row its ratio to its plain row (``=`` identical
+    tokens, ``≠`` not); the drafting rows' mean ratios per kind in the last columns."""
+    prompts, rows, summary = report["prompts"], report["rows"], report["summary"]["drafting"]
+    kinds = list(dict.fromkeys(q["kind"] for q in prompts))
+    head = [f"{q['name']} ({q['kind'][0]}, {len(q['ids'])})" for q in prompts] + [f"mean {k}" for k in kinds]
+    lines = ["| row | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
+    for label, row in rows.items():
+        if "error" in row:
+            continue
+        cells = []
+        for p in row["prompts"]:
+            cell = f"{p['tok_s']:.1f}" if p["tok_s"] else "-"
+            if p.get("ratio"):
+                cell += f" ×{p['ratio']:.2f}{'=' if p['identical'] else '≠'}"
+            cells.append(f"{cell} ({len(p['tokens'])})")
+        means = summary.get(label, {}).get("mean_ratio", {})
+        cells += [f"×{means[k]:.2f}" if means.get(k) else "" for k in kinds]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", type=Path, default=pl.SMOLLM2_HF)
@@ -432,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         "summary": summarize(rows, pairs, kinds),
     }
     print(format_report(report), flush=True)
+    print("\n" + markdown_table(report), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         pg.say(f"wrote {args.json}")
