@@ -18,8 +18,9 @@ KV capacity of ``--max-seq`` tokens a sequence (default 1024: the longest prompt
 * ``llamacpp``: llama.cpp through llama-cpp-python (peer_llamacpp.py's cached venv, ``--llama-venv``)
   on the Q4_1 GGUF, the high-level ``llama_cpp.Llama`` (``n_ctx = MAX_SEQ``, its other defaults)
   driven by its ``generate`` (greedy: ``temp=0``, ``repeat_penalty=1``); two rows: plain, and
-  ``draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens)`` (``--lookup-ngram``,
-  ``--lookup-tokens``; defaults: llama-cpp-python's own, 2 and 10).
+  ``draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens)`` per ``--lookup-tokens``
+  (default 10, llama-cpp-python's own, and 4, kvforge's ``k``; ``--lookup-ngram``: its default 2).
+  It drafts ``num_pred_tokens`` after every match, with no adaptation.
 
 Prompts: benchmarks/speculative.py's (input-grounded: summarize, extract, rewrite a ~400-token
 passage, edit a code snippet; open-ended: a story, trip ideas), rendered once by the model's chat
@@ -32,8 +33,8 @@ the ratio to the row's own plain row, whether the tokens equal the plain row's, 
 tokens (kvforge: the result's counts; llama.cpp: the draft model's proposals, and accepted =
 generated tokens - ``eval`` calls, each call yielding one token plus its accepted drafts). Summary:
 per drafting row the mean ratio over the input-grounded and over the open-ended prompts; kvforge
-int4 ``ngram`` / llama.cpp prompt lookup (tokens/s). Times are medians over the rounds; tokens are
-the first round's (``same every round`` checks the others).
+int4 ``ngram`` (both lowerings) / each llama.cpp prompt-lookup row (tokens/s). Times are medians
+over the rounds; tokens are the first round's (``same every round`` checks the others).
 
 ``--batch 4``: kvforge rows only, the first four input-grounded prompts in one ``Engine.generate``
 (the in-flight batch loop a scheduler runs), wall tokens/s with prefill. llama.cpp has no batch
@@ -145,6 +146,9 @@ def run_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
         n_threads=threads,
         n_threads_batch=threads,
         draft_model=draft,
+        # With a draft model Llama keeps every position's logits, but sizes that buffer by n_batch
+        # (512 rows) unless logits_all is passed: past 512 tokens its eval fails (0.3.36).
+        logits_all=draft is not None,
         verbose=False,
     )
 
@@ -259,11 +263,11 @@ def summarize(rows: dict[str, dict], pairs: dict[str, str], kinds: list[str]) ->
                 "identical": {k: all(p["identical"] for p, q in zip(prompts, kinds) if q == k) for k in set(kinds)},
                 "batch_ratio": rows[spec].get("batch", {}).get("ratio"),
             }
+    lookups = [label for label in rows if label.startswith("llama.cpp Q4_1 lookup")]
     peers = {
         f"{ours} / {theirs}": versus(rows, ours, theirs, kinds)
         for ours, theirs in (
-            ("kvforge int4 ngram", "llama.cpp Q4_1 lookup"),
-            ("kvforge int4 exact ngram", "llama.cpp Q4_1 lookup"),
+            *((f"kvforge int4{lowering} ngram", lookup) for lookup in lookups for lowering in ("", " exact")),
             ("kvforge int4 plain", "llama.cpp Q4_1 plain"),
             ("kvforge int4 plain", "genai int4"),
             ("kvforge fp32 plain", "genai fp32"),
@@ -322,15 +326,12 @@ def plan_rows(args: argparse.Namespace, base: dict[str, Any], llama_python: str 
             pg.set_genai_threads(genai_dir, args.threads)
             plan.append((f"genai {precision}", sys.executable, "genai", {**base, "genai_dir": str(genai_dir)}, SCRIPT))
         else:
-            job = {
-                **base,
-                "gguf": str(args.gguf),
-                "lookup_ngram": args.lookup_ngram,
-                "lookup_tokens": args.lookup_tokens,
-            }
-            plan.append(("llama.cpp Q4_1 plain", llama_python, "llamacpp", {**job, "lookup": False}, SCRIPT))
-            plan.append(("llama.cpp Q4_1 lookup", llama_python, "llamacpp", {**job, "lookup": True}, SCRIPT))
-            pairs["llama.cpp Q4_1 lookup"] = "llama.cpp Q4_1 plain"
+            job = {**base, "gguf": str(args.gguf), "lookup_ngram": args.lookup_ngram, "lookup": False}
+            plan.append(("llama.cpp Q4_1 plain", llama_python, "llamacpp", job, SCRIPT))
+            for n in args.lookup_tokens:
+                lookup = {**job, "lookup": True, "lookup_tokens": n}
+                plan.append((f"llama.cpp Q4_1 lookup {n}", llama_python, "llamacpp", lookup, SCRIPT))
+                pairs[f"llama.cpp Q4_1 lookup {n}"] = "llama.cpp Q4_1 plain"
     return plan, pairs
 
 
@@ -412,7 +413,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--k", type=int, default=4, help="kvforge: speculative='ngram:K'")
     p.add_argument("--lookup-ngram", type=int, default=2, help="llama.cpp: LlamaPromptLookupDecoding max_ngram_size")
-    p.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp: LlamaPromptLookupDecoding num_pred_tokens")
+    p.add_argument(
+        "--lookup-tokens",
+        type=int,
+        nargs="+",
+        default=[10, 4],
+        help="llama.cpp: LlamaPromptLookupDecoding num_pred_tokens, one drafting row each (10: its default; 4: "
+        "kvforge's k)",
+    )
     p.add_argument("--batch", type=int, default=1, help="> 1: also the grounded prompts in one batch (kvforge rows)")
     p.add_argument("--llama-venv", type=Path, default=pl.CACHE / "llamacpp-venv")
     p.add_argument("--work-dir", type=Path, default=pl.CACHE / "work")
