@@ -14,10 +14,11 @@ KV capacity of ``--max-seq`` tokens a sequence (default 1024: the longest prompt
   kvforge's compile code). Two rows each: plain, and ``speculative="ngram:K"`` (``--k``).
   ``Engine.load(threads=, prefix_cache=0)``: no row reuses a previous run's prompt.
 * ``genai-int4``, ``genai-fp32``: onnxruntime-genai (its model builder, as peer_genai.py builds and
-  caches it under ``--work-dir``), no speculation; ``max_length = MAX_SEQ``.
+  caches it: ``--work-dir``/genai-smollm2-PRECISION-ogVERSION, which may be a link to an earlier
+  build), no speculation; ``max_length = MAX_SEQ``.
 * ``llamacpp``: llama.cpp through llama-cpp-python (peer_llamacpp.py's cached venv, ``--llama-venv``)
   on the Q4_1 GGUF, the high-level ``llama_cpp.Llama`` (``n_ctx = MAX_SEQ``, its other defaults)
-  driven by its ``generate`` (greedy: ``temp=0``, ``repeat_penalty=1``); two rows: plain, and
+  driven by its ``generate`` (greedy: ``temp=0``, ``repeat_penalty=1``); a plain row, and one with
   ``draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens)`` per ``--lookup-tokens``
   (default 10, llama-cpp-python's own, and 4, kvforge's ``k``; ``--lookup-ngram``: its default 2).
   It drafts ``num_pred_tokens`` after every match, with no adaptation.
