@@ -350,13 +350,15 @@ def ensure_large(work: Path, llama_python: str, threads: int) -> tuple[Path, Pat
     return model_dir, q4, times
 
 
-def ensure_kvforge_artifact(source: Path, out: Path, quantize: str | None) -> Path:
-    """kvforge compile at its defaults (max_batch 4, max_seq 512, score graph) except --quantize;
-    ``source`` an HF directory or a GGUF file (whose Q4_0/Q8_0/Q4_1 blocks compile keeps)."""
+def ensure_kvforge_artifact(source: Path, out: Path, quantize: str | None, flags: tuple[str, ...] = ()) -> Path:
+    """kvforge compile at its defaults (max_batch 4, max_seq 512, score graph) except --quantize and
+    ``flags`` (e.g. ``("--max-seq", "1024")``); ``source`` an HF directory or a GGUF file (whose
+    Q4_0/Q8_0/Q4_1 blocks compile keeps)."""
     if not (out / "manifest.json").exists():
         cmd = [str(Path(sys.executable).parent / "kvforge"), "compile", str(source), "-o", str(out), "-q"]
         if quantize:
             cmd += ["--quantize", quantize]
+        cmd += list(flags)
         pg.say(" ".join(cmd[1:]))
         pg.run_logged(cmd, out.parent / f"compile-{out.name}.log", f"kvforge compile -> {out}")
     return out
