@@ -378,7 +378,7 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
         metavar="ngram[:K]",
         help="speculative decoding: 'ngram' / 'ngram:K' (prompt-lookup drafts, up to K per step), 'draft[:K]' "
         "with --draft, 'prediction' (only requests' predictions; serve's default); greedy output stays "
-        "token-identical",
+        "plain decoding's, bit for bit with an artifact compiled with --lowering exact (gqa/onnx: up to near-ties)",
     )
     p.add_argument(
         "--draft", default=None, metavar="DRAFT_OUT", help="a draft model: a kvforge artifact, same tokenizer"
@@ -391,6 +391,18 @@ def _speculative(args: argparse.Namespace) -> dict:
 
     parse_speculative(args.speculative, args.draft)
     return {"speculative": args.speculative, "draft": args.draft}
+
+
+def _note_near_ties(args: argparse.Namespace, lowering: str) -> None:
+    """Say once, on stderr, what drafting keeps of greedy output when the user asked for drafts on
+    an artifact whose verify calls round differently from its one-token steps."""
+    if (args.speculative or args.draft) and lowering != "exact":
+        print(
+            f"kvforge: note: speculative decoding on a {lowering!r}-lowered artifact keeps greedy output up to "
+            "near-ties (two best logits within ~1e-5 in float32, ~0.6 in int4 may swap); compile with "
+            "--lowering exact for plain decoding's tokens bit for bit",
+            file=sys.stderr,
+        )
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -409,6 +421,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     sampling = _sampling(args)  # bad values fail before the model loads
     with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
+        _note_near_ties(args, engine.manifest.lowering)
         if len(args.prompt) == 1:  # stream: prompt, then each chunk as it is produced
             chunks = engine.stream(args.prompt[0], args.max_new_tokens, sampling, args.stop)
             print(args.prompt[0], end="", flush=True)
@@ -441,6 +454,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     ChatTemplate.require(args.artifact)  # a model without a template fails before reading stdin
     with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
+        _note_near_ties(args, engine.manifest.lowering)
         chat_loop(engine, sys.stdin, sys.stdout, sys.stderr, args.system, args.max_new_tokens, sampling, args.stop)
     return 0
 
@@ -722,6 +736,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             prefix_cache=args.prefix_cache,
             **speculative,
         )
+        _note_near_ties(args, server.engine.manifest.lowering)
     runner.serve_local(
         server,
         host=args.host,

@@ -101,6 +101,15 @@ def test_exact_lowering_matches_transformers(exact_fp32, llama_reference):
         assert e.manifest.lowering == "exact"
 
 
+def test_cli_drafts_on_exact_artifact_need_no_note(exact_fp32, capsys):
+    """``kvforge generate --speculative`` notes near-ties for gqa/onnx artifacts (test_speculative);
+    on an exact one drafting gives plain decoding's tokens bit for bit, so it says nothing."""
+    from kvforge.tools.cli import main
+
+    assert main(["generate", str(exact_fp32), "hi", "--max-new-tokens", "2", "--speculative", "ngram"]) == 0
+    assert "near-ties" not in capsys.readouterr().err
+
+
 def test_int4_greedy_identical_with_ngram_drafts(exact_int4_mha):
     repeat = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7]
     prompts = [repeat, [1, 2, 3, 4, 1, 2, 3], list(range(30, 50)) * 2]
