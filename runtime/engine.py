@@ -209,7 +209,8 @@ class Engine(GenerationFacade, KVTransfer):
         or a :class:`~kvforge.runtime.speculative.SpeculativeConfig`; see
         :mod:`kvforge.runtime.speculative`. The one session then runs the artifact's verify graph
         (schema 2) for every step; greedy output is token-identical to plain decoding (bit for bit
-        with ``--lowering exact``; with ``gqa``/``onnx`` up to near-ties, README "Exact").
+        with ``--lowering exact``; with ``gqa``/``onnx`` up to near-ties: README, "Greedy identity,
+        and the near-tie caveat").
 
         ``kv_shared``: the KV cache in a named POSIX shared-memory segment (``/dev/shm``, the same
         memory use) whose rows a lending scheduler (``scheduler(lend_rows=True)``) lends to a
