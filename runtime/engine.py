@@ -50,8 +50,8 @@ The calls users make (``generate``, ``stream``, ``chat``, ``session()``, ``sched
 step machine under them.
 
 KV blocks. ``export_kv`` copies a row's positions out as a :class:`~kvforge.runtime.kv.KVBlock`
-and ``import_kv`` copies one in (one strided copy each way): :class:`~kvforge.runtime.kv.transfer.KVTransfer`'s,
-which ``Engine`` inherits too. The prefix pool
+and ``import_kv`` copies one in (one strided copy each way); they are
+:class:`~kvforge.runtime.kv.transfer.KVTransfer`'s, which ``Engine`` inherits too. The prefix pool
 (``prefix_pool``, made by ``load(prefix_cache=...)``) is held here for the batch loop, which
 imports cached prefixes at admission and offers finished rows; the engine never calls it.
 

@@ -50,8 +50,7 @@ class KVTransfer:
             out = np.frombuffer(out, dtype=self.cache.buffer.dtype, count=nbytes // self.cache.buffer.dtype.itemsize)
             out = out.reshape(shape)
         with self._lock:
-            if not (check.is_int(row) and 0 <= row < self.max_batch):
-                raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
+            self._check_cache_row(row)
             held = int(self.lengths[row])
             if start < 0 or start + len(ids) > held:
                 raise ValueError(
@@ -97,8 +96,7 @@ class KVTransfer:
         if not hasattr(self.cache, "write_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV import yet; use the CPU backend")
         with self._lock:
-            if not (check.is_int(row) and 0 <= row < self.max_batch):
-                raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
+            self._check_cache_row(row)
             if block.start > self.lengths[row]:
                 raise ValueError(
                     f"the KV block starts at position {block.start}, but cache row {row} holds only "
@@ -111,3 +109,7 @@ class KVTransfer:
                     "overwritten on its way; it is not imported (run the request again)"
                 )
             self.lengths[row] = block.stop
+
+    def _check_cache_row(self, row: object) -> None:
+        if not (check.is_int(row) and 0 <= row < self.max_batch):
+            raise ValueError(f"row={row!r} is not a cache row: rows are 0..{self.max_batch - 1}")
