@@ -117,6 +117,11 @@ def test_block_of_another_artifact_dtype_or_length_refused(engine, llama_onnx_ar
         engine.import_kv(late, 1)
     with pytest.raises(ValueError, match=r"positions \[0, 30\) are not in cache row 0, which holds \[0, 21\)"):
         engine.export_kv(0, [1] * 30)
+    for bad in (-1, engine.max_batch, 1.0):  # not a cache row, either way
+        with pytest.raises(ValueError, match=rf"row={bad!r} is not a cache row: rows are 0\.\.{engine.max_batch - 1}"):
+            engine.export_kv(bad, PROMPT[:2])
+        with pytest.raises(ValueError, match=rf"row={bad!r} is not a cache row"):
+            engine.import_kv(block, bad)
 
 
 # ------------------------------------------------------------------ the pool through generation
