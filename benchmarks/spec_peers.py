@@ -20,7 +20,7 @@ KV capacity of ``--max-seq`` tokens a sequence (default 1024: the longest prompt
   on the Q4_1 GGUF, the high-level ``llama_cpp.Llama`` (``n_ctx = MAX_SEQ``, its other defaults)
   driven by its ``generate`` (greedy: ``temp=0``, ``repeat_penalty=1``); a plain row, and one with
   ``draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens)`` per ``--lookup-tokens``
-  (default 10, llama-cpp-python's own, and 4, kvforge's ``k``; ``--lookup-ngram``: its default 2).
+  (default 10, llama-cpp-python's own, and 4, its faster setting in earlier runs; ``--lookup-ngram``: its default 2).
   It drafts ``num_pred_tokens`` after every match, with no adaptation.
 
 Prompts: benchmarks/speculative.py's (input-grounded: summarize, extract, rewrite a ~400-token
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-seq", type=int, default=1024, help="KV capacity per sequence, every side")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--k", type=int, default=4, help="kvforge: speculative='ngram:K'")
+    p.add_argument("--k", type=int, default=None, help="kvforge: speculative='ngram:K' (default: 'ngram', K 8)")
     p.add_argument("--lookup-ngram", type=int, default=2, help="llama.cpp: LlamaPromptLookupDecoding max_ngram_size")
     p.add_argument(
         "--lookup-tokens",
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[10, 4],
         help="llama.cpp: LlamaPromptLookupDecoding num_pred_tokens, one drafting row each (10: its default; 4: "
-        "kvforge's k)",
+        "fewer, llama.cpp's faster setting in earlier runs)",
     )
     p.add_argument("--batch", type=int, default=1, help="> 1: also the grounded prompts in one batch (kvforge rows)")
     p.add_argument("--llama-venv", type=Path, default=pl.CACHE / "llamacpp-venv")
@@ -433,6 +433,10 @@ def main(argv: list[str] | None = None) -> None:
         job = json.loads(Path(args.job).read_text())
         Path(job["result_file"]).write_text(json.dumps(WORKERS[args.worker](job)))
         return
+    if args.k is None:  # kvforge's own default for "ngram"
+        from kvforge.runtime.speculative import SpeculativeConfig
+
+        args.k = SpeculativeConfig().k
     args.work_dir.mkdir(parents=True, exist_ok=True)
     llama_python = pl.ensure_llama_venv(args.llama_venv) if "llamacpp" in args.sides else None
     prompts = chat_prompts(args.hf_dir)

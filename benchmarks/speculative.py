@@ -4,7 +4,7 @@
         [--batch 4] [--draft DRAFT_OUT] [--json results.json]
     .venv/bin/python benchmarks/speculative.py --truncate MODEL_DIR LAYERS DRAFT_HF_DIR   # a draft model
 
-Per artifact: two engines loaded side by side (plain, and ``--speculative``, default ``ngram:4``;
+Per artifact: two engines loaded side by side (plain, and ``--speculative``, default ``ngram`` (K 8);
 ``--draft`` measures a draft-model pair), the same threads. Each prompt is a chat turn (the model's
 template) run greedily by both, alternating over ``--rounds``; the tokens should be identical (the
 script says where they differ otherwise). Reported per prompt: decode tokens/s (after the first token) of each side,
@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--batch-only", action="store_true", help="with --batch: only the batch measurement")
-    p.add_argument("--speculative", default=None, help="default: ngram:4, or draft:4 with --draft")
+    p.add_argument("--speculative", default=None, help="default: ngram (K 8), or draft (K 4) with --draft")
     p.add_argument("--draft", default=None)
     p.add_argument("--json", default=None)
     p.add_argument(
@@ -204,7 +204,7 @@ def main() -> None:
         truncate(args.truncate[0], int(args.truncate[1]), args.truncate[2])
         return
     if args.speculative is None:
-        args.speculative = "draft:4" if args.draft else "ngram:4"
+        args.speculative = "draft" if args.draft else "ngram"
     print(f"load: {os.getloadavg()}", flush=True)
     rows = [row for artifact in args.artifacts for row in measure(artifact, args)]
     print(f"load: {os.getloadavg()}")

@@ -376,7 +376,8 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
         "--speculative",
         default=None,
         metavar="ngram[:K]",
-        help="speculative decoding: 'ngram' / 'ngram:K' (prompt-lookup drafts, up to K per step), 'draft[:K]' "
+        help="speculative decoding: 'ngram' / 'ngram:K' (prompt-lookup drafts, up to K per step, default 8), "
+        "'draft[:K]' (default 4) "
         "with --draft, 'prediction' (only requests' predictions; serve's default); greedy output stays "
         "plain decoding's, bit for bit with an artifact compiled with --lowering exact (gqa/onnx: up to near-ties)",
     )

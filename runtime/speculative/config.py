@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from kvforge.runtime import validate
 
 METHODS = ("ngram", "draft", "prediction")
-DEFAULT_K = 4
+# The most tokens drafted per step when "ngram"/"draft" names no K. ngram: 8, because a verify call
+# of up to ~12 tokens costs little more than a step (fp32 SmolLM2, 2 threads: width 9, 1.3-1.75 steps)
+# and the adaptive length reaches 8 only while whole drafts are accepted; replaying greedy outputs
+# with recorded costs put 8 ahead of 4 on every precision (benchmarks/ngram_replay.py). A draft
+# model's length is chosen by cost up to K: its 4 was not measured against others.
+DEFAULT_K = {"ngram": 8, "draft": 4}
 MAX_K = 32
 
 
@@ -19,12 +24,13 @@ class SpeculativeConfig:
     against the prompt and the output so far, the tokens that followed proposed), ``"draft"`` (a
     draft model, ``Engine.load(..., draft=DRAFT_OUT)``) or ``"prediction"`` (no drafter of the
     engine's own: only requests with ``SamplingParams(prediction=...)`` draft). ``k``: the most
-    tokens drafted per step (1..32); with ``adaptive`` the count follows the acceptance rate, and a
-    row whose drafts keep missing stops drafting for a while (so text with nothing to copy runs as
-    plain decoding). ``prediction_k``: the most tokens of an explicit prediction drafted per step."""
+    tokens drafted per step (1..32; None: 8 for ngram, 4 otherwise); with ``adaptive`` the count
+    follows the acceptance rate, and a row whose drafts keep missing stops drafting for a while (so
+    text with nothing to copy runs as plain decoding). ``prediction_k``: the most tokens of an
+    explicit prediction drafted per step."""
 
     method: str = "ngram"
-    k: int = DEFAULT_K
+    k: int | None = None
     ngram_max: int = 3
     ngram_min: int = 2
     adaptive: bool = True
@@ -35,6 +41,8 @@ class SpeculativeConfig:
             raise validate.InvalidValue(
                 f"speculative method {self.method!r} is not accepted: choose one of {', '.join(METHODS)}"
             )
+        if self.k is None:
+            object.__setattr__(self, "k", DEFAULT_K.get(self.method, DEFAULT_K["draft"]))
         for name in ("k", "prediction_k"):
             value = getattr(self, name)
             if not validate.is_int(value) or not 1 <= value <= MAX_K:
@@ -68,7 +76,7 @@ def parse_speculative(value: object, draft: object = None) -> SpeculativeConfig 
                 f"speculative={value!r} is not accepted: give 'ngram', 'ngram:K', 'draft', 'draft:K' or "
                 f"'prediction' (K = the most tokens drafted per step, 1..{MAX_K}), or a SpeculativeConfig"
             )
-        config = SpeculativeConfig(method=method, k=int(k) if k else DEFAULT_K)
+        config = SpeculativeConfig(method=method, k=int(k) if k else None)
     else:
         raise validate.WrongType(
             f"speculative={validate.short_repr(value)} is not accepted: give a string such as 'ngram:4', "

@@ -342,6 +342,15 @@ def test_draft_model_length_follows_its_cost():
     assert best_k(0.3, 8, 0.05) <= 2 and best_k(0.9, 8, 0.5) >= 1 and best_k(0.3, 8, 0.5) == 0
 
 
+def test_default_draft_lengths():
+    """ngram drafts up to 8 tokens unless told (benchmarks/ngram_replay.py), a draft model up to 4."""
+    assert parse_speculative("ngram").k == SpeculativeConfig().k == 8
+    assert parse_speculative("ngram:3").k == 3 and SpeculativeConfig(k=5).k == 5
+    assert parse_speculative("draft", draft="d").k == parse_speculative(None, draft="d").k == 4
+    assert parse_speculative("draft:6", draft="d").k == 6
+    assert SpeculativeConfig(method="prediction").max_width == 17  # 1 + prediction_k
+
+
 def test_refusals(llama_onnx_artifact, family_artifacts, tmp_path):
     with pytest.raises(ArtifactError, match="does not share the target's tokenizer"):
         Engine.load(llama_onnx_artifact, draft=family_artifacts["gpt-neox", "onnx"])
