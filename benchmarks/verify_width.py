@@ -5,8 +5,10 @@
 
 One engine with ``speculative="prediction"`` (prediction_k 32), every cache row filled with
 ``--context`` tokens; per round, alternating: a batch-1 verify call of width 1, 2, 4, 8, 12, 17,
-33 and a decode step of batch 1, 2, 4 (all through the one verify graph, as in speculative
-decoding). Median over rounds (the first two dropped), as a multiple of the width-1 call.
+33, a decode step of batch 1, 2, 4 and a verify call of 2 and 4 rows of width 2, 3, 5, 9 (all
+through the one verify graph, as in speculative decoding; the gqa lowering refuses several rows of
+more than one token, ``exact`` and ``onnx`` run them). Median over rounds (the first two
+dropped), as a multiple of the width-1 call.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def main() -> None:
         engine.lengths[r] = ctx
     widths = (1, 2, 4, 8, 12, 17, 33)
     batches = tuple(b for b in (1, 2, 4) if b <= rows)
-    times: dict[tuple[str, int], list[float]] = {
+    wide = (2, 3, 5, 9)  # verify calls of several rows: every row pays the width (not in gqa: refused)
+    several = batches[1:] if engine.verify_together else ()
+    times: dict[tuple, list[float]] = {
         **{("width", w): [] for w in widths},
         **{("batch", b): [] for b in batches},
+        **{("rows", b, w): [] for b in several for w in wide},
     }
     load = os.getloadavg()
     for _ in range(args.rounds):
@@ -55,11 +60,19 @@ def main() -> None:
             engine.decode_rows(b, 0)
             times["batch", b].append(time.perf_counter() - t)
             engine.lengths[:b] = ctx
+        for b in several:
+            for w in wide:
+                engine.verify_ids(b, w)[:] = 5
+                t = time.perf_counter()
+                engine.verify_rows(b, w, 0)
+                times["rows", b, w].append(time.perf_counter() - t)
+                engine.lengths[:b] = ctx
     base = statistics.median(times["width", 1][2:])
     print(f"load {load[0]:.1f} -> {os.getloadavg()[0]:.1f}; {args.threads} threads; {ctx} cached positions")
-    for (kind, n), xs in times.items():
+    for (kind, n, *w), xs in times.items():
         m = statistics.median(xs[2:])
-        label = f"verify, 1 row x {n} tokens" if kind == "width" else f"decode, {n} rows x 1 token"
+        label = {"width": f"verify, 1 row x {n} tokens", "batch": f"decode, {n} rows x 1 token"}.get(kind)
+        label = label or f"verify, {n} rows x {w[0]} tokens"
         print(f"{label:26s} {m * 1000:7.1f} ms  x{m / base:.2f}")
 
 
