@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import torch
 
 KEY = "test-key"  # the API key of the test servers (tests/tools/test_serve.py's ``running``)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """The module of ``benchmarks/NAME.py`` (not a package: its directory goes on ``sys.path`` for the
+    scripts it imports, and the module into ``sys.modules`` for dataclasses that look it up)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))  # last: benchmarks/coverage.py must not hide a package
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_close(actual, expected, atol: float, rtol: float, what: str = "logits") -> None:

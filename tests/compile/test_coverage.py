@@ -10,23 +10,14 @@ per layer type, and the markdown counts what it lists."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def coverage():
-    spec = importlib.util.spec_from_file_location("kvforge_coverage", ROOT / "benchmarks" / "coverage.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return load_benchmark("coverage")
 
 
 def test_the_sample_gives_each_family_its_expected_result(coverage, tmp_path):

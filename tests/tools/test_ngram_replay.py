@@ -3,20 +3,14 @@ ngram drafter proposes and the output accepts, how many verify calls that takes,
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ngram_replay.py"
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def nr():
-    spec = importlib.util.spec_from_file_location("ngram_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ngram_replay")
 
 
 def test_copied_output_takes_fewer_calls_as_k_grows(nr):

@@ -4,19 +4,11 @@ perplexity of each row (the GGUF-blocks row included) looked up in benchmarks/qu
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.helpers import load_benchmark
 
 
 def _peers():
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("peer_llamacpp", BENCHMARKS / "peer_llamacpp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("peer_llamacpp")
 
 
 def _row(ttft: float, step: float, **extra) -> dict:

@@ -4,20 +4,14 @@ prompt kind, the batch ratio, and kvforge's drafting row over llama.cpp's prompt
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_peers.py"
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sp():
-    spec = importlib.util.spec_from_file_location("spec_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("spec_peers")
 
 
 def _round(speeds, tokens, batch=None):
