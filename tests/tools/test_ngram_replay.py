@@ -37,7 +37,31 @@ def test_rejected_drafts_pause_and_cost_by_width(nr):
     assert calls == 4 and cost == pytest.approx(1.3 + 3)
 
 
+def test_batch_replay_every_row_pays_the_width(nr):
+    passage = list(range(100, 140))
+    prompt = [7, 8, *passage, 9]
+    copying, own = [1, 2, *passage[:30]], list(range(500, 510))  # one row copies, one drafts nothing
+    outputs, prompts = [copying, own], [prompt, prompt]
+    # Calls cost the same whatever their shape: plain decoding takes one call per token of the longer
+    # row (31); with drafts the copying row's calls are its batch-1 replay's (9, as above), and the
+    # other row's 9 tokens fit in them.
+    flat = lambda rows, width: 1.0  # noqa: E731
+    assert nr.replay_batch(prompts, outputs, 4, flat, "plain") == 31.0
+    assert nr.replay_batch(prompts, outputs, 4, flat, "oracle") == 9.0
+    assert nr.replay_batch(prompts, outputs, 4, flat, "loop") == 9.0
+    # Wide calls dear (each row pays every position): plain is 9 two-row steps + 22 one-row steps;
+    # the oracle's width is never worse than plain's or the loop's rule.
+    dear = lambda rows, width: rows * (1 + 0.5 * (width - 1))  # noqa: E731
+    plain = nr.replay_batch(prompts, outputs, 4, dear, "plain")
+    assert plain == 9 * 2 + 22 * 1
+    assert nr.replay_batch(prompts, outputs, 4, dear, "oracle") < min(
+        plain, nr.replay_batch(prompts, outputs, 4, dear, "loop")
+    )
+
+
 def test_interpolated_cost(nr):
     cost = nr.interpolate({1: 1.0, 3: 1.4, 9: 2.6})
     assert cost(1) == 1.0 and cost(2) == pytest.approx(1.2) and cost(6) == pytest.approx(2.0)
     assert cost(18) == pytest.approx(5.2)  # past the last width: proportional to it
+    costs = nr.row_costs({(1, 1): 1.0, (1, 3): 1.4, (2, 1): 1.2, (2, 3): 2.0})
+    assert costs(1, 2) == pytest.approx(1.2) and costs(2, 2) == pytest.approx(1.6)
