@@ -45,6 +45,14 @@ ROW_WIDTHS = (1, 2, 3, 5, 9, 17)
 KINDS = ("grounded", "open")
 
 
+def _matching(drafts: list[int], output: list[int]) -> int:
+    """How many of ``drafts`` are right: the leading run equal to ``output``."""
+    n = 0
+    while n < len(drafts) and n < len(output) and drafts[n] == output[n]:
+        n += 1
+    return n
+
+
 def replay(prompt: list[int], output: list[int], k: int, cost, max_width: int = 17) -> tuple[int, float]:
     """Verify calls and their summed cost (``cost(width)`` in steps) to produce ``output[1:]`` after
     ``prompt`` (the first token comes from the prefill) with ngram drafts of up to ``k`` tokens."""
@@ -55,9 +63,7 @@ def replay(prompt: list[int], output: list[int], k: int, cost, max_width: int = 
     while i < len(output):
         fit = min(max_width, len(output) - i) - 1  # as Verifier.step: room for the fed token + drafts
         drafts = row.propose(output[:i], fit) if fit > 0 else []
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == output[i + accepted]:
-            accepted += 1
+        accepted = _matching(drafts, output[i:])
         row.learn(len(drafts), accepted)
         calls += 1
         total += cost(1 + len(drafts))
@@ -101,14 +107,6 @@ def measure_widths(engine, context: int, rounds: int, rows: int = 1) -> dict[tup
             times[n, w].append(time.perf_counter() - t)
     med = {s: statistics.median(ts[2:]) for s, ts in times.items()}
     return {s: med[s] / med[1, 1] for s in shapes}
-
-
-def _matching(drafts: list[int], output: list[int]) -> int:
-    """How many of ``drafts`` are right: the leading run equal to ``output``."""
-    n = 0
-    while n < len(drafts) and n < len(output) and drafts[n] == output[n]:
-        n += 1
-    return n
 
 
 def replay_batch(prompts, outputs, k: int, cost, rule: str, max_width: int = 17) -> float:
