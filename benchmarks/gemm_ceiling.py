@@ -14,12 +14,30 @@ script prints GB/s of weights read per run next to the memory-read bandwidth mea
 run (``np.sum`` over a 1 GiB buffer by ``--threads`` threads, as ``peer_genai.py``'s roofline):
 
     python benchmarks/gemm_ceiling.py --decode --threads 2
+
+``--bits 4`` runs the same chain as ``MatMulNBits`` (4-bit, symmetric, no zero points,
+``accuracy_level`` 4: what ``compile --quantize int4`` writes) once per ``--block-size``, and says
+how many bytes a weight ORT's packed copy holds: the session's resident memory with prepacking, less
+the same session's without (the 4-bit data is repacked in place of the file's; what grows is per
+block). ORT 1.32's x86 int8 kernel keeps two fp32 numbers a block, the scale and the block sum
+(minus the zero point times the scale, which it multiplies by the activations' block sums), and
+reads both every step: 6 bits a weight at block 32, where llama.cpp's Q4_0 reads 4.5 (an fp16
+scale a block). The 1.39B Llama of ``peer_llamacpp.py --model large``:
+
+    python benchmarks/gemm_ceiling.py --decode --bits 4 --block-size 32 64 128 --hidden 1536 \
+        --intermediate 8960 --kv-dim 256 --layers 28
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -58,20 +76,64 @@ def _rate(run, flops: int, repeat: int) -> float:
     return flops * repeat / (time.perf_counter() - start) / 1e9
 
 
-def decode_ceiling(h: int, i: int, kv: int, layers: int, threads: int, repeat: int) -> None:
-    import onnxruntime as ort
+def projection_shapes(h: int, i: int, kv: int) -> list[tuple[str, int, int]]:
+    """(name, K, N) of one Llama layer's projections as kvforge packs them: q|k|v, o, gate|up, down."""
+    return [("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * i), ("down", i, h)]
+
+
+def nbits_file_bytes(k: int, n: int, block: int) -> int:
+    """Bytes of a 4-bit symmetric MatMulNBits weight in the artifact: the packed nibbles and one fp32
+    scale a block (no zero points)."""
+    blocks = -(-k // block)
+    return n * blocks * (block // 2 + 4)
+
+
+def _nbits_inits(name: str, k: int, n: int, block: int, rng) -> list:
+    """Random 4-bit blocks and fp32 scales of a (K, N) weight, in MatMulNBits' layout."""
+    from onnx import numpy_helper
+
+    blocks = -(-k // block)
+    data = rng.integers(0, 256, size=(n, blocks, block // 2), dtype=np.uint8)
+    scales = (rng.random(n * blocks, dtype=np.float32) * 0.01 + 0.001).astype(np.float32)
+    return [numpy_helper.from_array(data, f"{name}_blocks"), numpy_helper.from_array(scales, f"{name}_scales")]
+
+
+def decode_chain(h: int, i: int, kv: int, layers: int, block: int | None):
+    """The decode projections of ``layers`` layers as one ONNX model (each layer's weights its own, so
+    a pass streams them all from memory): fp32 ``MatMul`` when ``block`` is None, else 4-bit
+    ``MatMulNBits`` of that block size. Returns (model bytes, weight bytes in the file)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     nodes, inits, x, total = [], [], "x", 0
     for layer in range(layers):
-        for name, (k, n) in zip(("qkv", "o", "gate_up", "down"), [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]):
-            weight = rng.standard_normal((k, n), dtype=np.float32) * 0.02
-            inits.append(numpy_helper.from_array(weight, f"{name}{layer}"))
-            total += weight.nbytes
+        for name, k, n in projection_shapes(h, i, kv):
+            if block is None:
+                weight = rng.standard_normal((k, n), dtype=np.float32) * 0.02
+                inits.append(numpy_helper.from_array(weight, f"{name}{layer}"))
+                total += weight.nbytes
+            else:
+                inits += _nbits_inits(f"{name}{layer}", k, n, block, rng)
+                total += nbits_file_bytes(k, n, block)
         # each projection's input is the previous output cut to its width (a Slice costs ~nothing)
-        for name, width in (("qkv", h), ("o", h), ("gate_up", i), ("down", h)):
-            nodes.append(helper.make_node("MatMul", [x, f"{name}{layer}"], [f"{name}{layer}_y"]))
+        for (name, k, n), width in zip(projection_shapes(h, i, kv), (h, h, i, h)):
+            y = f"{name}{layer}_y"
+            if block is None:
+                nodes.append(helper.make_node("MatMul", [x, f"{name}{layer}"], [y]))
+            else:
+                nodes.append(
+                    helper.make_node(
+                        "MatMulNBits",
+                        [x, f"{name}{layer}_blocks", f"{name}{layer}_scales"],
+                        [y],
+                        domain="com.microsoft",
+                        K=k,
+                        N=n,
+                        bits=4,
+                        block_size=block,
+                        accuracy_level=4,
+                    )
+                )
             nodes.append(
                 helper.make_node("Slice", [f"{name}{layer}_y", "zero", f"w{width}", "last"], [f"{name}{layer}_s"])
             )
@@ -85,19 +147,94 @@ def decode_ceiling(h: int, i: int, kv: int, layers: int, threads: int, repeat: i
         [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString(), total
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _session(model: bytes, threads: int, prepack: bool = True):
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    print(f"{layers} layers, {total / 2**20:.0f} MiB of fp32 projection weights, {threads} threads")
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def packed_bytes_per_block(block: int, threads: int, size: int = 8192) -> float:
+    """Bytes a block of 4-bit weights costs beyond its nibbles once ORT has prepacked it: one
+    ``size`` x ``size`` MatMulNBits, whose session's resident growth with prepacking less without is
+    divided by its blocks. Each session is made and run in a fresh process (a freed arena would blur
+    the second); Linux only."""
+    from onnx import TensorProto, helper
+
+    inits = _nbits_inits("w", size, size, block, np.random.default_rng(0))
+    node = helper.make_node(
+        "MatMulNBits", ["x", "w_blocks", "w_scales"], ["y"], domain="com.microsoft", K=size, N=size, bits=4,
+        block_size=block, accuracy_level=4,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "one.onnx"
+        path.write_bytes(model)
+        grown = []
+        for prepack in (1, 0):
+            cmd = [sys.executable, __file__, "--resident-child", str(path), str(prepack), "--threads", str(threads)]
+            grown.append(int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1]))
+    return (grown[0] - grown[1]) / (size * (size // block))
+
+
+def _resident_child(path: str, prepack: bool, threads: int) -> None:
+    model = Path(path).read_bytes()
+    before = _resident_bytes()
+    session = _session(model, threads, prepack)
+    del model
+    gc.collect()
+    session.run(None, {"x": np.ones((1, session.get_inputs()[0].shape[1]), np.float32)})
+    print(_resident_bytes() - before)
+
+
+def decode_ceiling(
+    h: int, i: int, kv: int, layers: int, threads: int, repeat: int, blocks: list[int | None] | None = None
+) -> None:
+    """Time the chain at M = 1..8 for each of ``blocks`` (None: fp32 MatMul)."""
+    rng = np.random.default_rng(1)
+    print(f"{layers} layers, {threads} threads")
     print(f"memory read bandwidth (np.sum, 1 GiB): {_bandwidth(threads) / 1e9:.1f} GB/s")
-    for m in (1, 2, 4, 8):
-        feed = {"x": rng.standard_normal((m, h), dtype=np.float32)}
-        for _ in range(3):
-            session.run(None, feed)
-        times = sorted(_time(lambda feed=feed: session.run(None, feed)) for _ in range(repeat))
-        best = times[len(times) // 10]  # p10: the runs that had the cores
-        print(f"M={m}: p10 {best * 1e3:.2f} ms per pass -> {total / best / 1e9:.1f} GB/s of weights")
+    for block in blocks or [None]:
+        model, total = decode_chain(h, i, kv, layers, block)
+        weights = sum(k * n for _, k, n in projection_shapes(h, i, kv)) * layers
+        if block is None:
+            print(f"fp32 MatMul: {total / 2**20:.0f} MiB of projection weights")
+        else:
+            print(
+                f"4-bit MatMulNBits, block {block}: {total / 2**20:.0f} MiB in the file"
+                f" ({8 * total / weights:.2f} bits a weight); prepacking adds"
+                f" {packed_bytes_per_block(block, threads):.1f} bytes a block (8192 x 8192)"
+            )
+        session = _session(model, threads)
+        for m in (1, 2, 4, 8):
+            feed = {"x": rng.standard_normal((m, h), dtype=np.float32)}
+            for _ in range(3):
+                session.run(None, feed)
+            times = sorted(_time(lambda run=session.run, feed=feed: run(None, feed)) for _ in range(repeat))
+            best = times[len(times) // 10]  # p10: the runs that had the cores
+            print(f"  M={m}: p10 {best * 1e3:.2f} ms per pass -> {total / best / 1e9:.1f} GB/s of the file's bytes")
+        del session
+        gc.collect()
     print(f"memory read bandwidth again: {_bandwidth(threads) / 1e9:.1f} GB/s")
 
 
@@ -127,9 +264,16 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--decode", action="store_true", help="GB/s of ORT's MatMul streaming the weights at M = 1..8")
     p.add_argument("--threads", type=int, default=2, help="--decode: ORT intra-op threads and bandwidth threads")
+    p.add_argument("--bits", type=int, choices=[4, 32], default=32, help="--decode: 4 = MatMulNBits, 32 = fp32 MatMul")
+    p.add_argument("--block-size", type=int, nargs="+", default=[32], help="--decode --bits 4: block sizes to run")
+    p.add_argument("--resident-child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.resident_child:
+        _resident_child(a.resident_child[0], a.resident_child[1] == "1", a.threads)
+        return
     if a.decode:
-        decode_ceiling(a.hidden, a.intermediate, a.kv_dim, a.layers, a.threads, a.repeat)
+        blocks = [None] if a.bits == 32 else a.block_size
+        decode_ceiling(a.hidden, a.intermediate, a.kv_dim, a.layers, a.threads, a.repeat, blocks)
         return
     h, i, kv, s = a.hidden, a.intermediate, a.kv_dim, a.tokens
     # (K, N, how many per layer): q and o, k and v, gate and up, down.
