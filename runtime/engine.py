@@ -169,6 +169,7 @@ class Engine(GenerationFacade, KVTransfer):
         *,
         threads: int | None = None,
         spin: bool = True,
+        spin_stop: bool | None = None,
         prepack: bool = True,
         optimized: bool = True,
         mem_pattern: bool = False,
@@ -191,7 +192,9 @@ class Engine(GenerationFacade, KVTransfer):
 
         ``threads``, ``spin``, ``prepack``, ``optimized``, ``mem_pattern``: ONNX Runtime session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
-        the weights into its kernels' layout, once per session). ``one_session`` runs decode steps
+        the weights into its kernels' layout, once per session). ``spin_stop`` (None: on with a
+        ``draft`` model, for both engines, which take turns on the same cores; off otherwise): the
+        intra-op threads stop spinning when a run ends. ``one_session`` runs decode steps
         through the prefill graph's session, so generation holds one packed copy of the weights;
         ``False`` runs them on the decode graph in a session of its own (a second copy). The
         score graph's session is created on first use of :meth:`score`. ``verify`` checks every
@@ -228,6 +231,8 @@ class Engine(GenerationFacade, KVTransfer):
             ("mem_pattern", mem_pattern),
         ]:
             check.flag(name, value)
+        if spin_stop is not None:
+            check.flag("spin_stop", spin_stop)
         check.flag("one_session", one_session)
         check.flag("verify", verify)
         check.flag("kv_shared", kv_shared)
@@ -260,7 +265,16 @@ class Engine(GenerationFacade, KVTransfer):
                 "this artifact is bfloat16, which ONNX Runtime's CPU provider cannot run; "
                 "recompile with --dtype float32 (or float16) for CPU"
             )
-        options = OrtOptions(threads=threads, spin=spin, prepack=prepack, optimized=optimized, mem_pattern=mem_pattern)
+        if spin_stop is None:
+            spin_stop = draft is not None  # two engines taking turns: neither may spin on the other's cores
+        options = OrtOptions(
+            threads=threads,
+            spin=spin,
+            spin_stop=spin_stop,
+            prepack=prepack,
+            optimized=optimized,
+            mem_pattern=mem_pattern,
+        )
         use_ort = {name for name, g in manifest.graphs.items() if optimized and g.ort_file}
         graph_files = {name: root / (g.ort_file if name in use_ort else g.file) for name, g in manifest.graphs.items()}
         # Without prepacking, every session reads the weights as they are: map them once for all.
@@ -277,7 +291,13 @@ class Engine(GenerationFacade, KVTransfer):
                 drafter = None
                 if draft is not None:
                     drafter = cls.load(
-                        draft, threads=threads, spin=spin, prepack=prepack, optimized=optimized, verify=verify
+                        draft,
+                        threads=threads,
+                        spin=spin,
+                        spin_stop=spin_stop,
+                        prepack=prepack,
+                        optimized=optimized,
+                        verify=verify,
                     )
                 engine.enable_speculative(spec, drafter)
             except BaseException:

@@ -35,6 +35,11 @@ class OrtOptions:
         the weights in memory, shared by all graphs, slower.
     optimized: run the ORT-optimized ``<graph>.ort.onnx`` files when the artifact has them,
         without optimizing again at load.
+    spin_stop: the intra-op threads stop spinning when a run ends (ORT's
+        ``session.force_spinning_stop``); they still spin between the ops of a run. For sessions
+        that take turns on the same cores (a draft model and its target): otherwise the threads of
+        the session that just ran spin on the cores the next one needs (SmolLM2 fp32 drafted by its
+        int4: each call ~2× slower, benchmarks/README.md).
     mem_pattern: ORT's memory pattern (``enable_mem_pattern``): one block planned per input shape,
         kept in the arena. Off by default: each shape (a prefill of B x S tokens, a decode step of B
         rows) would keep a block of its own: +22-24 MiB peak RSS at batch 4 on the SmolLM-135M shape,
@@ -44,6 +49,7 @@ class OrtOptions:
 
     threads: int | None = None
     spin: bool = True
+    spin_stop: bool = False
     prepack: bool = True
     optimized: bool = True
     mem_pattern: bool = False
@@ -114,6 +120,8 @@ class OrtBackend:
         if options.threads is not None:
             so.intra_op_num_threads = options.threads
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
+        if options.spin_stop:
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         if not options.prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
         so.enable_mem_pattern = options.mem_pattern

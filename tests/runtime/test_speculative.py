@@ -314,10 +314,25 @@ def test_sampling_keeps_the_target_distribution(llama_onnx_artifact):
 def test_draft_model_same_tokenizer(llama_artifact, llama_onnx_artifact):
     with Engine.load(llama_onnx_artifact) as plain:
         want = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=20)]
+        plain_stop = _spin_stop(plain)
     with Engine.load(llama_onnx_artifact, speculative="draft:3", draft=llama_artifact) as spec:
         got = spec.generate(PROMPTS, max_new_tokens=20)
+        # The two engines take turns on the same cores: neither's threads spin once its run ends.
+        stops = [_spin_stop(e) for e in (spec, spec.draft_model.engine)]
     assert [r.token_ids for r in got] == want
     assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in got)  # the same model: every draft is right
+    assert stops == ["1", "1"] and plain_stop == ""
+    with Engine.load(llama_onnx_artifact, speculative="draft:3", draft=llama_artifact, spin_stop=False) as spec:
+        assert [_spin_stop(e) for e in (spec, spec.draft_model.engine)] == ["", ""]
+
+
+def _spin_stop(engine) -> str:
+    """The ``session.force_spinning_stop`` entry of the engine's step session ("" when unset)."""
+    options = engine.backend.sessions[engine.decode_graph].get_session_options()
+    try:
+        return options.get_session_config_entry("session.force_spinning_stop")
+    except Exception:  # ORT raises for a key never set
+        return ""
 
 
 def test_draft_model_length_follows_its_cost():
