@@ -3,9 +3,11 @@
 :class:`DraftModel` holds the draft engine (its own weights, session and KV cache) and hands each
 request a :class:`DraftModelDrafter`, which takes a cache row of the draft engine the first time it
 proposes (rows of finished requests are taken back then; a request finding none free does not
-draft). A proposal brings the draft row up to date with the request's tokens (the draft cache keeps
-the longest prefix it shares with them: a rejection shortens it, as in the target) by one prefill
-of the missing tokens, then runs ``k - 1`` greedy decode steps: ``k`` tokens for ``k`` calls of a
+draft). Of the free rows it takes the one whose tokens share the longest prefix with its own, so a
+chat's next turn, or a request repeating a system prompt, finds the earlier tokens already in the
+draft cache. A proposal brings the draft row up to date with the request's tokens (the draft cache
+keeps the longest prefix it shares with them: a rejection shortens it, as in the target) by one
+prefill of the missing tokens, then runs ``k - 1`` greedy decode steps: ``k`` tokens for ``k`` calls of a
 model much cheaper than the target. The draft engine's step API is used below its ownership layer:
 the target's batch loop, under the target's lock, is its only caller. Its time per drafted token
 (timed when the draft row was at most a step behind: the prompt's prefill is a one-time cost) and
@@ -45,6 +47,7 @@ class DraftModel:
         self.engine = draft_engine
         self.target_vocab = target_engine.vocab_size
         self.rows: list[DraftModelDrafter | None] = [None] * draft_engine.max_batch
+        self.row_tokens: list[list[int]] = [[] for _ in self.rows]  # what each draft row's cache holds
         # Moving averages of the seconds a drafted token and a target step (one token, one row) take.
         self.token_s: float | None = None
         self.step_s: float | None = None
@@ -68,13 +71,22 @@ class DraftModel:
         return DraftModelDrafter(self, prompt, done)
 
     def take_row(self, drafter: DraftModelDrafter) -> int | None:
+        """A free row for ``drafter`` (None when every row's request is still running): the one whose
+        cached tokens share the longest prefix with ``drafter.prompt``; on a tie the one holding the
+        fewest tokens, which keeps the others' for the requests that share them."""
+        best, best_key = None, None
         for r, holder in enumerate(self.rows):
             if holder is None or holder.finished():
-                if holder is not None:
-                    holder.row = None
-                self.rows[r] = drafter
-                return r
-        return None
+                key = (_shared_prefix(self.row_tokens[r], drafter.prompt), -len(self.row_tokens[r]))
+                if best_key is None or key > best_key:
+                    best, best_key = r, key
+        if best is None:
+            return None
+        holder = self.rows[best]
+        if holder is not None:
+            holder.row = None
+        self.rows[best] = drafter
+        return best
 
     def close(self) -> None:
         self.engine.close()
@@ -97,6 +109,7 @@ class DraftModelDrafter:
             self.row = model.take_row(self)
             if self.row is None:
                 return []
+            self.cached = model.row_tokens[self.row]
         started = time.perf_counter()
         tokens = self.prompt + [int(t) for t in generated]
         if len(tokens) + k > engine.max_seq:
@@ -104,12 +117,7 @@ class DraftModelDrafter:
             if k < 1:
                 return []
         # The longest prefix the draft row shares with the tokens; the rest is prefilled.
-        same = 0
-        for a, b in zip(self.cached, tokens):
-            if a != b:
-                break
-            same += 1
-        same = min(same, len(tokens) - 1)  # at least the last token goes in, for its logits
+        same = min(_shared_prefix(self.cached, tokens), len(tokens) - 1)  # the last token goes in, for its logits
         row = self.row
         step = engine.chunk_tokens
         for at in range(same, len(tokens), step):
@@ -120,7 +128,7 @@ class DraftModelDrafter:
             ids[0] = out[-1]
             logits = engine.decode_rows(1, row)
             out.append(int(np.argmax(logits[0])))
-        self.cached = tokens + out[:-1]
+        self.cached = model.row_tokens[row] = tokens + out[:-1]
         if len(tokens) - same <= k + 1:  # a step's catch-up, not the prompt's or a long gap's prefill
             model.drafted(time.perf_counter() - started, len(out))
         # The target cannot take ids beyond its vocabulary: a draft stops before the first such id.
@@ -128,3 +136,13 @@ class DraftModelDrafter:
             if t >= model.target_vocab:
                 return out[:j]
         return out
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -326,6 +326,40 @@ def test_draft_model_same_tokenizer(llama_artifact, llama_onnx_artifact):
         assert [_spin_stop(e) for e in (spec, spec.draft_model.engine)] == ["", ""]
 
 
+def test_draft_model_row_keeps_tokens_across_requests(llama_artifact, llama_onnx_artifact):
+    """A chat's next turn (the last prompt, its answer and more) takes the draft row that holds its
+    prefix, so the draft prefills only what is new; the tokens are still plain decoding's."""
+    first = PROMPTS[2]
+    with Engine.load(llama_onnx_artifact) as plain:
+        answer = plain.generate([first], max_new_tokens=12)[0].token_ids
+        turn = [*first, *answer, 5, 6, 7]
+        want = plain.generate([turn], max_new_tokens=12)[0].token_ids
+    with Engine.load(llama_onnx_artifact, speculative="draft:3", draft=llama_artifact) as spec:
+        draft = spec.draft_model.engine
+        starts, prefill = [], draft.prefill_rows
+
+        def spy(rows, at, row):
+            starts.append((row, at[0], len(rows[0])))
+            return prefill(rows, at, row)
+
+        draft.prefill_rows = spy
+
+        def generate(prompt):
+            spec.draft_model.token_s = None  # unmeasured: every step drafts K (these models cost the same)
+            return spec.generate([prompt], max_new_tokens=12)[0].token_ids
+
+        assert generate(first) == answer
+        row = starts[-1][0]
+        assert generate(PROMPTS[0])  # shares nothing with the first: takes an empty row, not the first's
+        assert starts[-1][0] != row
+        starts.clear()
+        assert generate(turn) == want
+    # The first draft of the turn: its row, written from past the first prompt (the draft cache holds
+    # the first prompt and the answer's drafted tokens it was shown).
+    assert starts[0][0] == row and starts[0][1] >= len(first)
+    assert sum(n for _, _, n in starts) < len(turn)
+
+
 def _spin_stop(engine) -> str:
     """The ``session.force_spinning_stop`` entry of the engine's step session ("" when unset)."""
     options = engine.backend.sessions[engine.decode_graph].get_session_options()
