@@ -102,6 +102,7 @@ BAD_CALLS = [
     ("load threads 0", lambda e: Engine.load(e.artifact_dir, threads=0), ValueError, ["threads=0", "positive"]),
     ("load dir None", lambda e: Engine.load(None), TypeError, ["artifact_dir=None", "kvforge compile"]),
     ("load verify 1", lambda e: Engine.load(e.artifact_dir, verify=1), TypeError, ["verify=1", "True or False"]),
+    ("load spin_stop", lambda e: Engine.load(e.artifact_dir, spin_stop="yes"), TypeError, ["spin_stop='yes'"]),
 ]
 
 
