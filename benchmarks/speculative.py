@@ -11,7 +11,12 @@ script says where they differ otherwise). Reported per prompt: decode tokens/s (
 their ratio, the acceptance rate and tokens per target call (``(n - 1) / (n - 1 - accepted)``: each
 accepted draft saves one call). Input-grounded prompts (summarize, extract, rewrite a ~400-token
 passage; edit a code snippet) and open-ended prompts. ``--batch 4``: the prompts in groups of four
-through one in-flight batch (``Engine.generate``), wall tokens/s.
+through one in-flight batch (``Engine.generate``), wall tokens/s. With ``--draft`` every timed
+single-turn request starts from an empty draft cache (``DraftModel.forget``): a first request pays
+the draft's prefill of its prompt, inside its decode time. ``--second-turn``: each
+input-grounded chat's next turn (its plain answer, then ``FOLLOW_UP``), which a chat client sends
+with the whole conversation: every round runs the first turn, then times the second, on both
+sides (a draft model's row still holds the first turn's tokens then).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ GROUNDED = {
     "code-edit": f"Rename the function load_scores to read_average_scores and the variable result to "
     f"averages in this Python code. Return the whole code.\n\n```python\n{CODE}```",
 }
+FOLLOW_UP = "Now rewrite your answer once more, keeping every fact, for a ten-year-old."
 OPEN = {
     "story": "Write a short story about a lighthouse keeper who finds a strange message in a bottle.",
     "ideas": "Give me some ideas for a weekend trip with children in autumn, and explain why each is fun.",
@@ -98,6 +104,8 @@ def measure(artifact: str, args) -> list[dict]:
             best = {}
             for _ in range(args.rounds):
                 for side, engine in (("plain", plain), ("spec", spec)):
+                    if engine.draft_model is not None:  # a first request: the draft cache holds no prompt
+                        engine.draft_model.forget()
                     r, _ = _run(engine, prompt, args.new_tokens)
                     if side not in best or (r.tokens_per_s or 0) > (best[side].tokens_per_s or 0):
                         best[side] = r
@@ -131,6 +139,8 @@ def measure(artifact: str, args) -> list[dict]:
                 f"{'identical' if diverge is None else f'DIFFERS from token {diverge}'}",
                 flush=True,
             )
+        if args.second_turn:
+            rows += [_second_turn(plain, spec, artifact, name, text, args) for name, text in GROUNDED.items()]
         if args.batch > 1:
             group = [ids["grounded", k] for k in GROUNDED][: args.batch]
             sampling = SamplingParams(temperature=0)
@@ -158,6 +168,47 @@ def measure(artifact: str, args) -> list[dict]:
                 f"{best['plain'][0]:.1f} tok/s  spec {best['spec'][0]:.1f} tok/s  x{ratio:.2f}  identical={same}"
             )
     return rows
+
+
+def _second_turn(plain: Engine, spec: Engine, artifact: str, name: str, text: str, args) -> dict:
+    """The chat's next turn: the first turn's plain answer and FOLLOW_UP appended; per round each
+    side runs the first turn, then the timed second; the best second turn of each side is kept."""
+    first_messages = [{"role": "user", "content": text}]
+    first = plain.chat_prompt(first_messages)
+    answer, _ = _run(plain, first, args.new_tokens)
+    messages = [
+        *first_messages,
+        {"role": "assistant", "content": plain.tokenizer.decode(answer.token_ids)},
+        {"role": "user", "content": FOLLOW_UP},
+    ]
+    second = plain.chat_prompt(messages)
+    best = {}
+    for _ in range(args.rounds):
+        for side, engine in (("plain", plain), ("spec", spec)):
+            _run(engine, first, args.new_tokens)
+            r, _ = _run(engine, second, args.new_tokens)
+            if side not in best or (r.tokens_per_s or 0) > (best[side].tokens_per_s or 0):
+                best[side] = r
+    a, b = best["plain"], best["spec"]
+    row = dict(
+        artifact=artifact,
+        kind="second-turn",
+        prompt=name,
+        prompt_tokens=len(second),
+        new_tokens=len(b.token_ids),
+        plain_tok_s=a.tokens_per_s,
+        spec_tok_s=b.tokens_per_s,
+        ratio=b.tokens_per_s / a.tokens_per_s,
+        acceptance=b.acceptance_rate,
+        identical=a.token_ids == b.token_ids,
+    )
+    print(
+        f"{os.path.basename(artifact):8s} turn 2   {name:10s} p={len(second):4d} n={len(b.token_ids):3d} "
+        f"plain {a.tokens_per_s:7.1f} tok/s  spec {b.tokens_per_s:7.1f} tok/s  x{row['ratio']:.2f}  "
+        f"accept {b.acceptance_rate or 0:.2f}  {'identical' if row['identical'] else 'DIFFERS'}",
+        flush=True,
+    )
+    return row
 
 
 def truncate(model_dir: str, layers: int, out_dir: str) -> None:
@@ -190,6 +241,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--batch-only", action="store_true", help="with --batch: only the batch measurement")
+    p.add_argument("--second-turn", action="store_true", help="also each grounded chat's next turn")
     p.add_argument("--speculative", default=None, help="default: ngram (K 8), or draft (K 4) with --draft")
     p.add_argument("--draft", default=None)
     p.add_argument("--json", default=None)

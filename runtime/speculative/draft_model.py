@@ -88,6 +88,13 @@ class DraftModel:
         self.rows[best] = drafter
         return best
 
+    def forget(self) -> None:
+        """Drop what the free draft rows hold: the next request prefills its whole prompt there, as
+        the first one did (a benchmark of first requests calls this between them)."""
+        for r, holder in enumerate(self.rows):
+            if holder is None or holder.finished():
+                self.row_tokens[r] = []
+
     def close(self) -> None:
         self.engine.close()
 

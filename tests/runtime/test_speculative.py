@@ -354,6 +354,12 @@ def test_draft_model_row_keeps_tokens_across_requests(llama_artifact, llama_onnx
         assert starts[-1][0] != row
         starts.clear()
         assert generate(turn) == want
+        turn_starts = list(starts)
+        spec.draft_model.forget()  # the rows' tokens dropped: the same turn prefills from 0 again
+        starts.clear()
+        assert generate(turn) == want
+        assert starts[0][1] == 0
+    starts = turn_starts
     # The first draft of the turn: its row, written from past the first prompt (the draft cache holds
     # the first prompt and the answer's drafted tokens it was shown).
     assert starts[0][0] == row and starts[0][1] >= len(first)
