@@ -606,15 +606,9 @@ def dir_bytes(path: Path, suffixes: tuple[str, ...] = ()) -> int:
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
     """Leading greedy tokens equal to the reference's, per row: ``64/64`` (or ``12/64 3/64`` for a batch)."""
 
-    def lead(a: list[int], b: list[int]) -> int:
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n
+    from kvforge.runtime.kv.prefix_pool import common_prefix
 
-    return " ".join(f"{lead(a, b)}/{len(b)}" for a, b in zip(tokens, reference))
+    return " ".join(f"{common_prefix(list(a), list(b))}/{len(b)}" for a, b in zip(tokens, reference))
 
 
 def print_table(report: dict[str, Any]) -> None:

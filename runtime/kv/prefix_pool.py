@@ -42,6 +42,21 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 _UNITS |= {"g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences: a binary search over slices
+    (C-speed comparisons, log2 of the length of them); ``b`` is compared as ``a``'s type."""
+    if type(a) is not type(b):
+        b = type(a)(b)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def parse_bytes(value: int | str, name: str = "prefix_cache") -> int:
     """A byte count from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"0"`` (0: off).
     ValueError naming ``name`` for anything else."""

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvforge.graphs.manifest import ArtifactError
+from kvforge.runtime.kv.prefix_pool import common_prefix
 
 
 def _tokenizer_digest(engine) -> str | None:
@@ -77,7 +78,7 @@ class DraftModel:
         best, best_key = None, None
         for r, holder in enumerate(self.rows):
             if holder is None or holder.finished():
-                key = (_shared_prefix(self.row_tokens[r], drafter.prompt), -len(self.row_tokens[r]))
+                key = (common_prefix(self.row_tokens[r], drafter.prompt), -len(self.row_tokens[r]))
                 if best_key is None or key > best_key:
                     best, best_key = r, key
         if best is None:
@@ -124,7 +125,7 @@ class DraftModelDrafter:
             if k < 1:
                 return []
         # The longest prefix the draft row shares with the tokens; the rest is prefilled.
-        same = min(_shared_prefix(self.cached, tokens), len(tokens) - 1)  # the last token goes in, for its logits
+        same = min(common_prefix(self.cached, tokens), len(tokens) - 1)  # the last token goes in, for its logits
         row = self.row
         step = engine.chunk_tokens
         for at in range(same, len(tokens), step):
@@ -143,13 +144,3 @@ class DraftModelDrafter:
             if t >= model.target_vocab:
                 return out[:j]
         return out
-
-
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -18,6 +18,7 @@ import pytest
 
 from kvforge.runtime import Engine, SamplingParams
 from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool, parse_bytes
+from kvforge.runtime.kv.prefix_pool import common_prefix
 
 BT = 4  # tokens per pool block in these tests (the rows hold 96 positions)
 PROMPT = [0, *range(20, 40)]  # 21 tokens
@@ -57,6 +58,15 @@ def test_default_pool_and_parse_bytes(llama_artifact, engine, plain):
 
 
 # ------------------------------------------------------------------ KV blocks
+
+
+def test_common_prefix_of_token_sequences():
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert common_prefix((1, 2, 3), (1, 2, 3, 4)) == 3
+    assert common_prefix([5], [6]) == 0 and common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], (1, 2, 7)) == 2  # a list against a tuple: compared as the first's type
+    a = list(range(1000))
+    assert common_prefix(a, [*a[:777], -1, *a[778:]]) == 777
 
 
 def test_block_import_gives_the_logits_of_a_full_prefill(engine, plain):

@@ -62,7 +62,7 @@ from typing import Any
 from kvforge.graphs import manifest as mf
 from kvforge.runtime.chat import ChatTemplate
 from kvforge.runtime.kv import shm
-from kvforge.runtime.kv.prefix_pool import PrefixPoolStats
+from kvforge.runtime.kv.prefix_pool import PrefixPoolStats, common_prefix
 from kvforge.runtime.tokenizer import Tokenizer
 from kvforge.tools.serve.disagg.metrics import DisaggMetrics
 from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, ROLES, PipeWorker, WorkerEvent, WorkerSpec
@@ -76,19 +76,6 @@ MAX_RESTARTS = 3  # restarts in a row of a slot whose process dies before it is 
 MAX_TRIES = 3  # times one sequence is started (re-runs after its worker died)
 REMEMBERED = 64  # finished sequences remembered per decode worker (for prefix-hit routing)
 PREFIX_REST_MAX = 256  # prompt tokens at most a decode worker prefills itself after a prefix hit
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """The length of the longest common prefix of ``a`` and ``b`` (a binary search over slices:
-    C-speed comparisons, log2 of the length of them)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _ref_name(ref: Any) -> str | None:
@@ -388,7 +375,7 @@ class DisaggServer:
             if slot.role != DECODE or slot.worker.state != "ready" or pool is None or not pool.block_tokens:
                 continue
             for ids in slot.finished:
-                n = min(_common_prefix(ids, prompt), len(prompt) - 1)  # at least one token to prefill
+                n = min(common_prefix(ids, prompt), len(prompt) - 1)  # at least one token to prefill
                 n = n // pool.block_tokens * pool.block_tokens  # the pool holds whole blocks
                 if n > best_len or (n == best_len and best is not None and len(slot.held) < len(best.held)):
                     best, best_len = slot, n
