@@ -111,3 +111,58 @@ def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request,
         hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
         assert hit.cached_tokens > 0
         assert hit.token_ids == hit_solo.token_ids and hit.text == hit_solo.text
+
+
+@pytest.mark.parametrize("lowering", ["gqa", "onnx"])
+def test_draft_model_with_every_batch_loop_feature(request, lowering):
+    """The same batch with a draft model (the artifact drafting for itself: same tokenizer) instead
+    of n-grams: drafting, constrained, sampled, stop-string, predicted and cancelled rows at once,
+    each request's solo answer; the draft rows held by running requests are never taken, and a later
+    request extending a finished one finds its prefix in the target's prefix cache and in a draft row."""
+    tiny_artifact = request.getfixturevalue("tiny_artifact" if lowering == "gqa" else "tiny_onnx_artifact")
+    requests = dict(REQUESTS)
+    with Engine.load(tiny_artifact, prefix_cache=0, threads=1) as plain:
+        predicted = plain.generate([requests["predicted"][0]], max_new_tokens=16, sampling=GREEDY)[0]
+        requests["predicted"] = (
+            requests["predicted"][0],
+            16,
+            SamplingParams(temperature=0.0, prediction=[*predicted.token_ids[:10], 3, 4, 5]),
+            None,
+        )
+        solo = {name: _run(plain, {name: r})[name] for name, r in requests.items()}
+        hit_solo = plain.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+
+    with Engine.load(tiny_artifact, speculative="draft:3", draft=tiny_artifact, threads=1) as engine:
+        model = engine.draft_model
+        taken = []
+        take_row = model.take_row
+
+        def spy(drafter):  # every row handed out is free: no running request holds it
+            busy = [r for r, h in enumerate(model.rows) if h is not None and not h.finished()]
+            row = take_row(drafter)
+            taken.append((row, busy))
+            return row
+
+        model.take_row = spy
+        model.token_cost = lambda: None  # never measured: every drafting row drafts K from its first step
+        together = _run(engine, requests, cancel="cancelled")
+        for name in requests:
+            got, want = _same(together[name], solo[name])
+            assert got == want, name
+        assert together["cancelled"].finish_reason == "cancelled"
+        assert sum(r.drafted_tokens for r in together.values()) > 0
+        assert any(busy for _, busy in taken)  # rows were taken while others drafted
+        assert all(row is None or row not in busy for row, busy in taken)
+
+        # REPEAT's request finished: its prompt is in the target's pool and in a draft row, so the
+        # request extending it prefills only its new tokens there too.
+        starts, prefill = [], model.engine.prefill_rows
+
+        def prefill_spy(rows, at, row):
+            starts.append(at[0])
+            return prefill(rows, at, row)
+
+        model.engine.prefill_rows = prefill_spy
+        hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+        assert hit.cached_tokens > 0 and starts and starts[0] > 0
+        assert hit.token_ids == hit_solo.token_ids and hit.text == hit_solo.text
