@@ -63,15 +63,12 @@ def _run(
     return results
 
 
-def _same(a, b) -> tuple:
-    return (a.token_ids, a.text, a.finish_reason, a.stop_string), (b.token_ids, b.text, b.finish_reason, b.stop_string)
-
-
-@pytest.mark.parametrize("lowering", ["gqa", "onnx"])
-def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request, lowering):
-    tiny_artifact = request.getfixturevalue("tiny_artifact" if lowering == "gqa" else "tiny_onnx_artifact")
+def _solo_answers(artifact, extra: dict | None = None) -> tuple[dict, dict, object]:
+    """REQUESTS (the predicted row's prediction: the plain answer's first 10 tokens, then 3 others),
+    each request's answer alone on a plain engine (no prefix cache, no drafts), also for ``extra``,
+    and the answer to a prompt extending the drafting request's."""
     requests = dict(REQUESTS)
-    with Engine.load(tiny_artifact, prefix_cache=0, threads=1) as plain:
+    with Engine.load(artifact, prefix_cache=0, threads=1) as plain:
         predicted = plain.generate([requests["predicted"][0]], max_new_tokens=16, sampling=GREEDY)[0]
         requests["predicted"] = (
             requests["predicted"][0],
@@ -79,8 +76,19 @@ def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request,
             SamplingParams(temperature=0.0, prediction=[*predicted.token_ids[:10], 3, 4, 5]),
             None,
         )
-        solo = {name: _run(plain, {name: r})[name] for name, r in [*requests.items(), ("handoff", HANDOFF)]}
+        solo = {name: _run(plain, {name: r})[name] for name, r in [*requests.items(), *(extra or {}).items()]}
         hit_solo = plain.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+    return requests, solo, hit_solo
+
+
+def _same(a, b) -> tuple:
+    return (a.token_ids, a.text, a.finish_reason, a.stop_string), (b.token_ids, b.text, b.finish_reason, b.stop_string)
+
+
+@pytest.mark.parametrize("lowering", ["gqa", "onnx"])
+def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request, lowering):
+    tiny_artifact = request.getfixturevalue("tiny_artifact" if lowering == "gqa" else "tiny_onnx_artifact")
+    requests, solo, hit_solo = _solo_answers(tiny_artifact, {"handoff": HANDOFF})
 
     assert re.fullmatch(r"[a-z]+( [a-z]+){1,5}\.", solo["regex"].text), solo["regex"].text
     assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "."
@@ -120,17 +128,7 @@ def test_draft_model_with_every_batch_loop_feature(request, lowering):
     each request's solo answer; the draft rows held by running requests are never taken, and a later
     request extending a finished one finds its prefix in the target's prefix cache and in a draft row."""
     tiny_artifact = request.getfixturevalue("tiny_artifact" if lowering == "gqa" else "tiny_onnx_artifact")
-    requests = dict(REQUESTS)
-    with Engine.load(tiny_artifact, prefix_cache=0, threads=1) as plain:
-        predicted = plain.generate([requests["predicted"][0]], max_new_tokens=16, sampling=GREEDY)[0]
-        requests["predicted"] = (
-            requests["predicted"][0],
-            16,
-            SamplingParams(temperature=0.0, prediction=[*predicted.token_ids[:10], 3, 4, 5]),
-            None,
-        )
-        solo = {name: _run(plain, {name: r})[name] for name, r in requests.items()}
-        hit_solo = plain.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+    requests, solo, hit_solo = _solo_answers(tiny_artifact)
 
     with Engine.load(tiny_artifact, speculative="draft:3", draft=tiny_artifact, threads=1) as engine:
         model = engine.draft_model
