@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 from kvforge.runtime import Engine, SamplingParams
@@ -101,14 +102,18 @@ def measure(artifact: str, args) -> list[dict]:
         for (kind, name), prompt in ids.items():
             if args.batch_only:
                 break
-            best = {}
+            best, speeds = {}, {"plain": [], "spec": []}
             for _ in range(args.rounds):
                 for side, engine in (("plain", plain), ("spec", spec)):
                     if engine.draft_model is not None:  # a first request: the draft cache holds no prompt
                         engine.draft_model.forget()
                     r, _ = _run(engine, prompt, args.new_tokens)
+                    speeds[side].append(r.tokens_per_s or 0.0)
                     if side not in best or (r.tokens_per_s or 0) > (best[side].tokens_per_s or 0):
                         best[side] = r
+            # Each round's two runs are next to each other in time: their ratio cancels most of the
+            # machine's drift, so the rounds' ratios show how far the best-of ratio can be trusted
+            round_ratios = [s / p if p else 0.0 for p, s in zip(speeds["plain"], speeds["spec"])]
             a, b = best["plain"], best["spec"]
             diverge = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
             if diverge is None and len(a.token_ids) != len(b.token_ids):
@@ -129,16 +134,19 @@ def measure(artifact: str, args) -> list[dict]:
                     tokens_per_call=(n - 1) / calls if calls else None,
                     identical=diverge is None,
                     first_difference=diverge,
+                    round_ratios=round_ratios,
                 )
             )
             r = rows[-1]
             print(
                 f"{os.path.basename(artifact):8s} {kind:8s} {name:10s} p={len(prompt):4d} n={n:3d} "
-                f"plain {r['plain_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} tok/s  x{r['ratio']:.2f}  "
+                f"plain {r['plain_tok_s']:7.1f} tok/s  spec {r['spec_tok_s']:7.1f} tok/s  x{r['ratio']:.2f} "
+                f"(rounds {min(round_ratios):.2f}-{max(round_ratios):.2f})  "
                 f"accept {r['acceptance'] or 0:.2f}  tok/call {r['tokens_per_call'] or 1:.2f}  "
                 f"{'identical' if diverge is None else f'DIFFERS from token {diverge}'}",
                 flush=True,
             )
+        _print_set_means(artifact, rows)
         if args.second_turn:
             rows += [_second_turn(plain, spec, artifact, name, text, args) for name, text in GROUNDED.items()]
         if args.batch > 1:
@@ -168,6 +176,22 @@ def measure(artifact: str, args) -> list[dict]:
                 f"{best['plain'][0]:.1f} tok/s  spec {best['spec'][0]:.1f} tok/s  x{ratio:.2f}  identical={same}"
             )
     return rows
+
+
+def _print_set_means(artifact: str, rows: list[dict]) -> None:
+    """Each prompt set's mean ratio: of the best-of-rounds runs, and of every round on its own (the
+    spread says whether a goal such as x2 is met or within this machine's noise)."""
+    for kind in ("grounded", "open"):
+        own = [r for r in rows if r["artifact"] == artifact and r["kind"] == kind and r.get("round_ratios")]
+        if not own:
+            continue
+        best = statistics.fmean(r["ratio"] for r in own)
+        per_round = [statistics.fmean(ratios) for ratios in zip(*(r["round_ratios"] for r in own))]
+        print(
+            f"{os.path.basename(artifact):8s} {kind} mean: x{best:.2f} best-of-rounds; per round "
+            f"{' '.join(f'x{m:.2f}' for m in per_round)} (median x{statistics.median(per_round):.2f})",
+            flush=True,
+        )
 
 
 def _second_turn(plain: Engine, spec: Engine, artifact: str, name: str, text: str, args) -> dict:
