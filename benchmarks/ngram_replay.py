@@ -10,11 +10,12 @@ chosen).
 2. The cost of a batch-1 call of each width 1 .. 17 at the prompts' context, in one-token steps
    (median over ``--rounds``, calls of every width interleaved).
 3. For each ``--k`` and each ``--new-tokens`` (the output cut there): the output replayed through
-   the runtime's own :class:`NgramDrafter` and :class:`RowDrafting` (the adaptive length, the pause
-   after a miss) as the batch loop drives them, each call's drafts checked against the recorded
-   output. Greedy decoding with drafts gives the same tokens (fp32; int4 only up to near-ties), so
-   the replay knows exactly which drafts a run would accept. Reported per prompt: tokens per call and
-   the expected speed-up, ``(n - 1) / Σ cost(width of each call)``; per kind, the mean speed-up.
+   the runtime's own :class:`NgramDrafter` and :class:`RowDrafting` (the adaptive length from the
+   cost of a call, the pauses after misses) as the batch loop drives them, each call's drafts
+   checked against the recorded output. Greedy decoding with drafts gives the same tokens (fp32;
+   int4 only up to near-ties), so the replay knows exactly which drafts a run would accept.
+   Reported per prompt: tokens per call and the expected speed-up, ``(n - 1) / Σ cost(width of
+   each call)``; per kind, the mean speed-up.
 4. ``--batch N`` (an artifact that verifies several rows in one call: ``exact``, ``onnx``): the first
    N grounded prompts decoded together, as the batch loop does after their prefills (a row leaves
    when its output ends), every call priced by the measured cost of its rows × width. Three ways of
@@ -128,7 +129,9 @@ def replay_batch(prompts, outputs, k: int, cost, rule: str, max_width: int = 17)
         drafts = []
         for i in live:
             fit = min(max_width, len(outputs[i]) - at[i]) - 1
-            drafts.append(rows[i].drafting.propose(outputs[i][: at[i]], fit) if fit > 0 and rule != "plain" else [])
+            alone = len(live) == 1  # as Verifier.step: a row alone in its step drafts by the cost rule
+            draft = rows[i].drafting.propose(outputs[i][: at[i]], fit, alone) if fit > 0 and rule != "plain" else []
+            drafts.append(draft)
         hits = [_matching(d, outputs[i][at[i] :]) for d, i in zip(drafts, live)]  # right drafts, in order
         widest = 1 + max(len(d) for d in drafts)
         if rule == "plain" or widest == 1:

@@ -11,9 +11,10 @@ from kvforge.runtime import validate
 METHODS = ("ngram", "draft", "prediction")
 # The most tokens drafted per step when "ngram"/"draft" names no K. ngram: 8, because a verify call
 # of up to ~12 tokens costs little more than a step (fp32 SmolLM2, 2 threads: width 9, 1.3-1.75 steps)
-# and the adaptive length reaches 8 only while whole drafts are accepted; replaying greedy outputs
-# with recorded costs put 8 ahead of 4 on every precision (benchmarks/ngram_replay.py). A draft
-# model's length is chosen by cost up to K: its 4 was not measured against others.
+# and the adaptive length reaches 8 only while the row's drafts are mostly accepted; replaying greedy
+# outputs with recorded costs put 8 ahead of 4 on every precision and level with 12
+# (benchmarks/ngram_replay.py). A draft model's length is chosen by cost up to K: its 4 was not
+# measured against others.
 DEFAULT_K = {"ngram": 8, "draft": 4}
 MAX_K = 32
 
@@ -25,8 +26,9 @@ class SpeculativeConfig:
     draft model, ``Engine.load(..., draft=DRAFT_OUT)``) or ``"prediction"`` (no drafter of the
     engine's own: only requests with ``SamplingParams(prediction=...)`` draft). ``k``: the most
     tokens drafted per step (1..32; None: 8 for ngram, 4 otherwise); with ``adaptive`` the count
-    follows the acceptance rate, and a row whose drafts keep missing stops drafting for a while (so
-    text with nothing to copy runs as plain decoding). ``prediction_k``: the most tokens of an
+    follows the acceptance rate and the cost of a verify call, and a row whose drafts keep missing
+    drafts one token only after pauses (so text with nothing to copy runs as plain decoding;
+    :class:`~kvforge.runtime.speculative.drafters.RowDrafting`). ``prediction_k``: the most tokens of an
     explicit prediction drafted per step."""
 
     method: str = "ngram"

@@ -7,7 +7,8 @@ tokens to draft, and whether a row's drafts pay for a call of their own.
 * :func:`expected_tokens`: a verify call's tokens when each draft is right with probability ``a``
   (the accepted run and the one token after it).
 * :func:`best_k`: the draft length with the most tokens per cost when each drafted token also
-  costs ``token_cost`` steps (a draft model's forward pass); 0 when plain decoding is cheaper.
+  costs ``token_cost`` steps (a draft model's forward pass; 0 for prompt lookup, whose drafts cost
+  only the wider call); 0 when plain decoding is cheaper.
 """
 
 from __future__ import annotations

@@ -121,46 +121,78 @@ class PredictionDrafter:
 class RowDrafting:
     """One request's drafting: its drafter, the draft length and what it proposed and got accepted.
 
-    Adaptive length (``adaptive=True``): a step whose drafts are all accepted doubles the length (up
-    to ``k``); a partial acceptance sets it to the accepted count + 1; a step with nothing accepted
-    also pauses drafting for 1, 2, 4, ... 16 steps (reset by the next acceptance), so a row whose
-    text offers nothing to copy decodes plainly. A prediction's row does not pause (its drafter
-    proposes nothing while the output is off the prediction, and re-joins it at once when it comes
-    back); nothing accepted halves its length."""
+    Adaptive length (``adaptive=True``), by the kind of drafter:
+
+    * **Prompt lookup** (no ``token_cost``, not a prediction), in a step of its own (``alone``):
+      drafting is free, a verify call costs :func:`~kvforge.runtime.speculative.cost.call_cost` of
+      its width, so the length is the one with the most expected tokens per call cost at the row's
+      acceptance rate (:func:`best_k` with no token cost). The rate is per drafted token reached: a
+      call whose run of ``a`` accepted drafts ended on a miss says ``a / (a + 1)``, one that
+      accepted all says 1, averaged with the rate so far half and half. A copying run thus drafts
+      long at once, and after a miss the next match is still tried (a one-token draft costs ~8% of
+      a step in fp32). Only when the rate says plain decoding is cheaper does it pause: a miss then
+      holds drafting for 1, 2, 4 ... 16 steps before the next one-token draft (reset by the next
+      acceptance). (The rule below, used alone before, drafted 5-7% fewer tokens per cost on fp32
+      grounded text: benchmarks/README.md, "ngram's length from the cost of a call".)
+    * **Prompt lookup in a step of several rows**, where every row pays the widest draft or a
+      call of its own (:mod:`.verify`): a step whose drafts are all accepted doubles the length (up
+      to ``k``), a partial acceptance sets it to the accepted count + 1, and nothing accepted sets
+      it to 1 and pauses drafting for 1, 2, 4 ... 16 steps (reset by the next acceptance), so a row
+      whose text offers nothing to copy decodes plainly.
+    * **A draft model** (``token_cost``: its cost per drafted token in target steps, a callable;
+      None until measured): the length with the most expected tokens per cost, 0 when plain
+      decoding is cheaper; then a probe of one token after 16, 32, 64 ... steps keeps the
+      acceptance rate current. Its rate is the share of drafted tokens accepted (moving average).
+    * **An explicit prediction** (``prediction=True``): lengths as prompt lookup's in a step of
+      several rows, but nothing accepted halves the length and never pauses: its drafter proposes
+      nothing while the output is off the prediction, and re-joins it at once when it comes back."""
 
     def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False, token_cost=None) -> None:
         self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
         self.prediction = prediction  # the drafter is the request's explicit prediction
-        # A draft model's cost per drafted token in target steps (a callable; None until measured):
-        # then the length is the one with the most expected tokens per cost, 0 when plain decoding
-        # is cheaper (a probe of one token after 16, 32, 64 ... steps keeps the acceptance rate current).
         self.token_cost = token_cost
         self.rate = 0.6  # recent acceptance rate per drafted token (moving average)
         self.idle = 0
         self.probe_every = PROBE
-        self.k = k
-        self.pause = 0
-        self.misses = 0
+        self.k = k  # the length in a step of several rows (and a prediction's)
+        self.pause = 0  # in a step of several rows: plain steps left before drafting again
+        self.misses = 0  # calls in a row that accepted nothing
+        self.alone_pause = 0  # prompt lookup alone: plain steps left before a one-token draft
+        self.alone_misses = 0  # ... calls in a row that accepted nothing while the rate said plain
         self.drafted = 0  # tokens proposed and verified
         self.accepted = 0  # of them, tokens accepted
         self.steps = 0  # verify calls with at least one drafted token
 
-    def propose(self, generated: Sequence[int], room: int) -> list[int]:
-        """Up to ``min(k, room)`` tokens to verify after ``generated`` (empty: a plain step)."""
+    def propose(self, generated: Sequence[int], room: int, alone: bool = True) -> list[int]:
+        """Up to ``min(k, room)`` tokens to verify after ``generated`` (empty: a plain step);
+        ``alone``: the row is the only one of its step."""
+        limit = min(self.k_max, room)
+        if limit <= 0:
+            return []
         cost = self.token_cost() if self.adaptive and self.token_cost is not None else None
-        if cost is not None:
-            k = best_k(self.rate, min(self.k_max, room), cost)
+        lookup = self.token_cost is None and not self.prediction  # prompt lookup
+        if not self.adaptive:
+            k = limit
+        elif cost is not None:
+            k = best_k(self.rate, limit, cost)
             self.idle = 0 if k else self.idle + 1
             if k:
                 self.probe_every = PROBE
             elif self.idle >= self.probe_every:  # a probe; the next one twice as far (each one
                 k, self.idle = 1, 0  # brings the draft row up to date: a prefill of the tokens since)
                 self.probe_every = min(2 * self.probe_every, 256)
-            return self.drafter.propose(generated, k)[:k] if k > 0 else []
-        if self.pause > 0:
-            self.pause -= 1
-            return []
-        k = min(self.k, room)
+        elif lookup and alone:
+            k = best_k(self.rate, limit, 0.0)
+            if k == 0:  # plain decoding is cheaper at this rate: one token, after a pause
+                if self.alone_pause > 0:
+                    self.alone_pause -= 1
+                    return []
+                k = 1
+        else:
+            if self.pause > 0:
+                self.pause -= 1
+                return []
+            k = min(self.k, limit)
         return self.drafter.propose(generated, k)[:k] if k > 0 else []
 
     def learn(self, proposed: int, accepted: int) -> None:
@@ -170,7 +202,16 @@ class RowDrafting:
         self.steps += 1
         self.drafted += proposed
         self.accepted += accepted
-        self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
+        if self.token_cost is None and not self.prediction:  # prompt lookup: per drafted token
+            # reached (a run of `accepted`, then a miss unless all were accepted)
+            self.rate = 0.5 * self.rate + 0.5 * accepted / (accepted + (accepted < proposed))
+            if accepted:
+                self.alone_misses = 0
+            elif best_k(self.rate, self.k_max, 0.0) == 0:
+                self.alone_pause = min(1 << self.alone_misses, 16)
+                self.alone_misses += 1
+        else:
+            self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
         if not self.adaptive:
             return
         if accepted == proposed:

@@ -5,8 +5,10 @@ its :class:`~kvforge.runtime.speculative.drafters.RowDrafting` or none. Output: 
 accepted tokens fed to its :class:`~kvforge.runtime.generation.Generation`, the cache rows'
 lengths set to what they now hold. One step:
 
-1. each drafting row proposes up to ``k`` tokens (fewer near ``max_seq`` or ``max_new_tokens``);
-   no proposal anywhere -> ``False``, and the loop takes its plain decode step;
+1. each drafting row proposes up to ``k`` tokens (fewer near ``max_seq`` or ``max_new_tokens``;
+   a row alone in the step by the cost of its own call, rows of several by the length rule for
+   batches: :class:`~kvforge.runtime.speculative.drafters.RowDrafting`); no proposal anywhere ->
+   ``False``, and the loop takes its plain decode step;
 2. one engine call of ``width = 1 + longest draft`` tokens per row (the row's last token, its
    drafts, padding for shorter rows) with logits at every position, ``[n, width, V]``. A row
    without drafts takes its plain step in the same call (its logits at position 0). With several
@@ -69,7 +71,7 @@ class Verifier:
                 drafts.append(NO_DRAFT)
                 continue
             fit = min(self.width, room, g.max_new_tokens - len(g.token_ids)) - 1
-            p = d.propose(g.token_ids, fit) if fit > 0 else NO_DRAFT
+            p = d.propose(g.token_ids, fit, alone=n == 1) if fit > 0 else NO_DRAFT
             drafts.append(p)
             longest = max(longest, len(p))
         width = min(1 + longest, least_room)  # every row writes `width` positions

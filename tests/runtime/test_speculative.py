@@ -28,6 +28,7 @@ Proves, on tiny random models built in-process:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -395,6 +396,49 @@ def test_draft_model_length_follows_its_cost():
     row.learn(1, 1)
     assert len(row.propose([1], 8)) == best_k(row.rate, 8, 0.05) >= 4
     assert best_k(0.3, 8, 0.05) <= 2 and best_k(0.9, 8, 0.5) >= 1 and best_k(0.3, 8, 0.5) == 0
+
+
+def test_ngram_length_follows_the_call_cost():
+    """A prompt-lookup row alone in its step drafts the length with the most expected tokens per
+    verify-call cost at its per-token acceptance rate: long while drafts are accepted, still long
+    after a run breaks late, one token after misses (no pause while that pays), and only once the
+    rate says plain decoding is cheaper a one-token draft after pauses of 1, 2, 4, 8, 16 steps; one
+    acceptance ends them. In a step of several rows the row keeps the batch rule: the length
+    doubles on full acceptance, falls to the accepted count + 1, and a miss pauses it."""
+    from kvforge.runtime.speculative import RowDrafting
+    from kvforge.runtime.speculative.cost import best_k
+
+    class Echo:
+        def propose(self, generated, k):
+            return [7] * k
+
+    row = RowDrafting(Echo(), 8)
+    lengths = []
+    for accepted in (3, 7, 2):  # all of 3, all of 7, then 2 of 8 accepted
+        lengths.append(len(row.propose([1], 8)))
+        row.learn(lengths[-1], accepted)
+    assert lengths == [best_k(0.6, 8, 0.0), 7, 8] == [3, 7, 8]
+    assert row.rate == pytest.approx(0.5 * 0.9 + 0.5 * 2 / 3)  # a run of 2, then a miss: 2/3 a token
+    assert len(row.propose([1], 8)) == best_k(row.rate, 8, 0.0) == 6
+    assert len(row.propose([1], 8, alone=False)) == 3  # the batch rule: 2 accepted + 1
+    lengths = []
+    for _ in range(60):  # nothing accepted from here on
+        lengths.append(len(row.propose([1], 8)))
+        row.learn(lengths[-1], 0)
+    drafts = [i for i, n in enumerate(lengths) if n]
+    assert lengths[:4] == [6, 2, 1, 1]  # each miss halves the rate; no pause while drafting pays
+    assert [b - a - 1 for a, b in itertools.pairwise(drafts[3:])] == [1, 2, 4, 8, 16, 16]
+    assert len(row.propose([1], 8)) == 0  # paused
+    row.learn(1, 1)  # an accepted draft (e.g. of another call): the rate is back at ~0.5
+    assert row.alone_misses == 0 and len(row.propose([1], 8)) == best_k(row.rate, 8, 0.0) == 3
+    assert best_k(0.075, 8, 0.0) == 0 < best_k(0.08, 8, 0.0) == 1  # plain wins below ~the width price
+
+    batch = RowDrafting(Echo(), 8)
+    assert len(batch.propose([1], 8, alone=False)) == 8  # the batch rule starts at k
+    batch.learn(8, 0)
+    assert [len(batch.propose([1], 8, alone=False)) for _ in range(2)] == [0, 1]  # a pause, then 1
+    batch.learn(1, 1)
+    assert len(batch.propose([1], 8, alone=False)) == 2  # doubled
 
 
 def test_default_draft_lengths():

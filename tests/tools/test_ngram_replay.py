@@ -19,20 +19,21 @@ def test_copied_output_takes_fewer_calls_as_k_grows(nr):
     widths = []
     calls, cost = nr.replay(prompt, output, 4, lambda w: widths.append(w) or 1.0)
     # Fed 1, 2, passage[0]: no bigram of the prompt ends there, plain steps. Fed passage[1]: (p0, p1)
-    # matches and every draft after it is right: 4 drafts a call (k), 5 tokens; the last call is cut
-    # to the 3 tokens left.
-    assert widths == [1, 1, 1, 5, 5, 5, 5, 5, 3]
+    # matches and every draft after it is right. The first call drafts 3 (the most expected tokens per
+    # call cost at the starting rate 0.6), every later one k = 4 (5 tokens a call); the last call is
+    # cut to the 4 tokens left.
+    assert widths == [1, 1, 1, 4, 5, 5, 5, 5, 4]
     assert (calls, cost) == (9, 9.0)
     widths = []
     assert nr.replay(prompt, output, 8, lambda w: widths.append(w) or 1.0) == (7, 7.0)
-    assert widths == [1, 1, 1, 9, 9, 9, 1]  # k 8; the last token is a plain step (no room for a draft)
+    assert widths == [1, 1, 1, 4, 8, 9, 7]  # 3 drafts, then 7 (rate 0.8), then k 8; the rest (6) last
 
 
-def test_rejected_drafts_pause_and_cost_by_width(nr):
+def test_rejected_drafts_cost_by_width(nr):
     prompt, output = [5, 6, 7, 8, 9] * 2, [5, 1, 2, 3, 4]  # after 5 the prompt says 6 7 8 9, the output 1
     widths = []
     calls, cost = nr.replay(prompt, output, 4, lambda w: widths.append(w) or 1.0 + 0.1 * (w - 1))
-    # 3 drafts (the 4 tokens left: the fed one and 3), none accepted; then the pause, nothing to match.
+    # 3 drafts (the 4 tokens left: the fed one and 3), none accepted; then nothing to match.
     assert widths == [4, 1, 1, 1]
     assert calls == 4 and cost == pytest.approx(1.3 + 3)
 
