@@ -83,6 +83,7 @@ from kvforge.runtime.kv.transfer import KVTransfer
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
 from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
 from kvforge.runtime.speculative import parse_speculative, setup
+from kvforge.runtime.speculative.cost import width_cost
 from kvforge.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -139,6 +140,8 @@ class Engine(GenerationFacade, KVTransfer):
         # Speculative decoding (set by load): its config, the draft model, the verify call's buffers.
         self.speculative = None
         self.draft_model = None
+        # One more token of a row's own verify call, in steps (prompt lookup's length rule)
+        self.width_cost = width_cost(self.manifest.quantization is not None)
         self.verify_width = 1
         self._verify_bindings: dict[tuple[int, int, int], object] = {}
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row

@@ -78,7 +78,9 @@ class GenerationFacade:
         )
         # A constrained row does not draft: its grammar would have to check every drafted position.
         gen.drafting = (
-            None if constraint else setup.drafting(gen, params, self.speculative, self.draft_model, self.vocab_size)
+            None
+            if constraint
+            else setup.drafting(gen, params, self.speculative, self.draft_model, self.vocab_size, self.width_cost)
         )
         return gen
 

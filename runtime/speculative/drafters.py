@@ -21,7 +21,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from kvforge.runtime.speculative.cost import best_k
+from kvforge.runtime.speculative.cost import WIDTH_COST, best_k
 
 PROBE = 16  # a draft model's row that does not draft tries one token after PROBE steps, then 2x later
 
@@ -125,8 +125,9 @@ class RowDrafting:
 
     * **Prompt lookup** (no ``token_cost``, not a prediction), in a step of its own (``alone``):
       drafting is free, a verify call costs :func:`~kvforge.runtime.speculative.cost.call_cost` of
-      its width, so the length is the one with the most expected tokens per call cost at the row's
-      acceptance rate (:func:`best_k` with no token cost). The rate is per drafted token reached: a
+      its width at ``width_cost`` a token (the artifact's: float or quantized weights), so the
+      length is the one with the most expected tokens per call cost at the row's acceptance rate
+      (:func:`best_k` with no token cost). The rate is per drafted token reached: a
       call whose run of ``a`` accepted drafts ended on a miss says ``a / (a + 1)``, one that
       accepted all says 1, averaged with the rate so far half and half. A copying run thus drafts
       long at once, and after a miss the next match is still tried (a one-token draft costs ~8% of
@@ -147,8 +148,17 @@ class RowDrafting:
       several rows, but nothing accepted halves the length and never pauses: its drafter proposes
       nothing while the output is off the prediction, and re-joins it at once when it comes back."""
 
-    def __init__(self, drafter, k: int, adaptive: bool = True, prediction: bool = False, token_cost=None) -> None:
+    def __init__(
+        self,
+        drafter,
+        k: int,
+        adaptive: bool = True,
+        prediction: bool = False,
+        token_cost=None,
+        width_cost: float = WIDTH_COST,
+    ) -> None:
         self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
+        self.width_cost = width_cost  # one more token of the row's own verify call, in steps
         self.prediction = prediction  # the drafter is the request's explicit prediction
         self.token_cost = token_cost
         self.rate = 0.6  # recent acceptance rate per drafted token (moving average)
@@ -182,7 +192,7 @@ class RowDrafting:
                 k, self.idle = 1, 0  # brings the draft row up to date: a prefill of the tokens since)
                 self.probe_every = min(2 * self.probe_every, 256)
         elif lookup and alone:
-            k = best_k(self.rate, limit, 0.0)
+            k = best_k(self.rate, limit, 0.0, self.width_cost)
             if k == 0:  # plain decoding is cheaper at this rate: one token, after a pause
                 if self.alone_pause > 0:
                     self.alone_pause -= 1
@@ -207,7 +217,7 @@ class RowDrafting:
             self.rate = 0.5 * self.rate + 0.5 * accepted / (accepted + (accepted < proposed))
             if accepted:
                 self.alone_misses = 0
-            elif best_k(self.rate, self.k_max, 0.0) == 0:
+            elif best_k(self.rate, self.k_max, 0.0, self.width_cost) == 0:
                 self.alone_pause = min(1 << self.alone_misses, 16)
                 self.alone_misses += 1
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvforge.graphs import manifest as mf
 from kvforge.runtime.speculative.config import SpeculativeConfig
+from kvforge.runtime.speculative.cost import WIDTH_COST
 from kvforge.runtime.speculative.drafters import NgramDrafter, PredictionDrafter, RowDrafting
 
 
@@ -21,7 +22,9 @@ def check_artifact(manifest: mf.Manifest, device: str, one_session: bool) -> Non
         raise ValueError("speculative decoding runs every step through one session; load with one_session=True")
 
 
-def drafting(gen, params, spec: SpeculativeConfig | None, draft_model, vocab_size: int) -> RowDrafting | None:
+def drafting(
+    gen, params, spec: SpeculativeConfig | None, draft_model, vocab_size: int, width_cost: float = WIDTH_COST
+) -> RowDrafting | None:
     """The request's drafting: its prediction, else the engine's method; None when it does not draft
     (no speculative config, ``speculative=False``, or method ``"prediction"`` without a prediction).
     Without speculative decoding a prediction is ignored: it would change nothing in the output."""
@@ -36,4 +39,5 @@ def drafting(gen, params, spec: SpeculativeConfig | None, draft_model, vocab_siz
     if spec.method == "draft":
         drafter = draft_model.drafter(gen.prompt_ids, lambda: gen.done)
         return RowDrafting(drafter, spec.k, spec.adaptive, token_cost=draft_model.token_cost)
-    return RowDrafting(NgramDrafter(gen.prompt_ids, spec.ngram_max, spec.ngram_min), spec.k, spec.adaptive)
+    drafter = NgramDrafter(gen.prompt_ids, spec.ngram_max, spec.ngram_min)
+    return RowDrafting(drafter, spec.k, spec.adaptive, width_cost=width_cost)

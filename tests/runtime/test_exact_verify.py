@@ -23,6 +23,7 @@ import pytest
 
 from kvforge.runtime import Engine
 from kvforge.runtime.speculative import SpeculativeConfig
+from kvforge.runtime.speculative.cost import QUANTIZED_WIDTH_COST
 from tests.helpers import hf_logits, make_llama
 
 PROMPT = [(i * 37) % 300 + 2 for i in range(60)]
@@ -120,6 +121,7 @@ def test_int4_greedy_identical_with_ngram_drafts(exact_int4_mha):
     assert [r.token_ids for r in batch] == want
     assert [r.token_ids for r in single] == want
     assert sum(r.accepted_tokens for r in single) > 0 and sum(r.accepted_tokens for r in batch) > 0
+    assert spec.width_cost == QUANTIZED_WIDTH_COST  # quantized weights: a verify call's tokens cost more
 
 
 CODE = """def total_price(items, tax_rate):

@@ -40,6 +40,7 @@ import pytest
 from kvforge.graphs.manifest import ArtifactError
 from kvforge.runtime import Engine, SamplingParams
 from kvforge.runtime.speculative import SpeculativeConfig, parse_speculative
+from kvforge.runtime.speculative.cost import WIDTH_COST
 from tests import families
 
 REPEAT = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7]
@@ -80,6 +81,7 @@ def test_greedy_identical_with_ngram_drafts(request, family, lowering):
         assert [r.token_ids for r in batch] == want
         single = [spec.generate([p], max_new_tokens=40)[0] for p in PROMPTS]
         assert [r.token_ids for r in single] == want
+        assert spec.width_cost == WIDTH_COST  # float weights' price of a verify call's token
     assert sum(r.accepted_tokens for r in single) > 0  # drafts were made and accepted
     assert all(r.accepted_tokens <= r.drafted_tokens for r in single)
     # onnx: the rows verify together; gqa: a batched decode checks each row's first draft
@@ -406,7 +408,7 @@ def test_ngram_length_follows_the_call_cost():
     acceptance ends them. In a step of several rows the row keeps the batch rule: the length
     doubles on full acceptance, falls to the accepted count + 1, and a miss pauses it."""
     from kvforge.runtime.speculative import RowDrafting
-    from kvforge.runtime.speculative.cost import best_k
+    from kvforge.runtime.speculative.cost import QUANTIZED_WIDTH_COST, best_k
 
     class Echo:
         def propose(self, generated, k):
@@ -432,6 +434,10 @@ def test_ngram_length_follows_the_call_cost():
     row.learn(1, 1)  # an accepted draft (e.g. of another call): the rate is back at ~0.5
     assert row.alone_misses == 0 and len(row.propose([1], 8)) == best_k(row.rate, 8, 0.0) == 3
     assert best_k(0.075, 8, 0.0) == 0 < best_k(0.08, 8, 0.0) == 1  # plain wins below ~the width price
+
+    dear = RowDrafting(Echo(), 8, width_cost=QUANTIZED_WIDTH_COST)  # quantized weights' calls
+    assert len(dear.propose([1], 8)) == best_k(0.6, 8, 0.0, QUANTIZED_WIDTH_COST) == 2
+    assert best_k(0.14, 8, 0.0, QUANTIZED_WIDTH_COST) == 0 < best_k(0.16, 8, 0.0, QUANTIZED_WIDTH_COST)
 
     batch = RowDrafting(Echo(), 8)
     assert len(batch.propose([1], 8, alone=False)) == 8  # the batch rule starts at k
