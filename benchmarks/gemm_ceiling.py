@@ -26,6 +26,14 @@ scale a block). The 1.39B Llama of ``peer_llamacpp.py --model large``:
 
     python benchmarks/gemm_ceiling.py --decode --bits 4 --block-size 32 64 128 --hidden 1536 \
         --intermediate 8960 --kv-dim 256 --layers 28
+
+``--accuracy-levels [M ...]`` times each projection shape's int4 ``MatMulNBits`` at
+``accuracy_level`` 4 against 1 (float activations: ORT unpacks blocks into an fp32 GEMM) at those
+row counts, and the resident memory of a weight packed for one kernel or both. Level 1 is the faster
+one for prefill-sized M and the slower one for decode; one node runs one kernel, so a graph that
+wanted both would hold two packed copies:
+
+    python benchmarks/gemm_ceiling.py --accuracy-levels --hidden 1536 --intermediate 8960 --kv-dim 256
 """
 
 from __future__ import annotations
@@ -166,35 +174,90 @@ def _session(model: bytes, threads: int, prepack: bool = True):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def packed_bytes_per_block(block: int, threads: int, size: int = 8192) -> float:
-    """Bytes a block of 4-bit weights costs beyond its nibbles once ORT has prepacked it: one
-    ``size`` x ``size`` MatMulNBits, whose session's resident growth with prepacking less without is
-    divided by its blocks. Each session is made and run in a fresh process (a freed arena would blur
-    the second); Linux only."""
+def _one_nbits_model(size: int, block: int, levels: tuple[int, ...] = (4,)) -> bytes:
+    """One ``size`` x ``size`` 4-bit weight read by one MatMulNBits node per accuracy level in
+    ``levels`` (several nodes share the one initializer, as two kernels of one session would)."""
     from onnx import TensorProto, helper
 
     inits = _nbits_inits("w", size, size, block, np.random.default_rng(0))
-    node = helper.make_node(
-        "MatMulNBits", ["x", "w_blocks", "w_scales"], ["y"], domain="com.microsoft", K=size, N=size, bits=4,
-        block_size=block, accuracy_level=4,
-    )  # fmt: skip
+    attrs = {"domain": "com.microsoft", "K": size, "N": size, "bits": 4, "block_size": block}
+    inputs = ["x", "w_blocks", "w_scales"]
+    nodes = [helper.make_node("MatMulNBits", inputs, [f"y{lv}"], accuracy_level=lv, **attrs) for lv in levels]
     graph = helper.make_graph(
-        [node],
+        nodes,
         "one",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(f"y{level}", TensorProto.FLOAT, None) for level in levels],
         inits,
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+
+
+def _grown_in_child(model: bytes, prepack: bool, threads: int) -> int:
+    """Resident growth of a session of ``model`` made and run in a fresh process (a freed arena would
+    blur a second session in this one); Linux only."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "one.onnx"
         path.write_bytes(model)
-        grown = []
-        for prepack in (1, 0):
-            cmd = [sys.executable, __file__, "--resident-child", str(path), str(prepack), "--threads", str(threads)]
-            grown.append(int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1]))
+        cmd = [sys.executable, __file__, "--resident-child", str(path), str(int(prepack)), "--threads", str(threads)]
+        return int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
+
+
+def packed_bytes_per_block(block: int, threads: int, size: int = 8192) -> float:
+    """Bytes a block of 4-bit weights costs beyond its nibbles once ORT has prepacked it: one
+    ``size`` x ``size`` MatMulNBits, whose session's resident growth with prepacking less without is
+    divided by its blocks."""
+    model = _one_nbits_model(size, block)
+    grown = [_grown_in_child(model, prepack, threads) for prepack in (True, False)]
     return (grown[0] - grown[1]) / (size * (size // block))
+
+
+def accuracy_levels(h: int, i: int, kv: int, threads: int, repeat: int, rows: list[int], block: int = 32) -> None:
+    """int4 ``MatMulNBits`` at ``accuracy_level`` 4 (int8 activations: what compile writes) against 1
+    (float activations): ms per call of each projection shape at each M in ``rows``, and the resident
+    memory of one 8192 x 8192 weight packed for either kernel or for both (two nodes, one weight)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(1)
+    print(f"{threads} threads, block {block}; ms per call (p10 of {repeat}), level 4 / level 1")
+    print(f"{'K x N':>14}" + "".join(f"{f'M={m}':>18}" for m in rows))
+    for name, k, n in projection_shapes(h, i, kv):
+        cells = []
+        sessions = {}
+        for level in (4, 1):
+            node = helper.make_node(
+                "MatMulNBits", ["x", f"{name}_blocks", f"{name}_scales"], ["y"], domain="com.microsoft", K=k, N=n,
+                bits=4, block_size=block, accuracy_level=level,
+            )  # fmt: skip
+            graph = helper.make_graph(
+                [node],
+                name,
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                _nbits_inits(name, k, n, block, np.random.default_rng(0)),
+            )
+            opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+            model = helper.make_model(graph, opset_imports=opsets, ir_version=9)
+            sessions[level] = _session(model.SerializeToString(), threads)
+        for m in rows:
+            feed = {"x": rng.standard_normal((m, k), dtype=np.float32)}
+            best = []
+            for level in (4, 1):
+                run = sessions[level].run
+                for _ in range(2):
+                    run(None, feed)
+                calls = max(9, repeat * 16 // m)
+                times = sorted(_time(lambda run=run, feed=feed: run(None, feed)) for _ in range(calls))
+                best.append(times[len(times) // 10])
+            cells.append(f"{best[0] * 1e3:.2f} / {best[1] * 1e3:.2f}")
+        print(f"{f'{k} x {n}':>14}" + "".join(f"{c:>18}" for c in cells))
+    size = 8192
+    file_mib = nbits_file_bytes(size, size, block) / 2**20
+    print(f"resident growth of one {size} x {size} weight ({file_mib:.0f} MiB in the file), prepacked for:")
+    for levels in ((4,), (1,), (4, 1)):
+        grown = _grown_in_child(_one_nbits_model(size, block, levels), True, threads)
+        print(f"  level {' and '.join(map(str, levels))}: {grown / 2**20:.0f} MiB")
 
 
 def _resident_child(path: str, prepack: bool, threads: int) -> None:
@@ -266,10 +329,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="--decode: ORT intra-op threads and bandwidth threads")
     p.add_argument("--bits", type=int, choices=[4, 32], default=32, help="--decode: 4 = MatMulNBits, 32 = fp32 MatMul")
     p.add_argument("--block-size", type=int, nargs="+", default=[32], help="--decode --bits 4: block sizes to run")
+    p.add_argument(
+        "--accuracy-levels",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="M",
+        help="int4 MatMulNBits at accuracy level 4 vs 1 for these row counts (default 1 4 16 64 128 512)",
+    )
     p.add_argument("--resident-child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.resident_child:
         _resident_child(a.resident_child[0], a.resident_child[1] == "1", a.threads)
+        return
+    if a.accuracy_levels is not None:
+        rows = a.accuracy_levels or [1, 4, 16, 64, 128, 512]
+        accuracy_levels(a.hidden, a.intermediate, a.kv_dim, a.threads, a.repeat, rows, a.block_size[0])
         return
     if a.decode:
         blocks = [None] if a.bits == 32 else a.block_size

@@ -55,3 +55,24 @@ def test_four_bit_chain_computes_the_dequantized_projections(gc, block):
     # accuracy_level 4 multiplies int8-quantized activations: ~1% of the output's scale, chained 8 times
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, atol=0.05 * np.abs(expected).max())
+
+
+def test_one_weight_read_by_both_kernels(gc):
+    """--accuracy-levels' memory probe: one initializer, one MatMulNBits per accuracy level, each
+    computing the dequantized product (level 1 in float to 1e-5, level 4 through int8 activations)."""
+    import onnxruntime as ort
+
+    proto = onnx.load_from_string(gc._one_nbits_model(64, 32, (4, 1)))
+    assert [n.op_type for n in proto.graph.node] == ["MatMulNBits", "MatMulNBits"]
+    assert [{a.name: a.i for a in n.attribute}["accuracy_level"] for n in proto.graph.node] == [4, 1]
+    assert [list(n.input) for n in proto.graph.node] == [["x", "w_blocks", "w_scales"]] * 2
+    assert len(proto.graph.initializer) == 2
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    x = np.random.default_rng(4).standard_normal((1, 64)).astype(np.float32)
+    expected = x @ _dequantized(inits, "w", 64, 64, 32)
+    level4, level1 = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    np.testing.assert_allclose(level1, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    np.testing.assert_allclose(level4, expected, atol=0.05 * np.abs(expected).max())
+    assert not np.array_equal(level4, level1)  # two kernels, not one result read twice
