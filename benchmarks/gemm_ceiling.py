@@ -174,19 +174,19 @@ def _session(model: bytes, threads: int, prepack: bool = True):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def _one_nbits_model(size: int, block: int, levels: tuple[int, ...] = (4,)) -> bytes:
-    """One ``size`` x ``size`` 4-bit weight read by one MatMulNBits node per accuracy level in
-    ``levels`` (several nodes share the one initializer, as two kernels of one session would)."""
+def _nbits_model(k: int, n: int, block: int, levels: tuple[int, ...] = (4,), rows: int | str = 1) -> bytes:
+    """One (K, N) 4-bit weight read by one MatMulNBits node per accuracy level in ``levels`` (several
+    nodes share the one initializer, as two kernels of one session would); input ``x`` [rows, K]."""
     from onnx import TensorProto, helper
 
-    inits = _nbits_inits("w", size, size, block, np.random.default_rng(0))
-    attrs = {"domain": "com.microsoft", "K": size, "N": size, "bits": 4, "block_size": block}
+    inits = _nbits_inits("w", k, n, block, np.random.default_rng(0))
+    attrs = {"domain": "com.microsoft", "K": k, "N": n, "bits": 4, "block_size": block}
     inputs = ["x", "w_blocks", "w_scales"]
     nodes = [helper.make_node("MatMulNBits", inputs, [f"y{lv}"], accuracy_level=lv, **attrs) for lv in levels]
     graph = helper.make_graph(
         nodes,
         "one",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
         [helper.make_tensor_value_info(f"y{level}", TensorProto.FLOAT, None) for level in levels],
         inits,
     )
@@ -208,7 +208,7 @@ def packed_bytes_per_block(block: int, threads: int, size: int = 8192) -> float:
     """Bytes a block of 4-bit weights costs beyond its nibbles once ORT has prepacked it: one
     ``size`` x ``size`` MatMulNBits, whose session's resident growth with prepacking less without is
     divided by its blocks."""
-    model = _one_nbits_model(size, block)
+    model = _nbits_model(size, size, block)
     grown = [_grown_in_child(model, prepack, threads) for prepack in (True, False)]
     return (grown[0] - grown[1]) / (size * (size // block))
 
@@ -217,29 +217,12 @@ def accuracy_levels(h: int, i: int, kv: int, threads: int, repeat: int, rows: li
     """int4 ``MatMulNBits`` at ``accuracy_level`` 4 (int8 activations: what compile writes) against 1
     (float activations): ms per call of each projection shape at each M in ``rows``, and the resident
     memory of one 8192 x 8192 weight packed for either kernel or for both (two nodes, one weight)."""
-    from onnx import TensorProto, helper
-
     rng = np.random.default_rng(1)
-    print(f"{threads} threads, block {block}; ms per call (p10 of {repeat}), level 4 / level 1")
+    print(f"{threads} threads, block {block}; ms per call (p10 of max(9, 16 x {repeat} / M) calls), level 4 / level 1")
     print(f"{'K x N':>14}" + "".join(f"{f'M={m}':>18}" for m in rows))
-    for name, k, n in projection_shapes(h, i, kv):
+    for _, k, n in projection_shapes(h, i, kv):
         cells = []
-        sessions = {}
-        for level in (4, 1):
-            node = helper.make_node(
-                "MatMulNBits", ["x", f"{name}_blocks", f"{name}_scales"], ["y"], domain="com.microsoft", K=k, N=n,
-                bits=4, block_size=block, accuracy_level=level,
-            )  # fmt: skip
-            graph = helper.make_graph(
-                [node],
-                name,
-                [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-                [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                _nbits_inits(name, k, n, block, np.random.default_rng(0)),
-            )
-            opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-            model = helper.make_model(graph, opset_imports=opsets, ir_version=9)
-            sessions[level] = _session(model.SerializeToString(), threads)
+        sessions = {level: _session(_nbits_model(k, n, block, (level,), "M"), threads) for level in (4, 1)}
         for m in rows:
             feed = {"x": rng.standard_normal((m, k), dtype=np.float32)}
             best = []
@@ -256,7 +239,7 @@ def accuracy_levels(h: int, i: int, kv: int, threads: int, repeat: int, rows: li
     file_mib = nbits_file_bytes(size, size, block) / 2**20
     print(f"resident growth of one {size} x {size} weight ({file_mib:.0f} MiB in the file), prepacked for:")
     for levels in ((4,), (1,), (4, 1)):
-        grown = _grown_in_child(_one_nbits_model(size, block, levels), True, threads)
+        grown = _grown_in_child(_nbits_model(size, size, block, levels), True, threads)
         print(f"  level {' and '.join(map(str, levels))}: {grown / 2**20:.0f} MiB")
 
 

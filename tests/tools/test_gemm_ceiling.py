@@ -62,7 +62,7 @@ def test_one_weight_read_by_both_kernels(gc):
     computing the dequantized product (level 1 in float to 1e-5, level 4 through int8 activations)."""
     import onnxruntime as ort
 
-    proto = onnx.load_from_string(gc._one_nbits_model(64, 32, (4, 1)))
+    proto = onnx.load_from_string(gc._nbits_model(64, 64, 32, (4, 1)))
     assert [n.op_type for n in proto.graph.node] == ["MatMulNBits", "MatMulNBits"]
     assert [{a.name: a.i for a in n.attribute}["accuracy_level"] for n in proto.graph.node] == [4, 1]
     assert [list(n.input) for n in proto.graph.node] == [["x", "w_blocks", "w_scales"]] * 2
