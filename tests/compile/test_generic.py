@@ -21,6 +21,7 @@ from kvforge.compile.load import load_model, resolve_spec
 from kvforge.graphs.architectures import UnsupportedArchitectureError
 from kvforge.runtime import Engine
 from tests import families
+from tests.helpers import load_benchmark
 
 
 def test_unlisted_family_passes_its_parity_check(tmp_path):
@@ -48,7 +49,6 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("architecture", "model_type", "message"),
     [
-        ("FalconForCausalLM", "falcon", "do not dispatch attention through AttentionInterface"),
         ("BertForMaskedLM", "bert", "not a decoder-only causal LM that transformers .* knows"),
         ("MambaForCausalLM", "mamba", r"recurrent/state-space layers \(MambaBlock, MambaMixer"),
         ("Gemma3ForConditionalGeneration", "gemma3", "multimodal model"),
@@ -58,7 +58,6 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
         # GIT's text attention comes from a dict keyed by attn_implementation; only its vision tower
         # dispatches through AttentionInterface (transformers itself would fail with KeyError 'kvforge').
         ("GitForCausalLM", "git", r"attention classes picked from GIT_SELF_ATTENTION_CLASSES \(eager\)"),
-        ("LongcatFlashForCausalLM", "longcat_flash", r"MoE experts that loop over the experts the tokens picked"),
     ],
 )
 def test_families_that_cannot_take_the_generic_path(tmp_path, architecture, model_type, message):
@@ -67,6 +66,94 @@ def test_families_that_cannot_take_the_generic_path(tmp_path, architecture, mode
     (tmp_path / "m" / "model.safetensors").write_bytes(b"")
     with pytest.raises(UnsupportedArchitectureError, match=f"{message}.*; kvforge verifies: .*MistralForCausalLM"):
         compile_model(tmp_path / "m", tmp_path / "out", progress=None)
+
+
+# Two conditions kvforge checks in a family's modeling source, each on a family of its own (remote
+# code written here), so the refusal does not depend on a transformers family staying unconverted:
+# Falcon computed attention itself and LongcatFlash looped over its experts until transformers 5.25.
+_CONFIGURATION = """
+from transformers import PretrainedConfig
+
+
+class {name}Config(PretrainedConfig):
+    model_type = "{model_type}"
+"""
+
+_MODELING = """
+import torch
+from transformers import GenerationMixin, PreTrainedModel
+
+from .configuration_{model_type} import {name}Config
+{body}
+
+class {name}ForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = {name}Config
+"""
+
+# attention computed in the module: softmax(q k^T) v, no dispatch through AttentionInterface
+_OWN_ATTENTION = """
+class {name}Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1) @ v
+"""
+
+# attention dispatched through AttentionInterface, but experts looped over with data-dependent control flow
+_EXPERT_LOOP = """
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+class {name}Attention(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](self, q, k, v, mask)
+
+
+class {name}Experts(torch.nn.Module):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        expert_hit = torch.unique(top_k_index)
+        for expert_idx in expert_hit:
+            out = out + self.experts[expert_idx](hidden_states)
+        return out
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "message"),
+    [
+        ("OwnAttn", _OWN_ATTENTION, r"do not dispatch attention through AttentionInterface"),
+        ("LoopMoe", _EXPERT_LOOP, r"MoE experts that loop over the experts the tokens picked"),
+    ],
+)
+def test_modeling_source_conditions_refuse_before_export(tmp_path, name, body, message):
+    model_type = name.lower()
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / f"configuration_{model_type}.py").write_text(_CONFIGURATION.format(name=name, model_type=model_type))
+    source = _MODELING.format(name=name, model_type=model_type, body=body.format(name=name))
+    (root / f"modeling_{model_type}.py").write_text(source)
+    config = {
+        "architectures": [f"{name}ForCausalLM"],
+        "model_type": model_type,
+        "auto_map": {
+            "AutoConfig": f"configuration_{model_type}.{name}Config",
+            "AutoModelForCausalLM": f"modeling_{model_type}.{name}ForCausalLM",
+        },
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors").write_bytes(b"")  # refused before any weight is read
+    with pytest.raises(UnsupportedArchitectureError, match=f"{message}.*; kvforge verifies: .*MistralForCausalLM"):
+        compile_model(root, tmp_path / "out", trust_remote_code=True, progress=None)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "longcat_flash"])
+def test_families_transformers_5_25_converted_compile_token_exact(model_type, tmp_path):
+    # Falcon dispatches attention through ALL_ATTENTION_FUNCTIONS and LongcatFlash's experts take
+    # @use_experts_implementation since transformers 5.25: both now take the generic path, and the
+    # coverage survey's two checks (compile's parity record, Engine greedy tokens against generate) pass.
+    coverage = load_benchmark("coverage")
+    [result] = coverage.survey([model_type], tmp_path, timeout=600, jobs=1, say=lambda _: None)
+    assert result.result == coverage.TOKEN_EXACT, f"{model_type}: {result.result}: {result.detail}"
 
 
 def test_class_flag_is_not_the_test_the_modeling_source_is():
