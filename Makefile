@@ -1,6 +1,7 @@
 # kvforge — `make demo` (set up, compile the bundled model, compare with transformers)
 #           `make test` (set up, lint, run the test suite)
 #           `make test-real` (`make smollm2`, then the opt-in checks on that real model)
+#           `make test-latest` (the suite on the newest versions pyproject allows), `make lock`
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -8,17 +9,42 @@ BIN    := $(VENV)/bin
 # or install torch into the venv first (any installed torch in the supported range is kept).
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.kvforge-installed
+EXTRAS := dev,serve,gguf,structured
+# The exact versions the suite last passed with (`make lock` writes it from a green environment).
+LOCK   := constraints.txt
+# setuptools' notice that an editable install maps folders onto the package (it always does here:
+# compile/ -> kvforge.compile, ...); every other warning still shows.
+QUIET_BUILD := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: setup demo test test-real lint format bench fuzz gpu-check smollm2 clean
+.PHONY: setup demo test test-real test-latest lock lint format bench fuzz gpu-check smollm2 clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,serve,gguf,structured]"
+	$(QUIET_BUILD) $(BIN)/python -m pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $@
+
+# After a green `make test`: pin what this environment has (every package kvforge's requirements
+# reach, torch excepted) into constraints.txt, the set `make setup` and CI install.
+lock: setup
+	$(BIN)/python scripts/lock.py
+
+# Dependency drift, caught here before a user meets it: the newest versions pyproject's ranges allow
+# (no lock; torch kept at the build TORCH_SPEC gives) in a venv of their own, then the whole suite.
+# tests/test_tested_versions.py names each key package whose version differs from the lock.
+LATEST_VENV ?= .venv-latest
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -c "import torch" 2>/dev/null || $(LATEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LATEST_VENV)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(LATEST_VENV)/torch.txt
+	$(QUIET_BUILD) $(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
+		-c $(LATEST_VENV)/torch.txt -e ".[$(EXTRAS)]"
+	$(LATEST_VENV)/bin/python -m pip list --format=freeze | grep -iE "^(torch|transformers|onnx|onnxscript|onnxruntime)=="
+	$(LATEST_VENV)/bin/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/kvforge demo
@@ -60,4 +86,4 @@ smollm2: setup
 	$(BIN)/python scripts/smollm2.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .ruff_cache *.egg-info
