@@ -40,7 +40,7 @@ test-latest:
 	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LATEST_VENV)/bin/python -c "import torch" 2>/dev/null || $(LATEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(LATEST_VENV)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(LATEST_VENV)/torch.txt
+	$(LATEST_VENV)/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > $(LATEST_VENV)/torch.txt
 	$(QUIET_BUILD) $(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
 		-c $(LATEST_VENV)/torch.txt -e ".[$(EXTRAS)]"
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze | grep -iE "^(torch|transformers|onnx|onnxscript|onnxruntime)=="
