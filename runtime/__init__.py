@@ -3,7 +3,7 @@
 from kvforge.graphs.manifest import ArtifactError
 from kvforge.runtime.chat import ChatTemplate, ChatTemplateError
 from kvforge.runtime.detokenize import IncrementalDetokenizer
-from kvforge.runtime.engine import Engine
+from kvforge.runtime.facade import Engine
 from kvforge.runtime.generation import GenerationResult, StreamChunk, Timing
 from kvforge.runtime.kv import KVBlock, KVBlockError, PrefixPool
 from kvforge.runtime.sampling import GenerationDefaults, Sampler, SamplingParams, TokenLogprob

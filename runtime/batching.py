@@ -76,7 +76,7 @@ from kvforge.runtime.kv.digest import Digest
 from kvforge.runtime.speculative.verify import Verifier
 
 if TYPE_CHECKING:
-    from kvforge.runtime.engine import Engine
+    from kvforge.runtime.engine import StepEngine
     from kvforge.runtime.kv.lend import SharedCache
 
 
@@ -86,7 +86,7 @@ class BatchLoop:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: StepEngine,
         rows: int,
         first: int = 0,
         chunk: int | None = None,

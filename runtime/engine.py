@@ -1,4 +1,5 @@
-"""``Engine``: a compiled artifact -> text, with one persistent KV cache bound to both graphs.
+"""``StepEngine``: the step machine under :class:`~kvforge.runtime.Engine` — a compiled artifact's
+graphs, one persistent KV cache bound to them, and the steps that run on cache rows.
 
     from kvforge.runtime import Engine, SamplingParams
     with Engine.load("out") as engine:
@@ -6,6 +7,19 @@
         print(result.text, result.finish_reason)
         for chunk in engine.stream("The for statement", sampling=SamplingParams(temperature=0.7, seed=1)):
             print(chunk.text, end="")
+
+Layers. This module owns buffers, bindings, rows and the steps (``prefill``/``decode``/``verify``/
+``score``, KV ``export_kv``/``import_kv``); it imports nothing of the generation layer above it.
+:mod:`kvforge.runtime.requests` turns prompts into validated Generations for a step engine;
+:mod:`kvforge.runtime.batching` runs them on a range of rows through the steps;
+:mod:`kvforge.runtime.scheduler` and :mod:`kvforge.runtime.session` drive the batch loop or one row;
+:class:`kvforge.runtime.facade.Engine` (what users import as ``kvforge.runtime.Engine``) is this
+class plus the calls users make (``generate``, ``stream``, ``chat``, ``session()``,
+``scheduler()``). The narrow interface they use: the steps on rows (``prefill_rows``,
+``decode_rows``, ``verify_rows``, ``decode_ids``, ``move_row``), the rows' owners (``own_rows``,
+``reserve_row``, ``release_row``, ``_check_rows``, the lock), the cache's KV (``export_kv``,
+``import_kv``, ``kv_nbytes``, ``lengths``) and what an artifact gives a request (tokenizer,
+generation defaults, grammar factory, drafting set-up).
 
 Ownership. The engine owns every buffer the graphs read or write: the KV cache (one array, see
 :mod:`kvforge.runtime.cache`), the input buffers (token ids, positions, write indices, lengths)
@@ -46,12 +60,11 @@ runs whole or is refused, never mixed with another thread's:
 
 The calls users make (``generate``, ``stream``, ``chat``, ``session()``, ``scheduler()``, and
 ``request``, which validates a prompt and its parameters into a Generation) are
-:class:`~kvforge.runtime.facade.GenerationFacade`'s, which ``Engine`` inherits; this module is the
-step machine under them.
+:class:`~kvforge.runtime.facade.Engine`'s, a subclass of this step machine.
 
 KV blocks. ``export_kv`` copies a row's positions out as a :class:`~kvforge.runtime.kv.KVBlock`
 and ``import_kv`` copies one in (one strided copy each way); they are
-:class:`~kvforge.runtime.kv.transfer.KVTransfer`'s, which ``Engine`` inherits too. The prefix pool
+:class:`~kvforge.runtime.kv.transfer.KVTransfer`'s, which ``StepEngine`` inherits. The prefix pool
 (``prefix_pool``, made by ``load(prefix_cache=...)``) is held here for the batch loop, which
 imports cached prefixes at admission and offers finished rows; the engine never calls it.
 
@@ -76,20 +89,15 @@ from kvforge.graphs import manifest as mf
 from kvforge.runtime import backends
 from kvforge.runtime import validate as check
 from kvforge.runtime.constraints import GrammarFactory
-from kvforge.runtime.facade import GenerationFacade
-from kvforge.runtime.generation import GenerationResult, StreamChunk
 from kvforge.runtime.kv import PrefixPool, fingerprint, parse_bytes
 from kvforge.runtime.kv.transfer import KVTransfer
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
-from kvforge.runtime.sampling import GenerationDefaults, SamplingParams
+from kvforge.runtime.sampling import GenerationDefaults
 from kvforge.runtime.speculative import parse_speculative, setup
 from kvforge.runtime.speculative.cost import width_cost
 from kvforge.runtime.tokenizer import Tokenizer
 
-Prompt = str | Sequence[int]
-Sampling = SamplingParams | Mapping | None
-
-__all__ = ["Engine", "GenerationResult", "Prompt", "StreamChunk"]
+__all__ = ["StepEngine"]
 
 # The prefix pool's default budget on the CPU: 512 MiB of host memory holds ~11,600 tokens of a
 # 135M-parameter model (30 layers, 3 KV heads of 64, float32: 45 KiB a token), i.e. the system
@@ -97,7 +105,9 @@ __all__ = ["Engine", "GenerationResult", "Prompt", "StreamChunk"]
 DEFAULT_PREFIX_CACHE = "512MiB"
 
 
-class Engine(GenerationFacade, KVTransfer):
+class StepEngine(KVTransfer):
+    """The step machine (see the module docstring); users load :class:`kvforge.runtime.Engine`."""
+
     def __init__(
         self,
         artifact_dir: Path,
@@ -184,7 +194,7 @@ class Engine(GenerationFacade, KVTransfer):
         speculative: object = None,
         draft: str | Path | None = None,
         kv_shared: bool = False,
-    ) -> Engine:
+    ) -> StepEngine:
         """Load an artifact on ONNX Runtime's CPU provider, or on a GPU.
 
         ``device="cuda"`` with ``backend="tensorrt"`` runs the artifact's TensorRT plan (built by
@@ -308,7 +318,7 @@ class Engine(GenerationFacade, KVTransfer):
                 raise
         return engine
 
-    def enable_speculative(self, config, draft_engine: Engine | None = None) -> None:
+    def enable_speculative(self, config, draft_engine: StepEngine | None = None) -> None:
         """Turn on drafting (called by :meth:`load`): the verify call's buffers (``max_batch ×
         config.max_width`` positions of logits), and the draft model, whose tokenizer must be
         this artifact's."""
@@ -366,10 +376,8 @@ class Engine(GenerationFacade, KVTransfer):
                     )
 
     def close(self) -> None:
-        from kvforge.runtime.scheduler import Scheduler
-
-        if isinstance(self._rows_owner, Scheduler):
-            self._rows_owner.close(cancel=True)
+        """Free the sessions' bindings, the backend and the cache (a scheduler holding the rows is
+        closed first by :meth:`kvforge.runtime.facade.Engine.close`)."""
         if self.draft_model is not None:
             self.draft_model.close()
         self._decode_bindings.clear()
@@ -379,7 +387,7 @@ class Engine(GenerationFacade, KVTransfer):
         if hasattr(self.cache, "close"):
             self.cache.close()  # a shared cache's segment is unlinked (mapped views stay valid)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> StepEngine:
         return self
 
     def __exit__(self, *exc) -> None:

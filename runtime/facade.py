@@ -1,49 +1,40 @@
-"""The generation facade of :class:`~kvforge.runtime.engine.Engine`: text in, text out.
+"""``Engine``: a compiled artifact -> text. The calls users make, over the step machine.
 
-``Engine`` is two things: the step machine (``engine.py``: buffers, bindings, rows, the step API
-``prefill``/``decode``/``verify``/``score``, KV export and import) and this facade, the calls
-users make (``generate``, ``stream``, ``chat``, ``session()``, ``scheduler()``) and the
-``request`` that turns a prompt and its parameters into a validated
-:class:`~kvforge.runtime.generation.Generation` for the batch loop. ``Engine`` inherits this class;
-it is not used alone. What it reads of the engine: the tokenizer and chat template, the
-generation defaults, the grammar factory and drafting set-up, the lock and the rows
-(``own_rows``, ``reserve_row``, ``_check_rows``). Threads and rows: see ``engine.py``'s docstring.
+``Engine`` is :class:`~kvforge.runtime.engine.StepEngine` (buffers, bindings, rows, the step API
+``prefill``/``decode``/``verify``/``score``, KV export and import; ``Engine.load``) plus the calls
+users make: ``generate``, ``stream``, ``chat``, ``session()``, ``scheduler()``, and ``encode``/
+``request``/``chat_prompt`` (:mod:`kvforge.runtime.requests`). It sits at the top of the runtime:
+it imports the batch loop, the scheduler and sessions, and none of them imports it (they take a
+step engine). Threads and rows: see ``engine.py``'s docstring.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from kvforge.runtime import batching
+from kvforge.runtime import batching, requests
 from kvforge.runtime import validate as check
-from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk, check_max_new_tokens
-from kvforge.runtime.sampling import SamplingParams
-from kvforge.runtime.speculative import setup
-from kvforge.runtime.stops import StopStrings
+from kvforge.runtime.engine import StepEngine
+from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
+from kvforge.runtime.requests import Prompt, Sampling
+from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.session import Session
 
-if TYPE_CHECKING:
-    from kvforge.runtime.engine import Prompt, Sampling
+__all__ = ["Engine", "GenerationResult", "Prompt", "Sampling", "StreamChunk"]
 
 
 def _drop_chunk(chunk: StreamChunk | None) -> None:
     """The sink of :meth:`Engine.generate`'s requests: their chunks have no reader."""
 
 
-class GenerationFacade:
-    """``Engine``'s generation calls (see the module docstring)."""
+class Engine(StepEngine):
+    """A loaded artifact: ``Engine.load(out)``, then ``generate``/``stream``/``chat``/``session``/
+    ``scheduler`` (see the module docstring)."""
 
     def encode(self, prompt: Prompt, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:
-        """A prompt's token ids: strings through the artifact's tokenizer, id sequences (Python or
-        numpy ints) as ``list[int]``. Refuses anything else (bytes, None, floats, bools, nested
-        lists) with a ValueError/TypeError naming ``name``."""
-        prompt = check.prompt(name, prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this artifact has no tokenizer; pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return prompt
+        """:func:`kvforge.runtime.requests.encode` on this engine."""
+        return requests.encode(self, prompt, add_special_tokens, name)
 
     def request(
         self,
@@ -54,35 +45,14 @@ class GenerationFacade:
         index: int = 0,
         start: int = 0,
     ) -> Generation:
-        """A validated :class:`Generation` for ``prompt_ids`` (the whole sequence of its row; the
-        first ``start`` of them already in the cache, for sessions). Raises ValueError naming the
-        bad parameter (``max_new_tokens``, ``sampling``, ``stop``, the prompt) before anything runs."""
-        check_max_new_tokens(max_new_tokens)
-        params = _sampling_params(sampling).resolve(self.generation_defaults)
-        stops = StopStrings(stop)
-        if not stops.empty and self.tokenizer is None:
-            raise ValueError("stop strings need the artifact's tokenizer; this artifact has none (pass stop=None)")
-        self._check_rows([prompt_ids], [0], first_index=index)
-        constraint = params.constraint and self.grammars.new(*params.constraint)
-        gen = Generation(
-            prompt_ids,
-            max_new_tokens,
-            params,
-            stops,
-            tokenizer=self.tokenizer,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            max_seq=self.max_seq,
-            start=start,
-            constraint=constraint,
-        )
-        # A constrained row does not draft: its grammar would have to check every drafted position.
-        gen.drafting = (
-            None
-            if constraint
-            else setup.drafting(gen, params, self.speculative, self.draft_model, self.vocab_size, self.width_cost)
-        )
-        return gen
+        """:func:`kvforge.runtime.requests.request` on this engine: a validated Generation."""
+        return requests.request(self, prompt_ids, max_new_tokens, sampling, stop, index, start)
+
+    def close(self) -> None:
+        """Close a scheduler that holds the rows (cancelling its requests), then the step machine."""
+        if isinstance(self._rows_owner, Scheduler):
+            self._rows_owner.close(cancel=True)
+        super().close()
 
     def generate(
         self,
@@ -164,24 +134,15 @@ class GenerationFacade:
         return self.generate([self.chat_prompt(messages)], max_new_tokens, sampling, stop)[0]
 
     def chat_prompt(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of ``messages`` rendered by the model's chat template. Raises
-        :class:`~kvforge.runtime.chat.ChatTemplateError` (a ValueError) when the model has none."""
-        from kvforge.runtime.chat import ChatTemplate
+        """The token ids of ``messages`` rendered by the model's chat template
+        (:func:`kvforge.runtime.requests.chat_prompt`)."""
+        return requests.chat_prompt(self, messages, add_generation_prompt)
 
-        if self.tokenizer is None:
-            raise ValueError("chat needs the artifact's tokenizer; this artifact has none")
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.require(self.artifact_dir)
-        text = self._chat_template.render(list(messages), add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def session(self, restore: str | Path | None = None):
+    def session(self, restore: str | Path | None = None) -> Session:
         """A :class:`~kvforge.runtime.session.Session`: one conversation kept in one reserved
         cache row (the highest free one), until ``close()``. ``restore``: a file written by
         ``Session.save``; the conversation continues from it exactly as if it had never stopped
         (its KV is imported, nothing is prefilled again)."""
-        from kvforge.runtime.session import Session
-
         session = Session(self, self.reserve_row())
         if restore is not None:
             try:
@@ -191,23 +152,10 @@ class GenerationFacade:
                 raise
         return session
 
-    def scheduler(self, prefill_chunk: int | None = None, block_alloc=None, lend_rows: bool = False):
+    def scheduler(self, prefill_chunk: int | None = None, block_alloc=None, lend_rows: bool = False) -> Scheduler:
         """A :class:`~kvforge.runtime.scheduler.Scheduler` (in-flight batching on a background
         thread) over rows ``[0, k)``; it holds them until ``close()``. ``prefill_chunk``: tokens per
         prefill call of a joining request (default :attr:`chunk_tokens`); ``block_alloc``: where a
         hand-off's KV is exported; ``lend_rows``: hand-offs lend their rows of a shared cache
         instead (``load(..., kv_shared=True)``; see the scheduler's module docstring)."""
-        from kvforge.runtime.scheduler import Scheduler
-
         return Scheduler(self, prefill_chunk, block_alloc, lend_rows)
-
-
-def _sampling_params(sampling: Sampling) -> SamplingParams:
-    """``None``, a :class:`SamplingParams` or a dict of its fields -> SamplingParams."""
-    if sampling is None:
-        return SamplingParams()
-    if isinstance(sampling, SamplingParams):
-        return sampling
-    if isinstance(sampling, Mapping):
-        return SamplingParams.from_dict(sampling)  # unknown keys: ValueError naming them
-    raise ValueError(f"sampling must be a SamplingParams, a dict of its fields or None, got {type(sampling).__name__}")

@@ -1,6 +1,6 @@
 """The backend interface, and what the two GPU backends share.
 
-Interface (what :class:`kvforge.runtime.engine.Engine` calls; ORT CPU's
+Interface (what :class:`kvforge.runtime.engine.StepEngine` calls; ORT CPU's
 :class:`kvforge.runtime.ort_backend.OrtBackend` has it too):
 
 - ``allocate_cache(manifest)`` -> the KV cache the engine binds (``.views(batch)``,

@@ -1,4 +1,4 @@
-"""KV export and import of :class:`~kvforge.runtime.engine.Engine`: a cache row's positions as a
+"""KV export and import of :class:`~kvforge.runtime.engine.StepEngine`: a cache row's positions as a
 :class:`~kvforge.runtime.kv.KVBlock` and back (the prefix cache, saved sessions and the
 disaggregated hand-off all move KV through these four calls).
 

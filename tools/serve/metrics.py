@@ -39,13 +39,22 @@ with vLLM's meaning of queries and hits (tokens, not requests):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from kvforge.tools.serve.serving import ModelServer
+
+class ModelServer(Protocol):
+    """What the collectors read of a server at scrape time (:class:`~.serving.ModelServer` has it;
+    a protocol here keeps this module below the serving layer)."""
+
+    engine: Any  # its prefix_pool
+    in_flight: int
+
+    def scheduler_stats(self) -> tuple[int, int]:
+        """(queued, running) sequences."""
+
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)

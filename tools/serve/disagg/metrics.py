@@ -30,13 +30,19 @@ refused, e.g. a KV block that failed its check).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from kvforge.tools.serve.disagg.router import DisaggServer
+
+class DisaggServer(Protocol):
+    """What the collectors read of the router at scrape time (:class:`~.router.DisaggServer` has
+    it; a protocol here keeps this module below the router)."""
+
+    def workers(self) -> list[dict[str, Any]]:
+        """One row per worker: role, name, state, its latest heartbeat's stats."""
+
 
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STATES = ("starting", "ready", "unresponsive", "dead", "failed")

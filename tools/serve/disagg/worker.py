@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from kvforge.tools.serve.disagg.workers import CANCEL, CLOSE, PREFILL, RESUME, SUBMIT, WorkerEvent, WorkerSpec
+from kvforge.tools.serve.disagg.messages import CANCEL, CLOSE, PREFILL, RESUME, SUBMIT, WorkerEvent, WorkerSpec
 
 HANDOFF = "handoff"  # the finish_reason of a sequence a prefill worker handed off
 

@@ -41,39 +41,24 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvforge.tools.serve.disagg.messages import (
+    CANCEL,
+    CLOSE,
+    DECODE,
+    PREFILL,
+    RESUME,
+    ROLES,
+    SUBMIT,
+    WorkerEvent,
+    WorkerSpec,
+)
+
+__all__ = ["CANCEL", "CLOSE", "DECODE", "PREFILL", "RESUME", "ROLES", "SUBMIT", "PipeWorker", "WorkerClient"]
+__all__ += ["WorkerEvent", "WorkerSpec", "health_row"]
+
 log = logging.getLogger("kvforge.serve")
-
-PREFILL, DECODE = "prefill", "decode"
-ROLES = (PREFILL, DECODE)
-
-
-@dataclass(frozen=True)
-class WorkerEvent:
-    """One message from a worker; see the module docstring for the kinds."""
-
-    kind: str
-    seq: int | None = None
-    payload: Any = None
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """How to start one worker process (pickled to the child: plain data)."""
-
-    role: str  # PREFILL or DECODE
-    name: str  # e.g. "decode-1": the slot's name, kept across restarts
-    artifact_dir: str
-    threads: int | None  # ONNX Runtime intra-op threads of its engine
-    prefix_cache: int | str | None  # the engine's prefix-cache budget (prefill workers)
-    heartbeat_s: float  # how often it sends "beat"
-    lend_rows: bool = True  # a prefill worker lends its cache rows (one copy per hand-off); False: an arena
-
-
-# the messages to a worker (tuples: small and cheap to pickle)
-SUBMIT, RESUME, CANCEL, CLOSE = "submit", "resume", "cancel", "close"
 
 
 class WorkerClient(Protocol):
