@@ -16,7 +16,7 @@ LOCK   := constraints.txt
 # compile/ -> kvforge.compile, ...); every other warning still shows.
 QUIET_BUILD := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: setup demo test test-real test-latest lock lint format bench fuzz gpu-check smollm2 clean
+.PHONY: setup demo test test-real test-latest lock docs lint format bench fuzz gpu-check smollm2 clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,10 @@ test-latest:
 
 demo: setup
 	$(BIN)/kvforge demo
+
+# docs/cli-reference.md from the CLI's argparse parser (tests/tools/test_cli_reference.py fails when stale).
+docs: setup
+	$(BIN)/python -m kvforge.tools.cli_reference
 
 lint: setup
 	$(BIN)/ruff check .

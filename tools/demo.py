@@ -45,7 +45,7 @@ def run_demo(
 ) -> int:
     from transformers import AutoModelForCausalLM
 
-    from kvforge.compile import compile_model
+    from kvforge.compile import compile_model, quiet
     from kvforge.compile.pipeline import stderr_progress
     from kvforge.runtime import Engine
 
@@ -69,7 +69,8 @@ def run_demo(
                 raise ValueError(f"{model_dir} has no tokenizer.json; the demo needs text prompts")
 
         _say("== 3/3 transformers (eager, same prompts)")
-        reference = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").eval()
+        with quiet.no_loading_bar():  # transformers' "Loading weights" bar would land inside the table
+            reference = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").eval()
         _transformers_greedy(reference, tokenizer, prompts[0], 2)  # warm-up
         start = time.perf_counter()
         theirs = [_transformers_greedy(reference, tokenizer, p, max_new_tokens) for p in prompts]

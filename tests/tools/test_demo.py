@@ -1,4 +1,5 @@
-"""kvforge demo's own code path, on the tiny test model: both sides printed, tokens identical."""
+"""kvforge demo's own code path, on the tiny test model: both sides printed, tokens identical, and no
+third-party progress bar among its lines."""
 
 from __future__ import annotations
 
@@ -16,3 +17,6 @@ def test_demo_compares_kvforge_with_transformers(llama_dir, tmp_path, capsys):
     assert "kvforge is" in out.out and "all tokens identical: yes" in out.out
     assert "== 1/3 compile" in out.err and "[kvforge] [7/7" in out.err  # progress while it works
     assert (tmp_path / "art" / "manifest.json").is_file()
+    # a quiet run: no third-party progress bar inside kvforge's output (transformers' "Loading weights")
+    for stream in (out.out, out.err):
+        assert "Loading weights" not in stream and "it/s]" not in stream and "\r" not in stream

@@ -6,7 +6,7 @@ Proves: (1) the request models declare every field of the installed ``openai`` p
 here until they are handled), and each field is implemented, ignored or refused-unless-a-no-op;
 (2) a request with every documented field at once goes through the official client on both routes
 and answers exactly what the same request without the ignored fields answers; (3) each ignored field
-is in the README's table and counted in ``kvforge_ignored_fields_total{field}``; (4) a field outside
+is in docs/serving.md's table and counted in ``kvforge_ignored_fields_total{field}``; (4) a field outside
 the schema is ignored, logged as a warning and named in ``x-kvforge-ignored-fields`` (whole and
 streamed), and ``--strict-fields`` (``build_app(strict_fields=True)`` and the CLI) refuses it with a
 400 naming it; (5) values kvforge cannot honour (audio, tools, a JSON response format, ``suffix``)
@@ -44,7 +44,7 @@ from kvforge.tools.serve import fields, serving
 from kvforge.tools.serve import protocol as p
 from tests.tools.test_serve import KEY, MESSAGES, MODEL, PROMPTS, free_port, metric, post, running, start_cli_server
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING_DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 # vLLM's documented extensions, and kvforge's usage.speculative (drafted/accepted tokens, README)
 VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative"}
 
@@ -233,10 +233,10 @@ def test_every_message_role_of_the_client_is_accepted():
         assert set(msg.model_dump()) >= fields_of  # every key kept (extra keys allowed), none refused
 
 
-def test_each_ignored_field_is_in_the_readme_table():
-    text = README.read_text(encoding="utf-8")
+def test_each_ignored_field_is_in_the_serving_doc_table():
+    text = SERVING_DOC.read_text(encoding="utf-8")
     for name, what in fields.IGNORED.items():
-        assert f"| `{name}` |" in text, f"README lacks the ignored field {name}"
+        assert f"| `{name}` |" in text, f"docs/serving.md lacks the ignored field {name}"
         assert what, name
 
 
