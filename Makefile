@@ -72,8 +72,10 @@ test: lint
 test-real: setup smollm2
 	$(BIN)/python -m pytest -q -m real_model
 
+# The benchmark suite's quick headline (kvforge vs transformers, and genai when installed); the full
+# table: `python -m benchmarks` (benchmarks/README.md).
 bench: setup
-	$(BIN)/python benchmarks/decode_speed.py
+	$(BIN)/python -m benchmarks --quick
 
 # Property-based fuzzing of the public API, hypothesis' long profile (`make test` runs the bounded ci one).
 fuzz: setup

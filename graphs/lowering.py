@@ -164,7 +164,7 @@ def _exact_attention(op, query, key, value, write_indices, mask, scale: float, s
     row the same way whatever M is; ``P·V``'s K-blocks start at fixed multiples whatever T is, a
     masked key adds an exact zero, and the mask, softmax (trailing ``-inf`` change nothing) and
     scale act on each row alone. Measured in float32 (fp32 and int4 artifacts): every row of calls
-    of 2 … 33 tokens equals a one-token call's, 0.0 difference (``benchmarks/verify_identity.py``).
+    of 2 … 33 tokens equals a one-token call's, 0.0 difference (benchmarks/FINDINGS.md: "Bit identity").
     """
     from onnxscript import ir
 

@@ -7,11 +7,11 @@ JSON object). Output: per step, a bitmask of the allowed next tokens (``int32[ce
 ``t & 31`` of word ``t >> 5`` set when token ``t`` is allowed) and the logits row with the others at
 ``-inf``; after each token, whether the grammar is terminated (it accepts and allows nothing more).
 
-Why llguidance (benchmarks/grammar_engines.py, SmolLM2's 49,152-token vocabulary; figures in
-benchmarks/README.md): it requires no other package (xgrammar requires torch, transformers and
-triton: the runtime imports neither torch nor transformers), builds its tokenizer state from
-``tokenizer.json`` text alone, compiles a schema in ~2 ms (xgrammar ~40 ms, paid per request), and
-its mask (p50 ~0.02 ms, p99 ~0.4 ms) is a small fraction of a decode step.
+Why llguidance (benchmarks/FINDINGS.md, "Why llguidance"; SmolLM2's 49,152-token vocabulary): it
+requires no other package (xgrammar requires torch, transformers and triton: the runtime imports
+neither torch nor transformers), builds its tokenizer state from ``tokenizer.json`` text alone,
+compiles a schema in ~2 ms (xgrammar ~40 ms, paid per request), and its mask (p50 ~0.02 ms, p99 ~0.4
+ms) is a small fraction of a decode step.
 
 Order in a step (vLLM v1's): the mask is applied to the raw logits first, then the sampler's
 penalties, temperature, top-k, top-p, min-p and draw (:mod:`kvforge.runtime.sampling`); logprobs

@@ -18,7 +18,7 @@ from __future__ import annotations
 WIDTH_COST = 0.075
 # Quantized weights (MatMulNBits): ORT's int8-activation kernels at M > 1 cost more of a step per
 # token than fp32's MatMul (SmolLM2 int4, 2 threads: widths 2-8 at 0.13-0.19 a token with
-# `exact`, 0.21-0.37 with `gqa`, verify_identity.py / verify_width.py). A prompt-lookup row priced
+# `exact`, 0.21-0.37 with `gqa`, benchmarks/FINDINGS.md: verify width, bit identity). A prompt-lookup row priced
 # at 0.15 matched or beat the old length rule on the int4 gqa artifact, at 0.075 it drafted too
 # long (benchmarks/README.md, "ngram's length from the cost of a call").
 QUANTIZED_WIDTH_COST = 0.15

