@@ -7,7 +7,7 @@ it but the chat template it loads on first use."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvforge.runtime import validate as check
 from kvforge.runtime.generation import Generation, check_max_new_tokens
@@ -20,6 +20,26 @@ if TYPE_CHECKING:
 
 Prompt = str | Sequence[int]
 Sampling = SamplingParams | Mapping | None
+
+
+class Engine(Protocol):
+    """What the scheduler and sessions call on the engine they are given (``kvforge.runtime.Engine``
+    has it: a step engine plus this module's functions as methods), typed here so that neither
+    imports the facade above them."""
+
+    def encode(self, prompt: Prompt, add_special_tokens: bool = True, name: str = "prompt") -> list[int]: ...
+
+    def request(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling = None,
+        stop: str | Sequence[str] | None = None,
+        index: int = 0,
+        start: int = 0,
+    ) -> Generation: ...
+
+    def chat_prompt(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]: ...
 
 
 def encode(engine: StepEngine, prompt: Prompt, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:

@@ -47,14 +47,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvforge.runtime import requests, validate
+from kvforge.runtime import validate
 from kvforge.runtime.batching import BatchLoop
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 
 if TYPE_CHECKING:
-    from kvforge.runtime.engine import StepEngine
     from kvforge.runtime.kv.handoff import Handoff
-    from kvforge.runtime.requests import Prompt
+    from kvforge.runtime.requests import Engine, Prompt
     from kvforge.runtime.sampling import SamplingParams
 
 
@@ -105,7 +104,7 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: StepEngine,
+        engine: Engine,
         prefill_chunk: int | None = None,
         block_alloc: Callable[[int], object] | None = None,
         lend_rows: bool = False,
@@ -153,7 +152,7 @@ class Scheduler:
         """Queue one request (thread-safe); returns its :class:`RequestHandle` at once. Raises
         ValueError for bad parameters or prompts, RuntimeError after :meth:`close`. ``hand_off``:
         stop after the first token with a hand-off for a decode worker (module docstring)."""
-        gen = requests.request(self.engine, requests.encode(self.engine, prompt), max_new_tokens, sampling, stop)
+        gen = self.engine.request(self.engine.encode(prompt), max_new_tokens, sampling, stop)
         gen.hand_off = bool(hand_off)
         return self._queue(gen)
 
@@ -164,9 +163,7 @@ class Scheduler:
         the hand-off is released then (``Handoff.release``: a shared-memory slot is freed)."""
         try:
             self.engine.check_kv(handoff.block)
-            gen = requests.request(
-                self.engine, handoff.prompt_ids, handoff.max_new_tokens, handoff.sampling, handoff.stop
-            )
+            gen = self.engine.request(handoff.prompt_ids, handoff.max_new_tokens, handoff.sampling, handoff.stop)
             gen.replay_first(handoff)
             return self._queue(gen)
         except BaseException:

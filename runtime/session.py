@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvforge.runtime import requests, validate
+from kvforge.runtime import validate
 from kvforge.runtime.batching import BatchLoop
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 from kvforge.runtime.kv import KVBlock, KVBlockError
@@ -48,14 +48,13 @@ from kvforge.runtime.kv import KVBlock, KVBlockError
 SESSION_KIND = "kvforge-session"  # a saved session's KVBlock.meta["kind"]
 
 if TYPE_CHECKING:
-    from kvforge.runtime.engine import StepEngine
-    from kvforge.runtime.requests import Prompt, Sampling
+    from kvforge.runtime.requests import Engine, Prompt, Sampling
 
 
 class Session:
     """One conversation in cache row ``row`` of ``engine`` (see the module docstring)."""
 
-    def __init__(self, engine: StepEngine, row: int) -> None:
+    def __init__(self, engine: Engine, row: int) -> None:
         self.engine = engine
         self.row = row
         self._tokens: list[int] = []
@@ -86,7 +85,7 @@ class Session:
                 "add_special_tokens must be True, False or None (special tokens only when the session is empty)"
             )
         special = not self._tokens if add_special_tokens is None else add_special_tokens
-        ids = requests.encode(self.engine, prompt, add_special_tokens=special)
+        ids = self.engine.encode(prompt, add_special_tokens=special)
         engine = self.engine
         bad = [t for t in ids if not 0 <= t < engine.vocab_size]
         if bad:
@@ -173,7 +172,7 @@ class Session:
     ) -> GenerationResult:
         """Render the whole conversation ``messages`` with the chat template, :meth:`sync` to it
         (only what changed since the cached prefix is prefilled) and generate the reply."""
-        self.sync(requests.chat_prompt(self.engine, messages))
+        self.sync(self.engine.chat_prompt(messages))
         return self.generate(max_new_tokens, sampling, stop)
 
     def save(self, path: str | Path) -> Path:
@@ -238,7 +237,7 @@ class Session:
     def _request(self, max_new_tokens: int, sampling: Sampling, stop: str | Sequence[str] | None) -> Generation:
         self._check_open()
         start = self._start()
-        return requests.request(self.engine, list(self._tokens), max_new_tokens, sampling, stop, start=start)
+        return self.engine.request(list(self._tokens), max_new_tokens, sampling, stop, start=start)
 
     def _run(self, gen: Generation) -> Iterator[StreamChunk]:
         engine = self.engine
