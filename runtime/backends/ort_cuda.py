@@ -43,11 +43,9 @@ class OrtCudaBackend(GpuBackend):
         super().__init__(manifest, bp.ALIAS)  # ORT binds one address to past and present: in place
         self.ort = ort
         self.cuda_graphs = cuda_graphs
-        options = {"device_id": str(gpu.index), "enable_cuda_graph": "1" if cuda_graphs else "0"}
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        graph = manifest.graphs["prefill"]
-        self.session = ort.InferenceSession(str(root / graph.file), so, providers=[("CUDAExecutionProvider", options)])
+        self.session, self.cuda_graphs, self.cuda_graphs_refused = _open_session(
+            ort, root / manifest.graphs["prefill"].file, gpu.index, cuda_graphs
+        )
         self._inputs = [i.name for i in self.session.get_inputs()]
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._run_options: dict[str, object] = {}
@@ -98,6 +96,33 @@ class OrtCudaBackend(GpuBackend):
         self._run_options.clear()
         self.session = None
         super().close()
+
+
+CUDA_GRAPH_REFUSAL = "cannot use the graph capture feature"
+
+
+def _open_session(ort, path: Path, device_id: int, cuda_graphs: bool):
+    """The CUDA session, with CUDA graphs when asked and ORT accepts them: ``(session, cuda_graphs,
+    refusal)``. ORT refuses graph capture when a node of the graph runs outside the CUDA provider
+    (seen on an H200 with onnxruntime-gpu 1.31.1, 2026-12-04); then decode runs without graphs, said
+    at load, and ``refusal`` keeps ORT's message (``bench`` reports it)."""
+
+    def make(graphs: bool):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        options = {"device_id": str(device_id), "enable_cuda_graph": "1" if graphs else "0"}
+        return ort.InferenceSession(str(path), so, providers=[("CUDAExecutionProvider", options)])
+
+    if not cuda_graphs:
+        return make(False), False, None
+    try:
+        return make(True), True, None
+    except Exception as e:  # ORT raises its own Fail type; only the graph-capture refusal is retried
+        if CUDA_GRAPH_REFUSAL not in str(e):
+            raise
+        why = str(e).split(" : ")[-1].strip()
+        print(f"[kvforge] ORT refused CUDA graphs for {path.name} ({why}); decoding without them")
+        return make(False), False, str(e)
 
 
 def _np_type(dtype: str):
