@@ -14,6 +14,7 @@ their payload.
 import collections
 import struct
 import sys
+from pathlib import Path
 
 MAGIC = 0xBA55ED50
 
@@ -36,7 +37,7 @@ def entries(buf):
 
 
 def main(argv):
-    buf = bytearray(open(argv[0], "rb").read())
+    buf = bytearray(Path(argv[0]).read_bytes())
     keep = int(argv[2]) if len(argv) > 2 else None
     sizes = collections.Counter()
     for start, payload, kind, arch in entries(buf):
@@ -46,7 +47,7 @@ def main(argv):
     for (kind, arch), n in sorted(sizes.items()):
         print(f"{kind} sm_{arch}: {n / 2**20:.1f} MiB")
     if keep is not None:
-        open(argv[1], "wb").write(buf)
+        Path(argv[1]).write_bytes(buf)
 
 
 if __name__ == "__main__":
