@@ -48,6 +48,25 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=wait_then_exit, name="kvforge-drain", daemon=True).start()
 
 
+class _UvicornLayout(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname + ':':<10}[kvforge] {super().format(record)}"
+
+
+def log_like_uvicorn(level: str = "info") -> None:
+    """Send kvforge's server logs (``kvforge.*``) to stderr in uvicorn's layout, ``LEVEL:    [kvforge] ...``,
+    so that a served process prints one kind of line (Python's last-resort handler would print the
+    bare message, warnings only)."""
+    logger = logging.getLogger("kvforge")
+    if any(getattr(h, "kvforge_uvicorn_layout", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.kvforge_uvicorn_layout = True
+    handler.setFormatter(_UvicornLayout())
+    logger.addHandler(handler)
+    logger.setLevel(level.upper() if level.upper() in logging.getLevelNamesMapping() else logging.INFO)
+
+
 def serve_local(
     server: ModelServer,
     *,
@@ -60,6 +79,7 @@ def serve_local(
     """Serve ``server`` on ``host:port`` until a signal; closes it on the way out. ``strict_fields``:
     see :func:`build_app`."""
     app = build_app(server, api_key=api_key, owns_server=True, strict_fields=strict_fields)
+    log_like_uvicorn(log_level)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
     try:
         DrainingServer(config, server).run()
