@@ -68,7 +68,7 @@ WEATHER = {
         },
     },
 }
-CLOSED = structured.closed_objects(WEATHER["function"]["parameters"])
+CLOSED = {**WEATHER["function"]["parameters"], "additionalProperties": False}  # what the grammar writes
 
 
 @pytest.fixture(scope="module")
@@ -217,11 +217,15 @@ def test_forced_parse_drops_an_unclosed_block():
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
 )
-def test_forced_tool_without_additional_properties_closes(client, tool_choice):
+def test_forced_tool_without_additional_properties_closes(client, served, tool_choice):
     # Neither additionalProperties nor parallel_tool_calls: LangChain's bind_tools(..., tool_choice=...).
+    # A model keen on more keys (logit_bias +100 on ","): an open object would take key after key
+    # until `length` and no call would come back; the closed one ends after "unit".
+    [comma] = served[1].encode(",", special=False)
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice, max_tokens=140, temperature=0
-    )
+        model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice, max_tokens=200, temperature=0,
+        logit_bias={str(comma): 100},
+    )  # fmt: skip
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls  # parallel_tool_calls unset: one call, then the output ends
