@@ -157,7 +157,7 @@ class Generation:
         self.prompt_ids = list(prompt_ids)
         self.max_new_tokens = int(max_new_tokens)
         self.params = params
-        self.sampler = Sampler(params, self.prompt_ids, vocab_size)
+        self.sampler = Sampler(params, self.prompt_ids, vocab_size, eos_token_ids)
         self.stops = stops
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = eos_token_ids
@@ -211,9 +211,10 @@ class Generation:
         return int(self.sampler(logits))
 
     def accept(self, token: int, room: bool) -> None:
-        """Record ``token`` and emit its chunk; finish on eos, a stop string, ``max_new_tokens``
-        or ``room=False`` (the cache row cannot hold the token for another step), or when the
-        output's grammar is complete (``stop``)."""
+        """Record ``token`` and emit its chunk; finish on eos (not with ``ignore_eos``), a stop
+        string (not before ``min_tokens`` tokens), ``max_new_tokens`` or ``room=False`` (the cache
+        row cannot hold the token for another step), or when the output's grammar is complete
+        (``stop``)."""
         if self.first_token is None:
             self.first_token = time.perf_counter()
         self.state = "decoding"
@@ -221,10 +222,13 @@ class Generation:
         if self.constraint is not None and not self.constraint.accept([token]):
             raise RuntimeError(f"token {token} broke the output's grammar: {self.constraint.error}")
         text = self.detok.add(token) if self.detok is not None else ""
-        text, matched = self.stops.feed(text) if text else ("", None)
+        # min_tokens (vLLM's): no stop string is matched before that many tokens; their text passes as it is.
+        early = len(self.token_ids) <= self.params.min_tokens
+        text, matched = self.stops.feed(text) if text and not early else (text, None)
+        eos = token in self.eos_token_ids and not self.params.ignore_eos
         if matched is not None:
             self._finish("stop", text, [token], stop_string=matched)
-        elif token in self.eos_token_ids or (self.constraint is not None and self.constraint.is_terminated):
+        elif eos or (self.constraint is not None and self.constraint.is_terminated):
             self._finish("stop", text, [token])
         elif len(self.token_ids) >= self.max_new_tokens or not room:
             self._finish("length", text, [token])

@@ -9,7 +9,9 @@ OpenAI's ``logit_bias``, which vLLM applies first:
 
 0. logit bias (OpenAI's ``logit_bias``; not in transformers): ``logit += bias[id]`` for the biased ids,
    before any other processor, where vLLM v1's sampler applies it (with min-tokens, before the
-   repetition/frequency/presence penalties and temperature). Applied in greedy mode too.
+   repetition/frequency/presence penalties and temperature). Applied in greedy mode too. Beside it
+   vLLM's ``min_tokens``: the eos ids at ``-inf`` until ``min_tokens`` tokens are generated (unless
+   eos is all that is left, as when an output grammar is complete).
 1. repetition penalty (``RepetitionPenaltyLogitsProcessor``): for every id in prompt + generated ids,
    ``logit * p`` when the logit is < 0, else ``logit / p``. Applied in greedy mode too.
 2. frequency and presence penalties (not in transformers; OpenAI's definition, as vLLM applies them
@@ -184,6 +186,10 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
     speculative: bool = True  # False: this request never drafts (on an engine loaded with speculative=...)
     prediction: tuple[int, ...] | None = None  # token ids the output is expected to repeat: drafted first
+    # vLLM's extensions: an eos id does not end the request (it runs to max_new_tokens or a stop string);
+    # the eos ids are forbidden (and stop strings not matched) until min_tokens tokens are generated.
+    ignore_eos: bool = False
+    min_tokens: int = 0
     # Structured output (at most one; kvforge.runtime.constraints, the `structured` extra): a JSON Schema
     # (dict or JSON text), a regex the whole output matches, a Lark grammar (llguidance's syntax), any JSON object.
     json_schema: Mapping | str | None = None
@@ -245,6 +251,10 @@ class SamplingParams:
                 ),
             )
         put("logit_bias", _logit_bias(self.logit_bias))
+
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={_short(self.ignore_eos)} is not accepted: ignore_eos must be True or False")
+        put("min_tokens", _int("min_tokens", self.min_tokens, "an int >= 0 (0 turns it off)", lambda v: v >= 0))
 
         if not isinstance(self.speculative, bool):
             raise ValueError(
@@ -346,7 +356,9 @@ class Sampler:
     only read (they are a view of the engine's buffer) and never kept.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> None:
+    def __init__(
+        self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, eos_token_ids: Sequence[int] = ()
+    ) -> None:
         if not params.resolved:
             raise ValueError(
                 f"Sampler needs resolved SamplingParams (no None among temperature, top_k, top_p, min_p, "
@@ -370,6 +382,12 @@ class Sampler:
             )
         self._plain = self._greedy and not self._rep and not self._pen and not bias and params.logprobs is None
         self._plain = self._plain and params.constraint is None  # a constrained row argmaxes its masked copy
+        # min_tokens: the eos ids (those inside the logits' vocabulary) are at -inf for the first min_tokens draws.
+        eos = sorted(int(t) for t in eos_token_ids if 0 <= int(t) < V) if params.min_tokens else []
+        self._eos = np.array(eos, dtype=np.intp) if eos else None
+        self._eos_saved = np.empty(len(eos), dtype=np.float32)
+        self.generated = 0  # tokens recorded (for min_tokens)
+        self._plain = self._plain and self._eos is None
         if self._plain:
             return  # nothing to count, nothing to scratch: the engine's argmax is the whole job
         # logit_bias as a dense row, built once: one in-place add per step, no allocation.
@@ -410,6 +428,7 @@ class Sampler:
             raise ValueError(f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
         if self._plain:
             return
+        self.generated += 1
         if not self._seen[t]:
             self._seen[t] = True
             self._seen_list.append(t)
@@ -515,6 +534,13 @@ class Sampler:
         np.copyto(x, logits, casting="same_kind")
         if self._bias is not None:
             np.add(x, self._bias, out=x)
+        if self._eos is not None and self.generated < p.min_tokens:
+            # vLLM's min-tokens processor, beside the logit bias; never when eos is all that is left
+            # (a grammar that allows only eos now: its output is complete).
+            np.take(x, self._eos, out=self._eos_saved)
+            x[self._eos] = -np.inf
+            if not np.isfinite(x.max()):
+                x[self._eos] = self._eos_saved
         if self._rep and self._seen_list:
             if self._seen_ids is None:
                 self._seen_ids = np.array(self._seen_list, dtype=np.intp)
@@ -618,13 +644,16 @@ class Sampler:
         return m + math.log(float(t.sum(dtype=np.float64)))
 
     def _top_logprobs(self, logits: np.ndarray, k: int, lse: float) -> list[tuple[int, float]]:
-        """The k most likely tokens of the raw distribution (ties: lower id first) with their logprobs."""
+        """The k most likely tokens of the raw distribution (ties: lower id first) with their logprobs.
+        Tokens of probability 0 (logit ``-inf``: forbidden by the output's grammar) are not among
+        them, so fewer than k come back when fewer are possible."""
         if k == 0:
             return []
         t = self._tmp
         np.copyto(t, logits, casting="same_kind")
         kk = min(k, self.vocab_size)
         np.greater_equal(t, self._kth_largest(t, kk), out=self._mask)
+        np.greater(t, -np.inf, out=self._mask, where=self._mask)
         cand = np.flatnonzero(self._mask)
         cv = t[cand]
         order = np.lexsort((cand, -cv))[:kk]

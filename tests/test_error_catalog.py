@@ -688,6 +688,11 @@ def _(c, http):
     return answer(http[1].post("/v1/completions", json=body, headers=KEY), 400)
 
 
+@trigger("http-400-min-tokens")
+def _(c, http):
+    return answer(http[1].post("/v1/completions", json={**BODY, "max_tokens": 4, "min_tokens": 5}, headers=KEY), 400)
+
+
 @trigger("http-400-no-template")
 def _(c, http):
     body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}

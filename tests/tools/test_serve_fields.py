@@ -92,8 +92,10 @@ IMPLEMENTED = {
         "top_p",
     },
 }
-# kvforge's own fields beyond OpenAI's schema (as vLLM's completions take response_format too).
-EXTENSIONS = {"chat": set(), "completions": {"response_format"}}
+# kvforge's own fields beyond OpenAI's schema (as vLLM's completions take response_format too), and
+# vLLM's extensions (docs/serving.md's table of them, checked below).
+VLLM_EXTENSIONS = {"ignore_eos", "min_tokens", "stream_options.continuous_usage_stats"}
+EXTENSIONS = {"chat": {"ignore_eos", "min_tokens"}, "completions": {"response_format", "ignore_eos", "min_tokens"}}
 # Fields refused with a 400 unless set to their no-op value.
 REFUSED = {
     "chat": {"audio", "function_call", "functions"},
@@ -238,6 +240,10 @@ def test_each_ignored_field_is_in_the_serving_doc_table():
     for name, what in fields.IGNORED.items():
         assert f"| `{name}` |" in text, f"docs/serving.md lacks the ignored field {name}"
         assert what, name
+    for name in VLLM_EXTENSIONS:  # implemented (tests/serve/test_serve_bugs.py), and documented
+        assert f"| `{name}` |" in text, f"docs/serving.md lacks vLLM's extension {name}"
+        model = p.StreamOptions if name.startswith("stream_options.") else p.ChatCompletionRequest
+        assert name.split(".")[-1] in model.model_fields, name
 
 
 # ------------------------------------------------------------------------------- all at once

@@ -11,7 +11,13 @@ prompt, and fields outside OpenAI's schema when ``strict_fields``), 401 for a mi
 wrong key, 404/405 for unknown routes, 429 when the queue is full, 503 while draining, 500 when the
 runtime fails. ``GET /health`` answers 200 with ``status`` "ok", or 503 with "draining", or (a
 disaggregated server with a pool that has no ready worker) "degraded" and a ``degraded`` message.
-Every response carries ``x-kvforge-replica`` (which process or Ray replica answered).
+Every response carries ``x-kvforge-replica`` (which process or Ray replica answered) and
+``x-request-id`` (the client's own ``x-request-id`` when it sent a printable one, else a new id).
+
+Any other exception in a route (a bug) is caught: logged with its traceback and the request id,
+counted in ``kvforge_unexpected_errors_total{route}``, and answered as the route's error object
+(:func:`error_shape_for`; OpenAI's: status 500, ``type: "server_error"``, the request id in the
+message) or, when a stream has begun, as a last ``data:`` error event and ``[DONE]``.
 
 Fields outside OpenAI's schema are ignored, logged (a warning) and named in the response header
 ``x-kvforge-ignored-fields``; ``strict_fields=True`` (``kvforge serve --strict-fields``) refuses
@@ -31,7 +37,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -42,17 +49,59 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvforge.tools.serve import chat, completions, fields
 from kvforge.tools.serve import protocol as p
-from kvforge.tools.serve.serving import ModelServer, ServingError
+from kvforge.tools.serve.serving import SSE_DONE, ModelServer, ServingError, sse
 
 REPLICA_HEADER = "x-kvforge-replica"
+REQUEST_ID_HEADER = "x-request-id"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 T = TypeVar("T")
 log = logging.getLogger("kvforge.serve")
 
+ErrorShape = Callable[[ServingError], dict[str, Any]]
 
-def error_response(error: ServingError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+
+def openai_error(error: ServingError) -> dict[str, Any]:
+    """OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``."""
+    return error.body()
+
+
+# Route prefix -> how that API writes its errors (the first prefix that matches; OpenAI's
+# otherwise). An API with its own error shape adds its routes here, e.g. "/v1/messages": Anthropic's.
+ERROR_SHAPES: dict[str, ErrorShape] = {}
+
+
+def error_shape_for(path: str) -> ErrorShape:
+    """The error body of the API ``path`` belongs to (:data:`ERROR_SHAPES`, else OpenAI's)."""
+    for prefix, shape in ERROR_SHAPES.items():
+        if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+            return shape
+    return openai_error
+
+
+def error_response(error: ServingError, path: str = "") -> JSONResponse:
+    return JSONResponse(error_shape_for(path)(error), status_code=error.status)
+
+
+def unexpected_error(exc: BaseException, request_id: str) -> ServingError:
+    """The 500 a client gets for a bug: what failed, and the id to find its traceback in the log by."""
+    return ServingError(
+        f"the server failed on this request ({type(exc).__name__}: {exc}); this is a kvforge bug, not a problem "
+        f"with the request: report it with the request id {request_id} (the server log has the traceback)",
+        status=500,
+        type="server_error",
+        code="internal_error",
+    )
+
+
+def _request_id(scope: Scope) -> str:
+    """The client's ``x-request-id`` when it is short printable ASCII, else a new id."""
+    for name, value in scope.get("headers", []):
+        if name == REQUEST_ID_HEADER.encode():
+            text = value.decode("latin-1")
+            if 0 < len(text) <= 128 and text.isascii() and text.isprintable():
+                return text
+    return f"req_{uuid.uuid4().hex}"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -74,7 +123,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class _Observe:
-    """ASGI middleware: count answered requests by route and status, and stamp the replica header."""
+    """ASGI middleware: count answered requests by route and status, stamp the replica and request
+    id headers, and answer any exception the app lets out (a bug) with the route's error object."""
 
     def __init__(self, app: ASGIApp, server: ModelServer) -> None:
         self.app, self.server = app, server
@@ -85,14 +135,42 @@ class _Observe:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         route = path if path in ROUTES else "other"
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id  # request.state.request_id
+        started = False
 
         async def send_observed(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), self.header]
+                started = True
+                extra = [self.header, (REQUEST_ID_HEADER.encode(), request_id.encode())]
+                message["headers"] = [*message.get("headers", []), *extra]
                 self.server.metrics.requests.labels(route=route, status=str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, send_observed)
+        try:
+            await self.app(scope, receive, send_observed)
+        except Exception as exc:
+            log.exception("%s %s failed (request id %s)", scope.get("method"), path, request_id)
+            self.server.metrics.unexpected_errors.labels(route=route).inc()
+            if started:  # the answer has begun: the connection is closed (streams report their own errors)
+                return
+            await error_response(unexpected_error(exc, request_id), path)(scope, receive, send_observed)
+
+
+async def _guarded(stream: AsyncIterator[str], request: Request, server: ModelServer) -> AsyncIterator[str]:
+    """A streamed answer whose unexpected exception (a bug) ends it with an error event and
+    ``[DONE]``, logged and counted like :class:`_Observe` does a whole answer's."""
+    async with contextlib.aclosing(stream):
+        try:
+            async for event in stream:
+                yield event
+        except Exception as exc:
+            path, request_id = request.url.path, request.state.request_id
+            log.exception("%s %s failed mid-stream (request id %s)", request.method, path, request_id)
+            server.metrics.unexpected_errors.labels(route=path if path in ROUTES else "other").inc()
+            yield sse(error_shape_for(path)(unexpected_error(exc, request_id)))
+            yield SSE_DONE
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -138,18 +216,18 @@ def build_app(
 
     @app.exception_handler(ServingError)
     async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(ServingError(message, param=param, code="invalid_request"))
+        return error_response(ServingError(message, param=param, code="invalid_request"), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
         message = f"{exc.detail}: {request.method} {request.url.path} (routes: {', '.join(ROUTES)})"
-        return error_response(ServingError(message, status=exc.status_code, type=kind))
+        return error_response(ServingError(message, status=exc.status_code, type=kind), request.url.path)
 
     async def authorized(request: Request) -> None:
         if api_key is None:
@@ -194,7 +272,7 @@ def build_app(
                 if first.kind == "error" and isinstance(first.payload, ServingError):
                     flight.cancel()
                     raise first.payload
-            stream = handler.stream(server, body, prep, flight)
+            stream = _guarded(handler.stream(server, body, prep, flight), request, server)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         try:
             response = await _until_disconnected(request, handler.full(server, body, prep, flight))

@@ -28,8 +28,12 @@ from kvforge.tools.serve.serving import (
     ServingError,
     cached_tokens,
     choices,
+    continuous_usage,
     final_results,
+    finite_logprob,
+    possible_top,
     raise_on_error,
+    running_usage,
     sampling_params,
     sse,
     usage,
@@ -100,6 +104,8 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         logit_bias=req.logit_bias,
         vocab_size=server.engine.vocab_size,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
     )
     if req.prediction is not None:  # the draft, tokenized as the answer would be (no special tokens)
         base = with_prediction(base, server.encode(_prediction_text(req.prediction), special=False))
@@ -112,11 +118,13 @@ def chat_logprobs(server: ModelServer, logprobs) -> p.ChatCompletionLogProbs:
     for lp in logprobs:
         token = server.token_text(lp.token_id)
         top = []
-        for t, v in lp.top:
+        for t, v in possible_top(lp.top):
             alt = server.token_text(t)
             top.append(p.TopLogprob(token=alt, logprob=v, bytes=list(alt.encode())))
         content.append(
-            p.ChatCompletionLogProb(token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top)
+            p.ChatCompletionLogProb(
+                token=token, logprob=finite_logprob(lp.logprob), bytes=list(token.encode()), top_logprobs=top
+            )
         )
     return p.ChatCompletionLogProbs(content=content)
 
@@ -129,7 +137,7 @@ async def full(
     for i in range(len(prep.sequences)):
         content, calls = (results[i].text, [])
         if prep.plan.parse_calls:
-            content, calls = structured.parse_output(content)
+            content, calls = structured.parse_output(content, forced=prep.plan.forced)
         response_choices.append(
             p.ChatCompletionResponseChoice(
                 index=i,
@@ -150,16 +158,22 @@ async def stream(
     server: ModelServer, req: p.ChatCompletionRequest, prep: Prepared, flight: Flight
 ) -> AsyncIterator[str]:
     """Server-sent events: per choice a first chunk with the assistant role, content deltas, a last
-    chunk with the finish_reason; the usage chunk if asked; ``[DONE]``."""
+    chunk with the finish_reason; the usage chunk if asked; ``[DONE]``. With
+    ``continuous_usage_stats`` every chunk carries the usage so far."""
     head = p.ChatCompletionStreamResponse(
         id=p.random_id("chatcmpl"), created=int(time.time()), model=server.model_name, choices=[]
     )
+    continuous, generated = continuous_usage(req), 0
 
     def chunk(index: int, delta: p.DeltaMessage, **fields) -> str:
         choice = p.ChatCompletionStreamChoice(index=index, delta=delta, **fields)
-        return sse(head.model_copy(update={"choices": [choice]}))
+        update = {"choices": [choice]}
+        if continuous:
+            update["usage"] = running_usage(prep.prompt_tokens, generated)
+        return sse(head.model_copy(update=update))
 
-    parsers = [structured.DeltaParser() if prep.plan.parse_calls else None for _ in prep.sequences]
+    forced = prep.plan.forced
+    parsers = [structured.DeltaParser(forced) if prep.plan.parse_calls else None for _ in prep.sequences]
     results = {}
     try:
         for index in range(len(prep.sequences)):
@@ -170,6 +184,7 @@ async def stream(
                 parser = parsers[event.index]
                 if event.kind == "chunk":
                     piece = event.payload
+                    generated += len(piece.token_ids)
                     logprobs = chat_logprobs(server, piece.logprobs) if req.logprobs and piece.logprobs else None
                     if parser is not None:  # tool calls: content and whole calls as they are certain
                         for j, delta in enumerate(parser.feed(piece.text, logprobs is not None)):

@@ -30,8 +30,12 @@ from kvforge.tools.serve.serving import (
     ServingError,
     cached_tokens,
     choices,
+    continuous_usage,
     final_results,
+    finite_logprob,
+    possible_top,
     raise_on_error,
+    running_usage,
     sampling_params,
     sse,
     usage,
@@ -98,6 +102,8 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
         logprobs=0 if ranked else req.logprobs,
         logit_bias=req.logit_bias,
         vocab_size=vocab,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
     )
     base = structured.constrain(base, structured.Plan(structured.response_format_fields(req.response_format)))
     sequences = []
@@ -131,8 +137,8 @@ def completion_logprobs(server: ModelServer, logprobs, offset: int) -> p.Complet
     for lp in logprobs:
         token = server.token_text(lp.token_id)
         out.tokens.append(token)
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({server.token_text(t): v for t, v in lp.top})
+        out.token_logprobs.append(finite_logprob(lp.logprob))
+        out.top_logprobs.append({server.token_text(t): v for t, v in possible_top(lp.top)})
         out.text_offset.append(offset)
         offset += len(token)
     return out
@@ -165,15 +171,20 @@ async def full(server: ModelServer, req: p.CompletionRequest, prep: Prepared, fl
 
 async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, flight: Flight) -> AsyncIterator[str]:
     """Server-sent events: one ``data:`` line per chunk of each choice, a last chunk per choice with
-    its finish_reason, the usage chunk if asked (``stream_options.include_usage``), ``[DONE]``."""
+    its finish_reason, the usage chunk if asked (``stream_options.include_usage``), ``[DONE]``.
+    With ``continuous_usage_stats`` every chunk carries the usage so far."""
     head = p.CompletionStreamResponse(
         id=p.random_id("cmpl"), created=int(time.time()), model=server.model_name, choices=[]
     )
     offsets = [len(prep.prompt_texts[i // prep.candidates]) for i in range(len(prep.sequences))]
     results = {}
+    continuous, generated = continuous_usage(req), 0
 
     def chunk(index: int, text: str, **fields) -> str:
-        return sse(head.model_copy(update={"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}))
+        update = {"choices": [p.CompletionResponseChoice(index=index, text=text, **fields)]}
+        if continuous:
+            update["usage"] = running_usage(prep.prompt_tokens, generated)
+        return sse(head.model_copy(update=update))
 
     try:
         if req.echo:
@@ -185,6 +196,7 @@ async def stream(server: ModelServer, req: p.CompletionRequest, prep: Prepared, 
                 index = event.index
                 if event.kind == "chunk":
                     piece = event.payload
+                    generated += len(piece.token_ids)
                     logprobs = None
                     if prep.sequences[index].sampling.logprobs is not None and piece.logprobs:
                         logprobs = completion_logprobs(server, piece.logprobs, offsets[index])

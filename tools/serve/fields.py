@@ -15,6 +15,11 @@ checks this against the ``openai`` package's TypedDicts):
   values (``functions: []``, ``function_call: "none"``, ``modalities: ["text"]``, ...) pass. A tool
   type other than ``function`` is refused by :mod:`.structured`.
 
+vLLM's extensions ``ignore_eos``, ``min_tokens`` (both routes) and
+``stream_options.continuous_usage_stats`` are declared in :mod:`.protocol` and implemented (the
+runtime's ``SamplingParams``; the streams of :mod:`.chat` and :mod:`.completions`), so they are
+neither unknown nor ignored (docs/serving.md's table of them).
+
 Fields outside the schema (:func:`unknown_fields`) are ignored with a warning in the log and named
 in the response header ``x-kvforge-ignored-fields`` (as vLLM ignores and logs them), or refused
 with a 400 when the server runs with ``--strict-fields``.

@@ -19,6 +19,8 @@ seconds, ``_total`` counters):
   named in ``x-kvforge-ignored-fields``; no label: their names are the clients' choice)
 - ``kvforge_prompt_tokens_cached_total``: prompt tokens of finished sequences taken from the prefix
   cache instead of prefilled
+- ``kvforge_unexpected_errors_total{route}``: exceptions a route let out (bugs), answered with a 500
+  error object (or a stream's last error event); each is in the log with its traceback
 
 The prefix cache's own series (read from the engine's pool at scrape time; absent when it is off),
 with vLLM's meaning of queries and hits (tokens, not requests):
@@ -138,6 +140,9 @@ class ServeMetrics:
         )
         self.spec_accepted_tokens = Counter(
             "kvforge_spec_decode_num_accepted_tokens", "drafted tokens accepted", registry=r
+        )
+        self.unexpected_errors = Counter(
+            "kvforge_unexpected_errors", "exceptions a route let out (bugs), answered with a 500", ["route"], registry=r
         )
         r.register(_SchedulerCollector(server))
         r.register(_PrefixCacheCollector(server))

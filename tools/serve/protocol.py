@@ -68,6 +68,7 @@ def random_id(prefix: str) -> str:
 class StreamOptions(RequestModel):
     include_usage: bool = False  # a last chunk with `usage` and no choices, before [DONE]
     include_obfuscation: bool | None = None  # ignored: no obfuscation padding on a local server
+    continuous_usage_stats: bool = False  # vLLM extension: every chunk carries the usage so far
 
 
 class CompletionTokensDetails(ResponseModel):
@@ -140,6 +141,9 @@ class CompletionRequest(RequestModel):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None  # ignored
+    # vLLM extensions: an eos does not end the output; no eos nor stop string before min_tokens tokens
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 class CompletionLogProbs(ResponseModel):
@@ -243,6 +247,9 @@ class ChatCompletionRequest(RequestModel):
     user: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # vLLM extensions (as in CompletionRequest)
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 class TopLogprob(ResponseModel):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import socket
 import time
@@ -43,6 +44,7 @@ from kvforge.tools.serve.metrics import ServeMetrics
 from kvforge.tools.serve.protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's chat API allows
+MIN_LOGPROB = -9999.0  # what an impossible token's logprob reads as in JSON (OpenAI's and vLLM's floor)
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -131,10 +133,13 @@ def sampling_params(
     logprobs: int | None,
     logit_bias: Mapping[str, float] | None,
     vocab_size: int,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
 ) -> SamplingParams:
-    """The runtime's SamplingParams for OpenAI's fields; invalid values -> ServingError 400 naming
-    the field (the runtime's own message says what is accepted). ``logit_bias`` keys are token ids
-    as JSON strings; an id outside ``[0, vocab_size)`` is a 400 too."""
+    """The runtime's SamplingParams for OpenAI's fields (and vLLM's ``ignore_eos``, ``min_tokens``);
+    invalid values -> ServingError 400 naming the field (the runtime's own message says what is
+    accepted). ``logit_bias`` keys are token ids as JSON strings; an id outside ``[0, vocab_size)``
+    is a 400 too."""
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ServingError(
             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs", code="invalid_value"
@@ -147,6 +152,8 @@ def sampling_params(
         frequency_penalty=frequency_penalty,
         seed=seed,
         logprobs=logprobs,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
     )
     try:
         params = SamplingParams(**values)
@@ -190,6 +197,13 @@ def choices(
     ``base``'s sampling and ``req.stop``; choice ``j`` of a seeded request uses ``seed + j``
     (reproducible, yet distinct)."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    if base.min_tokens > max_tokens:
+        raise ServingError(
+            f"min_tokens={base.min_tokens} is more than max_tokens={max_tokens}: lower min_tokens to at most "
+            "max_tokens, or raise max_tokens",
+            param="min_tokens",
+            code="invalid_value",
+        )
     return [
         SeqRequest(ids, max_tokens, base if req.seed is None else replace(base, seed=req.seed + j), stop or None)
         for j in range(req.n if count is None else count)
@@ -205,6 +219,31 @@ async def final_results(flight: Flight) -> dict[int, Any]:
             if event.kind == "done":
                 results[event.index] = event.payload
     return results
+
+
+def finite_logprob(value: float) -> float:
+    """A logprob JSON can carry: ``-inf`` (or NaN) reads as :data:`MIN_LOGPROB`."""
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def possible_top(top: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The top alternatives that have a finite logprob (the runtime leaves out the tokens a
+    grammar forbids; this keeps ``-inf`` out of JSON whatever produced it)."""
+    return [(t, v) for t, v in top if math.isfinite(v)]
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """The usage so far of a streamed request (``stream_options.continuous_usage_stats``)."""
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def continuous_usage(req: Any) -> bool:
+    """Whether every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
 
 def sse(body: BaseModel | dict[str, Any]) -> str:

@@ -7,7 +7,8 @@ Input: a request's ``response_format`` (``{"type": "text"}``, ``{"type": "json_o
 (``[{"type": "function", "function": {"name", "description", "parameters"}}]``), ``tool_choice``
 (``"auto"`` (default with tools), ``"none"``, ``"required"``, or ``{"type": "function", "function":
 {"name": ...}}``) and ``parallel_tool_calls``. Output: a :class:`Plan`: the SamplingParams fields of
-the constraint (see :mod:`kvforge.runtime.constraints`), the tools to render, whether to parse calls.
+the constraint (see :mod:`kvforge.runtime.constraints`), the tools to render, whether to parse calls
+and whether they are forced.
 
 Tool calls are written Hermes-style, the format most open chat models are trained on::
 
@@ -20,11 +21,26 @@ its chat template (``tools=`` as transformers passes them) when the template rea
 template that ignores them (SmolLM2's) gets them in a system message that lists the tools and this
 format. ``required`` and a named function constrain the output to such blocks whose JSON is
 ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`` (a named function:
-exactly one call of it; ``required``: one call, or one or more when ``parallel_tool_calls`` is not
-false); ``auto`` leaves the output free (with a ``json_schema`` response format: the schema's JSON
+exactly one call of it; ``required``: one call, or one or more when ``parallel_tool_calls`` is
+true); ``auto`` leaves the output free (with a ``json_schema`` response format: the schema's JSON
 or tool calls) and parses what comes; ``none`` renders no tools and parses nothing. A response with
 calls has ``finish_reason: "tool_calls"`` and the text outside the blocks as ``content`` (None when
 blank).
+
+Grammar rules of forced calls (docs/serving.md, "Tool calls"):
+
+- ``parallel_tool_calls`` left out writes one call, as ``false`` does; only ``true`` lets the grammar
+  continue with more calls. OpenAI's default is parallel calls, but a grammar that lets the model
+  go on offers it a newline after each call, and small models take it and repeat the same call
+  until ``max_tokens``; a client that wants several calls in one turn says so.
+- Each object schema in a tool's ``parameters`` that says nothing about ``additionalProperties``
+  (nor ``patternProperties``/``unevaluatedProperties``) is closed (``additionalProperties: false``)
+  in the grammar: LangChain's ``bind_tools`` sends schemas without it, and a model let free adds
+  keys until ``max_tokens``. The top-level parameters object is closed even without
+  ``properties`` (a tool that lists no parameters takes none); a nested object without
+  ``properties`` (a free-form dict) stays open. A schema that sets ``additionalProperties`` keeps it.
+- A forced output that ends before its last block closes (``finish_reason: "length"``) answers the
+  calls that closed; the unclosed block is dropped, never returned as ``content``.
 """
 
 from __future__ import annotations
@@ -54,6 +70,7 @@ class Plan:
     fields: dict[str, Any] = field(default_factory=dict)  # SamplingParams constraint fields
     tools: list[dict] | None = None  # the tools to render (None: none)
     parse_calls: bool = False  # read the output's <tool_call> blocks into tool_calls
+    forced: bool = False  # the grammar writes calls only (tool_choice required or named): no content
     param: str = "response_format"  # the request field a refused constraint is blamed on
 
 
@@ -108,13 +125,49 @@ def _tool_schemas(tools: Sequence[Mapping]) -> dict[str, dict]:
     return out
 
 
-def _calls_grammar(schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> str:
-    """A Lark grammar (llguidance's) of one, or one or more, ``<tool_call>`` blocks of ``names``."""
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any, top: bool = True) -> Any:
+    """``schema`` (a tool's parameters) with ``additionalProperties: false`` on each object schema
+    that lists ``properties`` (the top level: always) and says nothing about extra keys; a copy,
+    the request's schema is not changed. Subschemas are found where JSON Schema puts them
+    (``properties``, ``items``, ``anyOf``, ``$defs``, ...), never in ``const``/``enum``/``default``
+    values; the branches of an ``allOf`` of several schemas stay open (closing one would forbid
+    the keys another declares)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: closed_objects(v, False) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v, False) for v in out[key]]
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), Mapping):
+            out[key] = closed_objects(out[key], False)
+    if isinstance(out.get("allOf"), list) and len(out["allOf"]) == 1:
+        out["allOf"] = [closed_objects(out["allOf"][0], False)]
+    if isinstance(out.get("additionalProperties"), Mapping):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"], False)
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and (top or "properties" in out) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _calls_grammar(schemas: Mapping[str, dict], names: Sequence[str], many: bool, close: bool = False) -> str:
+    """A Lark grammar (llguidance's) of one, or one or more, ``<tool_call>`` blocks of ``names``;
+    ``close``: argument objects closed (:func:`closed_objects`), as for forced calls."""
     body = {
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": n}, "arguments": schemas[n]},
+                "properties": {"name": {"const": n}, "arguments": closed_objects(schemas[n]) if close else schemas[n]},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -145,13 +198,13 @@ def plan(
         if "json_schema" in fields or "json_object" in fields:
             schema = fields.get("json_schema", {"type": "object"})
             schema = {**schema, "x-guidance": _JSON_OPTIONS} if isinstance(schema, Mapping) else {}
-            calls = _calls_grammar(schemas, list(schemas), parallel_tool_calls is not False)
+            calls = _calls_grammar(schemas, list(schemas), parallel_tool_calls is True)
             grammar = calls.replace("start: ", "start: answer | calls\ncalls: ", 1)
             grammar += f"answer: %json {json.dumps(schema)}\n"
             return Plan({"grammar": grammar}, list(tools), True, "response_format")
         return Plan(fields, list(tools), True)
     if tool_choice == "required":
-        names, many = list(schemas), parallel_tool_calls is not False
+        names, many = list(schemas), parallel_tool_calls is True
     elif isinstance(tool_choice, Mapping) and isinstance(tool_choice.get("function"), Mapping):
         name = tool_choice["function"].get("name")
         if name not in schemas:
@@ -165,7 +218,8 @@ def plan(
             "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
             param="tool_choice",
         )
-    return Plan({"grammar": _calls_grammar(schemas, names, many)}, list(tools), True, "tools")
+    grammar = _calls_grammar(schemas, names, many, close=True)
+    return Plan({"grammar": grammar}, list(tools), parse_calls=True, param="tools", forced=True)
 
 
 def constrain(base: SamplingParams, plan: Plan) -> SamplingParams:
@@ -258,9 +312,11 @@ def parse_call(body: str) -> dict | None:
     return {"id": new_call_id(), "type": "function", "function": {"name": data["name"], "arguments": text}}
 
 
-def parse_output(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole output; blocks that are not calls stay in the content."""
-    stream = CallStream()
+def parse_output(text: str, forced: bool = False) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a whole output; blocks that are not calls stay in the content.
+    ``forced``: the output is calls only (a forced tool choice): an unclosed last block (the output
+    hit ``max_tokens``) is dropped, not content."""
+    stream = CallStream(forced)
     events = stream.feed(text) + stream.finish()
     content = "".join(e for e in events if isinstance(e, str))
     calls = [e for e in events if isinstance(e, dict)]
@@ -270,9 +326,11 @@ def parse_output(text: str) -> tuple[str | None, list[dict]]:
 class CallStream:
     """Incremental ``<tool_call>`` parsing of streamed text: :meth:`feed` returns content strings
     and tool calls (dicts) as soon as they are certain. Text that may begin a block is held back;
-    blank text next to a call is dropped; a block that does not parse is passed on as content."""
+    blank text next to a call is dropped; a block that does not parse is passed on as content.
+    ``forced``: what is held at the end (an unclosed block) is dropped instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
+        self.forced = forced
         self.buf = ""
         self.blank = ""  # whitespace held until we know whether a call follows
         self.in_call = False
@@ -308,9 +366,9 @@ class CallStream:
             return out
 
     def finish(self) -> list[str | dict]:
-        """What is held at the end (an unfinished block is content)."""
+        """What is held at the end (an unfinished block is content; dropped when forced)."""
         out: list[str | dict] = []
-        rest = (OPEN if self.in_call else "") + self.buf
+        rest = "" if self.forced else (OPEN if self.in_call else "") + self.buf
         self.buf, self.in_call = "", False
         self._content(rest, out)
         if self.blank and not self.calls:  # a reply of blanks alone stays what it was
@@ -333,8 +391,8 @@ class DeltaParser:
     """One streamed chat choice with tools: text pieces -> ``DeltaMessage``s (content, and each
     call whole, as one ``tool_calls`` entry, once its block closes)."""
 
-    def __init__(self) -> None:
-        self.stream = CallStream()
+    def __init__(self, forced: bool = False) -> None:
+        self.stream = CallStream(forced)
         self.calls = 0
 
     def feed(self, text: str, keep_one: bool = False) -> list[p.DeltaMessage]:
