@@ -1,0 +1,311 @@
+"""Anthropic's Messages API (tools/serve/anthropic.py), driven over real HTTP by the official
+``anthropic`` SDK (and httpx for the raw wire) against the bundled model with a ChatML template.
+
+Proves: ``messages.create`` answers what chat completions answers for the same conversation (text,
+system as a string or text blocks, ``stop_sequences`` -> ``stop_sequence``, ``max_tokens`` ->
+``max_tokens``), with Anthropic's usage (``input_tokens`` + ``cache_read_input_tokens`` = the
+prompt, the cache read on a resent conversation); ``tools`` with ``tool_choice`` ``any`` / ``tool``
+give ``ToolUseBlock``s whose ``input`` is a dict valid under the schema, and a ``tool_result`` fed
+back runs; ``messages.stream`` sends Anthropic's events in Anthropic's order (message_start,
+content_block_start, ping, deltas, content_block_stop, message_delta, message_stop), its text
+deltas join to the final message and its ``input_json_delta``s to the tool input, both equal to the
+whole answer; ``count_tokens`` is the prompt length the server tokenizes; errors are Anthropic's
+error object, parsed by the SDK as ``BadRequestError`` / ``AuthenticationError`` / ``NotFoundError``
+/ ``OverloadedError`` with the server's message; ``x-api-key`` is honoured like the bearer key.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.conftest import CHATML_TEMPLATE
+from tests.tools.test_serve import KEY, MODEL, metric, running
+
+anthropic = pytest.importorskip("anthropic")
+pytest.importorskip("llguidance")
+
+GREEDY = {"temperature": 0}  # the SDK has no temperature argument any more; the API still takes it
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "name": "get_time",
+    "input_schema": {
+        "type": "object",
+        "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
+SYSTEM = "You answer questions about Python in one short sentence."
+QUESTION = [{"role": "user", "content": "What is a list?"}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_artifact(tiny_artifact, tmp_path_factory):
+    """The bundled model's artifact with a ChatML chat template (copied; nothing recompiled)."""
+    out = tmp_path_factory.mktemp("tiny-anthropic") / "artifact"
+    shutil.copytree(tiny_artifact, out)
+    (out / "chat_template.jinja").write_text(CHATML_TEMPLATE, encoding="utf-8")
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(chat_artifact):
+    with running(chat_artifact, max_queue=4) as (url, server):
+        yield url, server
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    return anthropic.Anthropic(base_url=served[0], api_key=KEY, max_retries=0)
+
+
+def _chat(client, messages, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def _prompt_tokens(server, messages) -> int:
+    """The prompt the server builds for chat ``messages``: its template, no special tokens added."""
+    return len(server.encode(server.chat_template.render(messages, add_generation_prompt=True), special=False))
+
+
+# ------------------------------------------------------------------------------------------ text
+
+
+def test_text_and_system_equal_chat_completions(claude, client, served):
+    expected = _chat(client, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=12)
+    blocks = [{"type": "text", "text": SYSTEM[:20]}, {"type": "text", "text": SYSTEM[20:]}]
+    for system in (SYSTEM, blocks):
+        m = claude.messages.create(model=MODEL, max_tokens=12, system=system, messages=QUESTION, extra_body=GREEDY)
+        assert m.type == "message" and m.role == "assistant" and m.model == MODEL and m.id.startswith("msg_")
+        [block] = m.content
+        assert isinstance(block, anthropic.types.TextBlock) and block.text == expected.choices[0].message.content
+        assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected.choices[0].finish_reason]
+        assert m.stop_sequence is None
+        assert m.usage.output_tokens == expected.usage.completion_tokens
+        # Anthropic's accounting: what was prefilled plus what the prefix cache gave is the prompt.
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+        assert m.usage.cache_creation_input_tokens == 0
+    assert m.usage.cache_read_input_tokens >= 16  # the third identical prompt: its blocks come from the cache
+    text = httpx.get(served[0] + "/metrics").text
+    assert metric(text, "kvforge_requests_total", route="/v1/messages", status="200") >= 2
+
+
+def test_max_tokens_and_stop_sequences(claude):
+    m = claude.messages.create(model=MODEL, max_tokens=3, messages=QUESTION, extra_body=GREEDY)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
+    whole = claude.messages.create(model=MODEL, max_tokens=16, messages=QUESTION, extra_body=GREEDY).content[0].text
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    assert len(whole) > 6 and stop.strip() and whole.index(stop) > 0, whole
+    m = claude.messages.create(model=MODEL, max_tokens=16, messages=QUESTION, stop_sequences=[stop], extra_body=GREEDY)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == whole[: whole.index(stop)]
+
+
+# ----------------------------------------------------------------------------------------- tools
+
+
+def test_tool_choice_any_and_tool_give_valid_tool_use_and_results_feed_back(claude, served):
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=140,
+        messages=ASK_WEATHER,
+        tools=TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body=GREEDY,
+    )
+    assert m.stop_reason == "tool_use", m
+    uses = [b for b in m.content if isinstance(b, anthropic.types.ToolUseBlock)]
+    assert len(uses) == 1 and isinstance(uses[0].input, dict) and uses[0].id
+    jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
+
+    named = claude.messages.create(
+        model=MODEL, max_tokens=140, messages=ASK_WEATHER, tools=TOOLS, tool_choice={"type": "tool", "name": "get_time"}
+    )
+    assert [b.name for b in named.content if b.type == "tool_use"] == ["get_time"]
+    jsonschema.validate(named.content[-1].input, SCHEMAS["get_time"])
+
+    # The call and its result sent back, as an agent loop does; the model answers in text.
+    history = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "18 C, sunny"}]},
+    ]
+    answer = claude.messages.create(
+        model=MODEL, max_tokens=8, messages=history, tools=TOOLS, tool_choice={"type": "none"}, extra_body=GREEDY
+    )
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
+    # What the model read: the call as a Hermes block in the assistant turn, the result as a tool turn.
+    counted = claude.messages.count_tokens(model=MODEL, messages=history, tools=TOOLS, tool_choice={"type": "none"})
+    assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    call = json.dumps({"name": uses[0].name, "arguments": uses[0].input})
+    rendered = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        {"role": "tool", "content": "18 C, sunny"},
+    ]
+    assert counted.input_tokens == _prompt_tokens(served[1], rendered)
+
+
+def test_count_tokens_is_the_prompt_the_server_tokenizes(claude, client, served):
+    n = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=QUESTION).input_tokens
+    assert n == _prompt_tokens(served[1], [{"role": "system", "content": SYSTEM}, *QUESTION])
+    assert n == _chat(client, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=1).usage.prompt_tokens
+    with_tools = claude.messages.count_tokens(model=MODEL, messages=ASK_WEATHER, tools=TOOLS).input_tokens
+    assert with_tools > _prompt_tokens(served[1], ASK_WEATHER) + 50  # the tools ride in a system message
+
+
+# --------------------------------------------------------------------------------------- streams
+
+
+def _raw_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event of a streamed /v1/messages."""
+    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    out = []
+    for chunk in text.strip().split("\n\n"):
+        name, data = chunk.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        out.append((name[len("event: ") :], json.loads(data[len("data: ") :])))
+        assert out[-1][1]["type"] == out[-1][0]
+    return out
+
+
+def test_stream_text_event_by_event(claude, served):
+    whole = claude.messages.create(model=MODEL, max_tokens=12, system=SYSTEM, messages=QUESTION, extra_body=GREEDY)
+    events = _raw_events(
+        served[0], {"model": MODEL, "max_tokens": 12, "system": SYSTEM, "messages": QUESTION, **GREEDY}
+    )
+    names = [name for name, _ in events]
+    deltas = names.count("content_block_delta")
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * deltas,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 0
+    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    pieces = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert all(d["type"] == "text_delta" for d in pieces)
+    assert "".join(d["text"] for d in pieces) == whole.content[0].text
+    final = events[-2][1]
+    assert final["delta"] == {"stop_reason": whole.stop_reason, "stop_sequence": None}
+    assert final["usage"]["output_tokens"] == whole.usage.output_tokens
+
+    # The SDK's stream helper: its text stream and final message are the whole answer's.
+    with claude.messages.stream(
+        model=MODEL, max_tokens=12, system=SYSTEM, messages=QUESTION, extra_body=GREEDY
+    ) as stream:
+        text = "".join(stream.text_stream)
+        message = stream.get_final_message()
+    assert text == whole.content[0].text == message.content[0].text
+    assert message.stop_reason == whole.stop_reason
+    assert message.usage.output_tokens == whole.usage.output_tokens
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt
+
+
+def test_stream_tool_use_input_json_deltas(claude, served):
+    body = {
+        "model": MODEL,
+        "max_tokens": 140,
+        "messages": ASK_WEATHER,
+        "tools": TOOLS,
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        **GREEDY,
+    }
+    whole = claude.messages.create(**{k: v for k, v in body.items() if k != "temperature"}, extra_body=GREEDY)
+    events = _raw_events(served[0], body)
+    starts = [data for name, data in events if name == "content_block_start"]
+    uses = [s for s in starts if s["content_block"]["type"] == "tool_use"]
+    assert len(uses) == 1 and uses[0]["content_block"]["input"] == {}
+    index = uses[0]["index"]
+    partial = "".join(
+        d["delta"]["partial_json"] for n, d in events if n == "content_block_delta" and d["index"] == index
+    )
+    [expected] = [b for b in whole.content if b.type == "tool_use"]
+    assert json.loads(partial) == expected.input and uses[0]["content_block"]["name"] == expected.name
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+    with claude.messages.stream(**{k: v for k, v in body.items() if k != "temperature"}, extra_body=GREEDY) as stream:
+        seen = [e.type for e in stream]
+        message = stream.get_final_message()
+    assert "input_json" in seen and message.stop_reason == "tool_use"
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert (use.name, use.input) == (expected.name, expected.input)
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+def test_errors_are_anthropic_errors(claude, served):
+    url, server = served
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=1000, messages=QUESTION)
+    assert "lower max_tokens" in e.value.api_message and e.value.type == "invalid_request_error"
+    assert e.value.request_id and e.value.request_id.startswith("req_")
+    with pytest.raises(anthropic.BadRequestError, match="this server takes text and tool_result blocks"):
+        image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}])
+    with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
+        claude.messages.create(
+            model=MODEL, max_tokens=4, messages=QUESTION, tools=TOOLS, tool_choice={"type": "tool", "name": "x"}
+        )
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.create(model="claude-opus-5", max_tokens=4, messages=QUESTION)
+    assert "model 'claude-opus-5' does not exist" in e.value.api_message and e.value.type == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="claude-opus-5", messages=QUESTION)
+    wrong = anthropic.Anthropic(base_url=url, api_key="nope", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError, match="missing or wrong API key") as e:
+        wrong.messages.create(model=MODEL, max_tokens=4, messages=QUESTION)
+    assert e.value.type == "authentication_error"
+    server.draining = True
+    try:
+        with pytest.raises(anthropic.OverloadedError, match="shutting down"):
+            claude.messages.create(model=MODEL, max_tokens=4, messages=QUESTION)
+    finally:
+        server.draining = False
+
+    # The raw wire: validation errors (max_tokens is required) in Anthropic's shape; x-api-key works.
+    r = httpx.post(url + "/v1/messages", json={"model": MODEL, "messages": QUESTION}, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.headers["request-id"] == r.json()["request_id"]
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "field 'max_tokens' is required"},
+        "request_id": r.headers["request-id"],
+    }
+    r = httpx.get(url + "/v1/messages/batches", headers={"x-api-key": KEY})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(url + "/v1/messages", json={"model": MODEL, "messages": QUESTION, "max_tokens": 1})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": QUESTION, "max_tokens": 1},
+        headers={"x-api-key": KEY},
+    )
+    assert r.status_code == 200  # x-api-key on the OpenAI routes too; their errors stay OpenAI's:
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "x", "messages": QUESTION}, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found" and "type" not in r.json()
