@@ -12,17 +12,25 @@ deltas join to the final message and its ``input_json_delta``s to the tool input
 whole answer; ``count_tokens`` is the prompt length the server tokenizes; errors are Anthropic's
 error object, parsed by the SDK as ``BadRequestError`` / ``AuthenticationError`` / ``NotFoundError``
 / ``OverloadedError`` with the server's message; ``x-api-key`` is honoured like the bearer key.
+The translation alone: blocks become chat messages in block order (tool results as tool turns,
+calls as the assistant's tool_calls, thinking and Claude Code's billing block dropped), and a
+failure mid-stream is an ``error`` event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
 import pytest
 
+from kvforge.tools.serve import anthropic as messages_api
+from kvforge.tools.serve import chat
+from kvforge.tools.serve.serving import ServingError
 from tests.conftest import CHATML_TEMPLATE
 from tests.tools.test_serve import KEY, MODEL, metric, running
 
@@ -54,6 +62,97 @@ SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
 SYSTEM = "You answer questions about Python in one short sentence."
 QUESTION = [{"role": "user", "content": "What is a list?"}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# ------------------------------------------------------------------------- the translation alone
+
+
+def _request(**body) -> messages_api.MessagesRequest:
+    return messages_api.MessagesRequest.model_validate({"model": MODEL, "max_tokens": 8, **body})
+
+
+def test_messages_become_chat_messages_in_block_order():
+    req = _request(
+        system=[
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=123;"},
+            {"type": "text", "text": "Be brief."},
+        ],
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18 C"}]},
+                    {"type": "text", "text": "And Rome?"},
+                ],
+            },
+        ],
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        stop_sequences=["\n\n"],
+        top_p=0.9,
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "low"},
+    )
+    out = messages_api.to_chat(req)
+    dumped = [{"role": m.role, "content": m.content, **(m.model_extra or {})} for m in out.messages]
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert dumped == [
+        {"role": "system", "content": "Be brief."},  # the per-request billing block is dropped
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},  # thinking dropped
+        {"role": "tool", "content": "18 C", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "And Rome?"},
+    ]
+    assert out.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": WEATHER["input_schema"],
+                "description": "Weather of a city",
+            },
+        }
+    ]
+    assert (out.tool_choice, out.parallel_tool_calls) == ("required", False)
+    assert (out.max_tokens, out.stop, out.top_p, out.stream) == (8, ["\n\n"], 0.9, False)
+    assert out.response_format["json_schema"]["schema"] == {"type": "object"}
+    assert messages_api.ignored_fields(req) == ["output_config.effort"]
+    named = messages_api.to_chat(
+        _request(messages=QUESTION, tools=TOOLS, tool_choice={"type": "tool", "name": "get_time"})
+    )
+    assert (
+        named.tool_choice == {"type": "function", "function": {"name": "get_time"}}
+        and named.parallel_tool_calls is None
+    )
+
+
+def test_a_failure_mid_stream_is_an_error_event(monkeypatch):
+    failure = ServingError("generation failed: boom", status=500, type="internal_error")
+
+    async def failing(server, request, prep, flight):  # chat's stream when the runtime fails mid-answer
+        yield 'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+        yield f"data: {json.dumps(failure.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    monkeypatch.setattr(chat, "stream", failing)
+    prep = messages_api.Prepared(request=None, chat=SimpleNamespace(prompt_tokens=5))
+
+    async def run():
+        req = _request(messages=QUESTION, stream=True)
+        return [e async for e in messages_api.stream(SimpleNamespace(model_name=MODEL), req, prep, None)]
+
+    events = [e.split("\n")[0].removeprefix("event: ") for e in asyncio.run(run())]
+    assert events == ["message_start", "content_block_start", "ping", "content_block_delta", "error"]
+    last = json.loads(asyncio.run(run())[-1].split("\n")[1].removeprefix("data: "))
+    assert last == {"type": "error", "error": {"type": "api_error", "message": "generation failed: boom"}}
 
 
 @pytest.fixture(scope="module")

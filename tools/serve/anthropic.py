@@ -37,6 +37,7 @@ Errors on these routes are Anthropic's error object (:func:`error_response`): ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -475,25 +476,27 @@ async def stream(server: ModelServer, req: MessagesRequest, prep: Prepared, flig
     yield event("message_start", {"message": message.model_dump()})
     blocks, pinged = _Blocks(), False
     finish, stop_string, usage = None, None, None
-    async for line in chat.stream(server, prep.request, prep.chat, flight):
-        data = line.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:  # chat's error object: the runtime failed (500), or a worker refused (400)
-            kind = "api_error" if chunk["error"].get("type") == "internal_error" else "invalid_request_error"
-            yield event("error", {"error": {"type": kind, "message": chunk["error"].get("message")}})
-            return
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            for text in blocks.feed(choice.get("delta") or {}):
-                yield text
-                if not pinged:  # as Anthropic does: one ping after the first block starts
-                    pinged = True
-                    yield event("ping", {})
-            finish = choice.get("finish_reason") or finish
-            stop_string = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else stop_string
+    async with contextlib.aclosing(chat.stream(server, prep.request, prep.chat, flight)) as lines:
+        async for line in lines:  # chat's chunks, each "data: {json}\n\n", then "data: [DONE]"
+            data = line.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:  # chat's error object: the runtime failed (500), or a worker refused (400)
+                kind = "api_error" if chunk["error"].get("type") == "internal_error" else "invalid_request_error"
+                yield event("error", {"error": {"type": kind, "message": chunk["error"].get("message")}})
+                return
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                for text in blocks.feed(choice.get("delta") or {}):
+                    yield text
+                    if not pinged:  # as Anthropic does: one ping after the first block starts
+                        pinged = True
+                        yield event("ping", {})
+                finish = choice.get("finish_reason") or finish
+                if isinstance(choice.get("stop_reason"), str):
+                    stop_string = choice["stop_reason"]
     for text in blocks.stop():
         yield text
     if not pinged:
