@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import typing
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -134,6 +136,28 @@ def test_messages_become_chat_messages_in_block_order():
     )
 
 
+def test_request_models_declare_every_field_of_the_sdk():
+    from anthropic.types import message_count_tokens_params as count_params
+    from anthropic.types import message_create_params as create_params
+
+    headers = {"user_profile_id", "workspace_id"}  # the SDK sends these as headers, not in the body
+    theirs = set()
+    for typed in (create_params.MessageCreateParamsStreaming, create_params.MessageCreateParamsNonStreaming):
+        theirs |= set(typing.get_type_hints(typed)) - headers
+    ours = set(messages_api.MessagesRequest.model_fields)
+    assert theirs - ours == set(), "the anthropic SDK has request fields the server does not declare"
+    # Fields older clients and the API still take, which SDK 2.x no longer lists.
+    assert ours - theirs <= {"temperature", "top_p", "top_k", "context_management", "mcp_servers"}
+    counted = set(typing.get_type_hints(count_params.MessageCountTokensParams)) - headers
+    assert counted - set(messages_api.CountTokensRequest.model_fields) == set()
+    ignored = {name for name in messages_api.IGNORED if "." not in name} | {"metadata", "service_tier"}
+    refused = {"container", "mcp_servers"}
+    assert ignored & refused == set() and (ignored | refused) <= ours
+    text = Path(__file__).resolve().parents[2].joinpath("docs", "serving.md").read_text(encoding="utf-8")
+    for name in ignored | refused:
+        assert f"`{name}`" in text.split("## Anthropic Messages API")[1], f"docs/serving.md lacks {name}"
+
+
 def test_a_failure_mid_stream_is_an_error_event(monkeypatch):
     failure = ServingError("generation failed: boom", status=500, type="internal_error")
 
@@ -201,6 +225,7 @@ def test_text_and_system_equal_chat_completions(claude, client, served):
         # Anthropic's accounting: what was prefilled plus what the prefix cache gave is the prompt.
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens == expected.usage.prompt_tokens
         assert m.usage.cache_creation_input_tokens == 0
+        assert not m.model_extra and not m.usage.model_extra and not block.model_extra  # the SDK's types exactly
     assert m.usage.cache_read_input_tokens >= 16  # the third identical prompt: its blocks come from the cache
     text = httpx.get(served[0] + "/metrics").text
     assert metric(text, "kvforge_requests_total", route="/v1/messages", status="200") >= 2
