@@ -724,6 +724,63 @@ def _(c, http):
         server.draining = False
 
 
+MESSAGES = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def anthropic_answer(response, status: int) -> str:
+    """The message of Anthropic's error object (the /v1/messages routes), checking its shape."""
+    assert response.status_code == status, response.text
+    assert response.json()["type"] == "error" and response.headers["request-id"] == response.json()["request_id"]
+    return response.json()["error"]["message"]
+
+
+@trigger("http-anthropic-block")
+def _(c, http):
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    body = {**MESSAGES, "messages": [{"role": "user", "content": [image]}]}
+    return anthropic_answer(http[1].post("/v1/messages", json=body, headers=KEY), 400)
+
+
+@trigger("http-anthropic-server-tool")
+def _(c, http):
+    body = {**MESSAGES, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+    return anthropic_answer(http[1].post("/v1/messages", json=body, headers=KEY), 400)
+
+
+@trigger("http-anthropic-tool-choice")
+def _(c, http):
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    body = {**MESSAGES, "tools": [tool], "tool_choice": {"type": "tool", "name": "x"}}
+    return anthropic_answer(http[1].post("/v1/messages", json=body, headers=KEY), 400)
+
+
+@trigger("http-anthropic-container")
+def _(c, http):
+    return anthropic_answer(http[1].post("/v1/messages", json={**MESSAGES, "container": "c"}, headers=KEY), 400)
+
+
+@trigger("http-anthropic-output-format")
+def _(c, http):
+    body = {**MESSAGES, "output_config": {"format": {"type": "regex"}}}
+    return anthropic_answer(http[1].post("/v1/messages", json=body, headers=KEY), 400)
+
+
+@trigger("http-anthropic-404-model")
+def _(c, http):
+    body = {**MESSAGES, "model": "claude-opus-5"}
+    return anthropic_answer(http[1].post("/v1/messages", json=body, headers={"x-api-key": "k"}), 404)
+
+
+@trigger("http-anthropic-529")
+def _(c, http):
+    server = http[0]
+    server.draining = True
+    try:
+        return anthropic_answer(http[1].post("/v1/messages", json=MESSAGES, headers=KEY), 529)
+    finally:
+        server.draining = False
+
+
 def cli(argv: list[str]) -> str:
     """stderr of ``kvforge ARGV`` run in-process; it must exit with status 2."""
     from kvforge.tools.cli import main

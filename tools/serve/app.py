@@ -3,8 +3,10 @@
     app = build_app(ModelServer.load("out"), api_key="secret")   # then: uvicorn.run(app) or Ray Serve
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``: server-sent
-events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
-``/v1`` routes need ``Authorization: Bearer KEY`` when an ``api_key`` is set. Every error is
+events ending with ``data: [DONE]``), Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
+(:mod:`.anthropic`, translated onto chat), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
+``/v1`` routes need ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) when an ``api_key`` is set.
+Every error on the Anthropic routes is Anthropic's error object (:func:`.anthropic.error_response`); every other is
 OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input
 (malformed JSON, unknown model, invalid value, a field value kvforge cannot honour, too long a
 prompt, and fields outside OpenAI's schema when ``strict_fields``), 401 for a missing or
@@ -47,13 +49,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvforge.tools.serve import chat, completions, fields
+from kvforge.tools.serve import anthropic, chat, completions, fields
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import SSE_DONE, ModelServer, ServingError, sse
 
 REPLICA_HEADER = "x-kvforge-replica"
 REQUEST_ID_HEADER = "x-request-id"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", *anthropic.ROUTES, "/v1/models", "/health", "/metrics")
 
 T = TypeVar("T")
 log = logging.getLogger("kvforge.serve")
@@ -80,6 +82,9 @@ def error_shape_for(path: str) -> ErrorShape:
 
 
 def error_response(error: ServingError, path: str = "") -> JSONResponse:
+    """The API's own error object: Anthropic's on its routes (``path``), else :func:`error_shape_for`'s."""
+    if anthropic.serves(path):
+        return anthropic.error_response(error)
     return JSONResponse(error_shape_for(path)(error), status_code=error.status)
 
 
@@ -232,12 +237,12 @@ def build_app(
     async def authorized(request: Request) -> None:
         if api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        keys = [token.strip() if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "")]
+        if not any(hmac.compare_digest(key.encode(), api_key.encode()) for key in keys if key):
             raise ServingError(
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the server "
-                "was started with (--api-key)",
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or Anthropic's "
+                "'x-api-key: <key>') with the key the server was started with (--api-key)",
                 status=401,
                 code="invalid_api_key",
             )
@@ -287,6 +292,17 @@ def build_app(
     @app.post("/v1/chat/completions", dependencies=v1)
     async def create_chat_completion(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await respond(request, chat, body)
+
+    @app.post("/v1/messages", dependencies=v1)
+    async def create_message(body: anthropic.MessagesRequest, request: Request) -> Response:
+        return await respond(request, anthropic, body)
+
+    @app.post("/v1/messages/count_tokens", dependencies=v1)
+    async def count_message_tokens(body: anthropic.CountTokensRequest) -> JSONResponse:
+        unknown = fields.unknown_fields(body)
+        if unknown and strict_fields:
+            raise fields.strict_refusal(unknown)
+        return JSONResponse(anthropic.count_tokens(server, body))
 
     @app.get("/health")
     async def health() -> JSONResponse:
