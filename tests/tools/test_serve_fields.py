@@ -61,6 +61,7 @@ IMPLEMENTED = {
         "n",
         "parallel_tool_calls",
         "prediction",
+        "reasoning_effort",
         "presence_penalty",
         "response_format",
         "seed",
@@ -93,7 +94,7 @@ IMPLEMENTED = {
     },
 }
 # kvforge's own fields beyond OpenAI's schema (as vLLM's completions take response_format too).
-EXTENSIONS = {"chat": set(), "completions": {"response_format"}}
+EXTENSIONS = {"chat": {"chat_template_kwargs"}, "completions": {"response_format"}}
 # Fields refused with a 400 unless set to their no-op value.
 REFUSED = {
     "chat": {"audio", "function_call", "functions"},

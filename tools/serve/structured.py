@@ -32,18 +32,17 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvforge.runtime import constraints
 from kvforge.runtime.sampling import SamplingParams
-from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve import parsers
+from kvforge.tools.serve.parsers.hermes import HermesParser
 from kvforge.tools.serve.serving import ServingError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 _JSON_OPTIONS = {"whitespace_pattern": constraints.JSON_WHITESPACE}
 
 
@@ -108,22 +107,22 @@ def _tool_schemas(tools: Sequence[Mapping]) -> dict[str, dict]:
     return out
 
 
-def _calls_grammar(schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> str:
-    """A Lark grammar (llguidance's) of one, or one or more, ``<tool_call>`` blocks of ``names``."""
-    body = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": n}, "arguments": schemas[n]},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for n in names
-        ],
-        "x-guidance": _JSON_OPTIONS,
-    }
-    start = 'start: call ("\\n" call)*' if many else "start: call"
-    return f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(body)}\n'
+def _calls_grammar(schemas: Mapping[str, dict], names: Sequence[str], many: bool, parser: Any = None) -> str:
+    """A Lark grammar (llguidance's) of one, or one or more, calls of ``names`` in the format of
+    ``parser`` (a :class:`~kvforge.tools.serve.parsers.ToolParser`; Hermes ``<tool_call>`` blocks
+    when None); a family whose grammar kvforge does not build is a 400 naming it."""
+    parser = parser if parser is not None else HermesParser()
+    grammar = parser.grammar(schemas, names, many)
+    if grammar is None:
+        raise ServingError(
+            f"tool_choice 'required' or a named function needs a grammar of this model's tool-call format "
+            f"({parser.name}), which kvforge does not build yet (it does for hermes, llama3_json and qwen3_coder); "
+            "send tool_choice 'auto' and let the model call, or serve with --tool-parser naming a format the model "
+            "also writes",
+            param="tool_choice",
+            code="unsupported",
+        )
+    return grammar
 
 
 def plan(
@@ -131,8 +130,11 @@ def plan(
     tools: Sequence[Mapping] | None = None,
     tool_choice: str | Mapping | None = None,
     parallel_tool_calls: bool | None = None,
+    parser: Any = None,
 ) -> Plan:
-    """The :class:`Plan` of one chat request (400 naming the field for anything malformed)."""
+    """The :class:`Plan` of one chat request (400 naming the field for anything malformed);
+    ``parser``: the model family's tool parser, whose format forced calls are written in (Hermes
+    when None)."""
     fields = response_format_fields(response_format)
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -145,7 +147,9 @@ def plan(
         if "json_schema" in fields or "json_object" in fields:
             schema = fields.get("json_schema", {"type": "object"})
             schema = {**schema, "x-guidance": _JSON_OPTIONS} if isinstance(schema, Mapping) else {}
-            calls = _calls_grammar(schemas, list(schemas), parallel_tool_calls is not False)
+            if parser is not None and parser.grammar(schemas, list(schemas), True) is None:
+                return Plan(fields, list(tools), True)  # no grammar of this family's calls: the schema alone
+            calls = _calls_grammar(schemas, list(schemas), parallel_tool_calls is not False, parser)
             grammar = calls.replace("start: ", "start: answer | calls\ncalls: ", 1)
             grammar += f"answer: %json {json.dumps(schema)}\n"
             return Plan({"grammar": grammar}, list(tools), True, "response_format")
@@ -165,7 +169,7 @@ def plan(
             "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
             param="tool_choice",
         )
-    return Plan({"grammar": _calls_grammar(schemas, names, many)}, list(tools), True, "tools")
+    return Plan({"grammar": _calls_grammar(schemas, names, many, parser)}, list(tools), True, "tools")
 
 
 def constrain(base: SamplingParams, plan: Plan) -> SamplingParams:
@@ -240,118 +244,9 @@ def _call_json(call: Any) -> dict:
 # --------------------------------------------------------------------------------- parsing
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parse_call(body: str) -> dict | None:
-    """An OpenAI tool call ``{"id", "type", "function": {"name", "arguments"}}`` from one block's
-    JSON, or None when it is not ``{"name": str, "arguments": ...}``."""
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    args = data.get("arguments", data.get("parameters", {}))
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": data["name"], "arguments": text}}
-
-
 def parse_output(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole output; blocks that are not calls stay in the content."""
-    stream = CallStream()
-    events = stream.feed(text) + stream.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e for e in events if isinstance(e, dict)]
-    return (content if content.strip() else None), calls
-
-
-class CallStream:
-    """Incremental ``<tool_call>`` parsing of streamed text: :meth:`feed` returns content strings
-    and tool calls (dicts) as soon as they are certain. Text that may begin a block is held back;
-    blank text next to a call is dropped; a block that does not parse is passed on as content."""
-
-    def __init__(self) -> None:
-        self.buf = ""
-        self.blank = ""  # whitespace held until we know whether a call follows
-        self.in_call = False
-        self.calls = 0
-
-    def feed(self, text: str) -> list[str | dict]:
-        self.buf += text
-        out: list[str | dict] = []
-        while True:
-            if self.in_call:
-                j = self.buf.find(CLOSE)
-                if j < 0:
-                    return out
-                body, self.buf = self.buf[:j], self.buf[j + len(CLOSE) :]
-                self.in_call = False
-                call = parse_call(body.strip())
-                if call is None:
-                    self._content(OPEN + body + CLOSE, out)
-                else:
-                    self.blank = ""
-                    self.calls += 1
-                    out.append(call)
-                continue
-            i = self.buf.find(OPEN)
-            if i >= 0:
-                self._content(self.buf[:i], out, before_call=True)
-                self.buf, self.in_call = self.buf[i + len(OPEN) :], True
-                continue
-            n = len(self.buf)
-            keep = next((k for k in range(min(len(OPEN) - 1, n), 0, -1) if OPEN.startswith(self.buf[-k:])), 0)
-            self._content(self.buf[: len(self.buf) - keep], out)
-            self.buf = self.buf[len(self.buf) - keep :]
-            return out
-
-    def finish(self) -> list[str | dict]:
-        """What is held at the end (an unfinished block is content)."""
-        out: list[str | dict] = []
-        rest = (OPEN if self.in_call else "") + self.buf
-        self.buf, self.in_call = "", False
-        self._content(rest, out)
-        if self.blank and not self.calls:  # a reply of blanks alone stays what it was
-            out.append(self.blank)
-        self.blank = ""
-        return out
-
-    def _content(self, text: str, out: list, before_call: bool = False) -> None:
-        """Emit ``text``, holding its trailing whitespace until more text comes (dropped at a call)."""
-        body = text.rstrip()
-        if body:
-            out.append(self.blank + body)
-            self.blank = ""
-        self.blank += text[len(body) :]
-        if before_call:
-            self.blank = ""
-
-
-class DeltaParser:
-    """One streamed chat choice with tools: text pieces -> ``DeltaMessage``s (content, and each
-    call whole, as one ``tool_calls`` entry, once its block closes)."""
-
-    def __init__(self) -> None:
-        self.stream = CallStream()
-        self.calls = 0
-
-    def feed(self, text: str, keep_one: bool = False) -> list[p.DeltaMessage]:
-        """Deltas for ``text``; ``keep_one``: at least one (an empty one to carry logprobs)."""
-        out = self._deltas(self.stream.feed(text))
-        return out or ([p.DeltaMessage(content="")] if keep_one else [])
-
-    def finish(self) -> list[p.DeltaMessage]:
-        return self._deltas(self.stream.finish())
-
-    def _deltas(self, events: list[str | dict]) -> list[p.DeltaMessage]:
-        out = []
-        for e in events:
-            if isinstance(e, str):
-                out.append(p.DeltaMessage(content=e))
-            else:
-                call = p.DeltaToolCall(index=self.calls, id=e["id"], type="function", function=e["function"])
-                self.calls += 1
-                out.append(p.DeltaMessage(tool_calls=[call]))
-        return out
+    """(content, tool_calls) of a whole output in Hermes' format (see :mod:`.parsers` for the
+    other families); blocks that are not calls stay in the content."""
+    parser = parsers.ChatFormat().output(parse_calls=True)
+    parsed = parser.parse(text)
+    return parsed.content, parsers.call_dicts(parser, parsed.calls)

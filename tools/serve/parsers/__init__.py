@@ -37,7 +37,7 @@ TOOL_PARSERS: dict[str, type] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, HarmonyParser)
 }
 REASONING_PARSERS: dict[str, type] = {p.name: p for p in (ThinkParser, HarmonyReasoning)}
-DEFAULT_TOOL_PARSER = "hermes"
+DEFAULT_TOOL_PARSER = "hermes"  # what an artifact compiled before the manifest recorded a parser gets
 
 __all__ = [
     "DEFAULT_TOOL_PARSER",
