@@ -110,7 +110,8 @@ class Qwen3CoderParser:
 
     def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> str:
         """One (or more) blocks of ``names``: the required parameters in the schema's order, each
-        value a JSON value of its schema (strings as plain text without ``<``), then ``</function>``."""
+        value a JSON value of its schema (strings as one line of plain text without ``<``, at most
+        ``maxLength`` characters; an ``enum`` as its values), then ``</function>``."""
         rules = []
         for k, n in enumerate(names):
             props = (schemas[n] or {}).get("properties", {}) if isinstance(schemas[n], Mapping) else {}
@@ -119,7 +120,8 @@ class Qwen3CoderParser:
             for j, (key, sub) in enumerate(props.items()):
                 value = f"v{k}_{j}"
                 if _is_text(sub) and "enum" not in (sub or {}):
-                    rules.append(f"{value}: /[^<]*/")
+                    most = (sub or {}).get("maxLength")
+                    rules.append(f"{value}: /[^<\\n]{{0,{int(most)}}}/" if most else f"{value}: /[^<\\n]*/")
                 elif _is_text(sub):
                     rules.append(f"{value}: " + " | ".join(json.dumps(str(v)) for v in sub["enum"]))
                 else:
