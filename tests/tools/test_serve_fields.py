@@ -45,8 +45,8 @@ from kvforge.tools.serve import protocol as p
 from tests.tools.test_serve import KEY, MESSAGES, MODEL, PROMPTS, free_port, metric, post, running, start_cli_server
 
 SERVING_DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
-# vLLM's documented extensions, and kvforge's usage.speculative (drafted/accepted tokens, README)
-VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative"}
+# vLLM's documented extensions (reasoning_content: docs/serving.md), and kvforge's usage.speculative (README)
+VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative", "reasoning_content"}
 
 # Fields that change generation (each mapped to the runtime or the response).
 IMPLEMENTED = {
