@@ -112,6 +112,22 @@ def test_without_thinking_there_is_no_reasoning(client):
     assert message.reasoning_content is None and message.content == "Hello </think> there"
 
 
+def test_forced_calls_after_an_opened_think_are_calls(client):
+    # The template opened <think>, but the grammar of calls constrains the output from its first token.
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    message = r.choices[0].message
+    assert message.reasoning_content is None and [c.function.name for c in message.tool_calls] == ["get_time"]
+
+
 def test_reserved_template_variables_are_400(served):
     url, _ = served
     body = {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": {"messages": []}}

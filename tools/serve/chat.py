@@ -114,7 +114,9 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     if req.prediction is not None:  # the draft, tokenized as the answer would be (no special tokens)
         base = with_prediction(base, server.encode(_prediction_text(req.prediction), special=False))
     base = structured.constrain(base, plan)
-    output = chat_format.output(plan.tools, prompt=text, parse_calls=plan.parse_calls)
+    # kvforge's grammars of calls and JSON cover the answer alone (a user's Lark grammar may hold the reasoning).
+    answer_only = bool(plan.fields) and (req.response_format or {}).get("type") != "grammar"
+    output = chat_format.output(plan.tools, prompt=text, parse_calls=plan.parse_calls, answer_only=answer_only)
     return Prepared(choices(req, ids, max_tokens, base), len(ids), plan, output)
 
 

@@ -95,18 +95,25 @@ class ChatFormat:
     def tool(self, tools: Sequence[Mapping] | None = None) -> ToolParser:
         return TOOL_PARSERS[self.tool_parser](tools)
 
-    def reasoning(self, prompt: str = "") -> ReasoningParser | None:
+    def reasoning(self, prompt: str = "", answer_only: bool = False) -> ReasoningParser | None:
         if self.reasoning_parser is None:
             return None
         if self.reasoning_parser == ThinkParser.name:
-            return ThinkParser.for_prompt(prompt)
+            return ThinkParser(inside=False) if answer_only else ThinkParser.for_prompt(prompt)
         return REASONING_PARSERS[self.reasoning_parser]()
 
     def output(
-        self, tools: Sequence[Mapping] | None = None, prompt: str = "", parse_calls: bool = False
+        self,
+        tools: Sequence[Mapping] | None = None,
+        prompt: str = "",
+        parse_calls: bool = False,
+        answer_only: bool = False,
     ) -> OutputParser:
         """The parser of one answer: reasoning always (when the family has it); calls when
-        ``parse_calls``; a structural format (harmony) is parsed even without tools, its calls dropped."""
+        ``parse_calls``; a structural format (harmony) is parsed even without tools, its calls
+        dropped. ``answer_only``: a grammar constrains the output from its first token to the
+        answer (forced calls, a JSON schema), so it does not start inside a reasoning the prompt
+        opened."""
         tool = self.tool(tools)
         use_tools = parse_calls or tool.structural
-        return OutputParser(self.reasoning(prompt), tool if use_tools else None, keep_calls=parse_calls)
+        return OutputParser(self.reasoning(prompt, answer_only), tool if use_tools else None, keep_calls=parse_calls)
