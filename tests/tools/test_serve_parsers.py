@@ -250,3 +250,34 @@ def test_think_then_hermes_call():
         None,
         [("get_weather", '{"city": "Paris", "days": 3}')],
     )
+
+
+# ------------------------------------------------------------------------- special-token markup
+
+
+def test_special_token_markup_is_read_with_special_tokens_kept(tmp_path):
+    """Mistral's markers are special tokens: the runtime's text drops them, the parser's keeps them
+    (the end-of-sequence id left out), piece by piece as whole."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvforge.runtime.tokenizer import Tokenizer
+    from kvforge.tools.serve.parsers.text import OutputText
+    from tests.conftest import BUNDLED_MODEL
+
+    hf = HFTokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    hf.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    ids = [*tok.encode(text, add_special_tokens=False), 0]  # 0: the bundled model's eos
+    assert "[TOOL_CALLS]" not in tok.decode(ids)  # what the runtime's text holds
+    kept = OutputText(tok, [0], keep_special=True)
+    assert "".join(kept.piece("", [i]) for i in ids) + kept.flush() == text
+    assert kept.whole(None, ids) == text
+    plain = OutputText(tok, [0], keep_special=False)
+    assert plain.piece("runtime text", ids) == "runtime text" and plain.whole("runtime", ids) == "runtime"
+    parsed = ChatFormat("mistral").output([WEATHER_TOOL], parse_calls=True).parse(kept.whole(None, ids))
+    assert parsed.content == "Sure." and [(c.name, c.arguments) for c in parsed.calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    assert ChatFormat("mistral").needs_special_tokens and not ChatFormat("hermes", "think").needs_special_tokens
