@@ -176,6 +176,12 @@ QWEN_CALL = (
             None,
             [("get_weather", '{"city": "line \\"1\\"\\nline <2>"}')],
         ),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nnull\n</parameter>\n"
+            "<parameter=note>\nnu\n</parameter>\n</function>\n</tool_call>",
+            None,
+            [("get_weather", '{"city": null, "note": "nu"}')],
+        ),
     ],
 )
 def test_qwen3_coder(text, content, calls):
@@ -212,6 +218,13 @@ CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|const
             [("get_time", '{"zone": 1}')],
         ),
         ("no markup at all", None, "no markup at all", []),
+        (
+            '<|channel|>commentary to=browser.search<|message|>{"q": 1}<|call|>'
+            "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>",
+            None,
+            "Checking.",
+            [],
+        ),
     ],
 )
 def test_harmony(text, reasoning, content, calls):

@@ -8,10 +8,11 @@ The chat template ends the prompt with ``<|start|>assistant``; the model then wr
 or, to answer, ``<|channel|>final<|message|>It is sunny.<|return|>``. ``analysis`` is reasoning;
 ``final`` is content, and so is ``commentary`` without a recipient (a preamble the user may see);
 a message to ``functions.NAME`` (the recipient written after the channel or after the role) is a
-call of NAME with the message as its arguments. Another recipient (a built-in tool such as
-``browser.search``) is a call of that name. ``<|return|>`` and ``<|call|>`` are end-of-sequence
-tokens, so an output usually ends without them. The markers are special tokens: the server decodes
-this family's output with special tokens kept. An output without harmony markup is content.
+call of NAME with the message as its arguments. A message to another recipient (a built-in tool
+such as ``browser.search``, which the client did not declare) is dropped, as vLLM does.
+``<|return|>`` and ``<|call|>`` are end-of-sequence tokens, so an output usually ends without
+them. The markers are special tokens: the server decodes this family's output with special tokens
+kept. An output without harmony markup is content.
 """
 
 from __future__ import annotations
@@ -115,9 +116,10 @@ class HarmonyParser:
         for m in found:
             if m.channel == "analysis":
                 continue  # reasoning never goes to the content
-            if m.recipient:
-                name = m.recipient.removeprefix("functions.")
-                out.append(Call(name, m.body.strip(), complete=m.closed))
+            if m.recipient and m.recipient.startswith("functions."):
+                out.append(Call(m.recipient.removeprefix("functions."), m.body.strip(), complete=m.closed))
+            elif m.recipient:
+                continue  # a built-in tool's call (browser.search, python): not the client's to run
             else:
                 out.append(m.body)
         return out

@@ -14,7 +14,7 @@
 Each parameter's value is the text between its tags, less one newline after the opening tag and one
 before the closing tag. The arguments object is built in the order written; a value is typed by
 the tool's parameters schema as Qwen's own parser does: ``string`` (and parameters the schema does
-not name) stay text, ``integer``/``number``/``boolean``/``null`` are converted, ``object``/``array``
+not name) stay text, ``integer``/``number``/``boolean`` are converted, ``null`` is null, ``object``/``array``
 are read as JSON; a value that does not convert stays text. String values stream as they are
 written; others arrive when their parameter closes. Text outside the blocks is content.
 """
@@ -94,7 +94,8 @@ class Qwen3CoderParser:
                     raw = raw[: len(raw) - partial_marker(raw, [END_PARAMETER])]
                     raw = raw[1:] if raw.startswith("\n") else raw
                     raw = raw[:-1] if raw.endswith("\n") else raw
-                    parts.append(head + json.dumps(raw, ensure_ascii=False)[:-1])
+                    held = "null".startswith(raw.lower())  # may still be null, which is no text
+                    parts.append(head + ("" if held else json.dumps(raw, ensure_ascii=False)[:-1]))
                 elif not closed:
                     parts.append(head)
                 else:
@@ -153,7 +154,10 @@ def _is_text(schema: Any) -> bool:
 
 
 def _typed(raw: str, schema: Any) -> Any:
-    """A parameter's text as the JSON value its schema asks for; text when it does not convert."""
+    """A parameter's text as the JSON value its schema asks for (``null`` is null whatever the
+    type, as in Qwen's parser); text when it does not convert."""
+    if raw.strip().lower() == "null":
+        return None
     if _is_text(schema):
         return raw
     kind = schema.get("type")
