@@ -9,7 +9,8 @@ Input: a request's ``response_format`` (``{"type": "text"}``, ``{"type": "json_o
 {"name": ...}}``) and ``parallel_tool_calls``. Output: a :class:`Plan`: the SamplingParams fields of
 the constraint (see :mod:`kvforge.runtime.constraints`), the tools to render, whether to parse calls.
 
-Tool calls are written Hermes-style, the format most open chat models are trained on::
+Tool calls are written in the served model family's format (:mod:`.parsers`; Hermes-style by
+default, the format most open chat models are trained on)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -17,14 +18,14 @@ Tool calls are written Hermes-style, the format most open chat models are traine
 
 one block per call (parallel calls: blocks separated by a newline). The tools reach the model through
 its chat template (``tools=`` as transformers passes them) when the template reads ``tools``; a
-template that ignores them (SmolLM2's) gets them in a system message that lists the tools and this
-format. ``required`` and a named function constrain the output to such blocks whose JSON is
-``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`` (a named function:
-exactly one call of it; ``required``: one call, or one or more when ``parallel_tool_calls`` is not
-false); ``auto`` leaves the output free (with a ``json_schema`` response format: the schema's JSON
-or tool calls) and parses what comes; ``none`` renders no tools and parses nothing. A response with
-calls has ``finish_reason: "tool_calls"`` and the text outside the blocks as ``content`` (None when
-blank).
+template that ignores them (SmolLM2's) gets them in a system message that lists the tools and the
+Hermes format. ``required`` and a named function constrain the output to calls in the family's
+format (the parser's ``grammar``; a family without one is a 400) whose arguments follow the tool's
+``parameters`` schema (a named function: exactly one call of it; ``required``: one call, or one or
+more when ``parallel_tool_calls`` is not false); ``auto`` leaves the output free (with a
+``json_schema`` response format: the schema's JSON or calls, where the family has a grammar) and
+parses what comes; ``none`` renders no tools and parses nothing. A response with calls has
+``finish_reason: "tool_calls"`` and the text outside the calls as ``content`` (None when blank).
 """
 
 from __future__ import annotations
