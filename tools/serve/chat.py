@@ -211,12 +211,12 @@ async def stream(
         async with contextlib.aclosing(flight.events()) as events:
             async for event in events:
                 raise_on_error(event)
-                parsed = streams[event.index]
+                reader = streams[event.index]
                 if event.kind == "chunk":
                     piece = event.payload
                     logprobs = chat_logprobs(server, piece.logprobs) if req.logprobs and piece.logprobs else None
-                    if parsed is not None:  # reasoning, content and call pieces as they are certain
-                        deltas = _deltas(parsed.feed(texts[event.index].piece(piece.text, piece.token_ids)))
+                    if reader is not None:  # reasoning, content and call pieces as they are certain
+                        deltas = _deltas(reader.feed(texts[event.index].piece(piece.text, piece.token_ids)))
                         if not deltas and logprobs is not None:
                             deltas = [p.DeltaMessage(content="")]  # an empty one to carry the logprobs
                         for j, delta in enumerate(deltas):
@@ -225,14 +225,14 @@ async def stream(
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
                     result = results[event.index] = event.payload
-                    if parsed is not None:
-                        rest = parsed.feed(texts[event.index].flush()) + parsed.finish()
+                    if reader is not None:
+                        rest = reader.feed(texts[event.index].flush()) + reader.finish()
                         for delta in _deltas(rest):
                             yield chunk(event.index, delta)
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
-                        finish_reason=_finish_reason(result.finish_reason, parsed.ids if parsed else 0),
+                        finish_reason=_finish_reason(result.finish_reason, reader.ids if reader else 0),
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
