@@ -164,3 +164,20 @@ def test_a_family_without_a_grammar_refuses_forced_calls(think_artifact):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert "(mistral), which kvforge does not build yet" in r.json()["error"]["message"]
+
+
+def test_cli_flags_override_the_manifest(think_artifact):
+    """``kvforge serve --reasoning-parser think`` on an artifact whose manifest records none."""
+    from tests.tools.test_serve import free_port, start_cli_server
+
+    assert json.loads((think_artifact / "manifest.json").read_text())["reasoning_parser"] is None
+    port = free_port()
+    args = [str(think_artifact), "--served-model-name", MODEL, "--api-key", KEY, "--threads", "1"]
+    proc = start_cli_server([*args, "--tool-parser", "hermes", "--reasoning-parser", "think"], port)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        message = ask(client, "<think>\nWhy not.\n</think>\n\nHi!").choices[0].message
+        assert (message.reasoning_content, message.content) == ("Why not.", "Hi!")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
