@@ -294,3 +294,13 @@ def test_special_token_markup_is_read_with_special_tokens_kept(tmp_path):
         ("get_weather", '{"city": "Paris"}')
     ]
     assert ChatFormat("mistral").needs_special_tokens and not ChatFormat("hermes", "think").needs_special_tokens
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "qwen3_coder", "harmony"])
+def test_what_a_parser_writes_it_reads_back(family):
+    """``write`` (the history of a template that renders no tools, the fallback prompt's example) is
+    the family's own format: two calls written and joined parse back to the same two calls."""
+    tool = ChatFormat(family).tool([WEATHER_TOOL])
+    calls = [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]
+    text = tool.separator.join(tool.write(name, args) for name, args in calls)
+    check(ChatFormat(family).output([WEATHER_TOOL], parse_calls=True), text, None, None, calls)

@@ -93,7 +93,7 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         raise ServingError("top_logprobs needs logprobs: true; set both or neither", param="top_logprobs")
     server.check_n(req.n)
     messages = [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(req.messages)]
-    messages, tools = structured.chat_messages(messages, req.messages, plan, server.chat_template)
+    messages, tools = structured.chat_messages(messages, req.messages, plan, server.chat_template, tool_parser)
     try:
         text = server.chat_template.render(messages, add_generation_prompt=True, tools=tools, **_template_kwargs(req))
     except ChatTemplateError as e:

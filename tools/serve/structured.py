@@ -194,9 +194,17 @@ def template_reads_tools(template: Any) -> bool:
     return re.search(r"\btools\b", source) is not None
 
 
-def tools_system_prompt(tools: Sequence[Mapping]) -> str:
-    """The tools and the call format, for a template that does not render tools itself."""
+def tools_system_prompt(tools: Sequence[Mapping], parser: Any = None) -> str:
+    """The tools and the call format, for a template that does not render tools itself (``parser``:
+    the family's tool parser, whose format is shown; Hermes when None)."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if parser is not None and not isinstance(parser, HermesParser):
+        example = parser.write("NAME", '{"ARGUMENT": "VALUE"}')
+        return (
+            "You can call functions. Their signatures are listed between <tools> and </tools>. To call one, "
+            f"answer with the call written as below (NAME: the function, then its arguments), one per call:\n"
+            f"{example}\n<tools>\n{listed}\n</tools>"
+        )
     return (
         "You can call functions. Their signatures are listed between <tools> and </tools>. To call one, "
         f"answer with a JSON object holding the function's name and its arguments between {OPEN} and {CLOSE}, "
@@ -205,11 +213,14 @@ def tools_system_prompt(tools: Sequence[Mapping]) -> str:
     )
 
 
-def chat_messages(messages: list[dict], raw: Sequence[Any], plan: Plan, template: Any) -> tuple[list[dict], Any]:
+def chat_messages(
+    messages: list[dict], raw: Sequence[Any], plan: Plan, template: Any, parser: Any = None
+) -> tuple[list[dict], Any]:
     """The messages and the ``tools`` argument to render with: history tool calls and tool results
-    kept for a template that reads tools; else calls written as ``<tool_call>`` blocks and the tools
-    in the system message."""
+    kept for a template that reads tools; else calls written in the family's format (``parser``'s;
+    Hermes ``<tool_call>`` blocks when None) and the tools in the system message."""
     reads = template_reads_tools(template)
+    parser = parser if parser is not None else HermesParser()
     out = []
     for m, r in zip(messages, raw):
         extra = dict(getattr(r, "model_extra", None) or {})  # ChatMessage keeps tool_calls, tool_call_id as extras
@@ -220,13 +231,16 @@ def chat_messages(messages: list[dict], raw: Sequence[Any], plan: Plan, template
                 kept["tool_calls"] = [{"type": "function", "function": _call_json(c)} for c in calls]
             out.append({**m, **kept})
         elif calls:
-            blocks = "\n".join(f"{OPEN}\n{json.dumps(_call_json(c), ensure_ascii=False)}\n{CLOSE}" for c in calls)
+            written = [_call_json(c) for c in calls]
+            blocks = parser.separator.join(
+                parser.write(str(c["name"]), json.dumps(c["arguments"], ensure_ascii=False)) for c in written
+            )
             out.append({**m, "content": (m["content"] + "\n" if m["content"] else "") + blocks})
         else:
             out.append(m)
     if plan.tools is None or reads:
         return out, plan.tools
-    prompt = tools_system_prompt(plan.tools)
+    prompt = tools_system_prompt(plan.tools, parser)
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
     else:

@@ -43,6 +43,7 @@ class ToolParser(Protocol):
     name: ClassVar[str]
     needs_special_tokens: ClassVar[bool]  # its markup is special tokens ([TOOL_CALLS], <|channel|>)
     structural: ClassVar[bool]  # the whole output is markup: parse it even when no tools are sent
+    separator: ClassVar[str]  # between two calls written one after the other
 
     def split(self, text: str, final: bool) -> list[Segment]:
         """Content pieces and calls of ``text`` (see the module docstring for the prefix promise)."""
@@ -55,6 +56,11 @@ class ToolParser(Protocol):
 
     def call_id(self) -> str:
         """A new id for a call, in the family's form."""
+        ...
+
+    def write(self, name: str, arguments: str) -> str:
+        """One call (``arguments``: JSON text) as the family writes it; calls are joined with
+        ``separator``. What :meth:`split` reads back as that call."""
         ...
 
 

@@ -103,6 +103,7 @@ class HarmonyParser:
 
     name: ClassVar[str] = "harmony"
     needs_special_tokens: ClassVar[bool] = True
+    separator: ClassVar[str] = ""  # between two calls written by :meth:`write`
     structural: ClassVar[bool] = True
 
     def __init__(self, tools: Sequence[Mapping] | None = None) -> None:
@@ -126,6 +127,10 @@ class HarmonyParser:
 
     def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> None:
         return None  # the markers are special tokens: not built for this family yet
+
+    def write(self, name: str, arguments: str) -> str:
+        """One call as this family writes it (``arguments``: JSON text)."""
+        return f"{START}assistant{CHANNEL}commentary to=functions.{name} <|constrain|>json{MESSAGE}{arguments}<|call|>"
 
     def call_id(self) -> str:
         return openai_call_id()

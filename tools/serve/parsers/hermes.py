@@ -26,6 +26,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesParser:
     name: ClassVar[str] = "hermes"
     needs_special_tokens: ClassVar[bool] = False
+    separator: ClassVar[str] = "\n"  # between two calls written by :meth:`write`
     structural: ClassVar[bool] = False
 
     def __init__(self, tools: Sequence[Mapping] | None = None) -> None:
@@ -73,6 +74,10 @@ class HermesParser:
         }
         start = 'start: call ("\\n" call)*' if many else "start: call"
         return f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(body)}\n'
+
+    def write(self, name: str, arguments: str) -> str:
+        """One call as this family writes it (``arguments``: JSON text)."""
+        return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n{CLOSE}'
 
     def call_id(self) -> str:
         return openai_call_id()

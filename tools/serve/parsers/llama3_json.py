@@ -27,6 +27,7 @@ TAG = "<|python_tag|>"
 class Llama3JsonParser:
     name: ClassVar[str] = "llama3_json"
     needs_special_tokens: ClassVar[bool] = False  # <|python_tag|> decodes to nothing; the JSON is read bare
+    separator: ClassVar[str] = "; "  # between two calls written by :meth:`write`
     structural: ClassVar[bool] = False
 
     def __init__(self, tools: Sequence[Mapping] | None = None) -> None:
@@ -75,6 +76,10 @@ class Llama3JsonParser:
         }
         start = 'start: call ("; " call)*' if many else "start: call"
         return f"{start}\ncall: %json {json.dumps(body)}\n"
+
+    def write(self, name: str, arguments: str) -> str:
+        """One call as this family writes it (``arguments``: JSON text)."""
+        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {arguments}}}'
 
     def call_id(self) -> str:
         return openai_call_id()

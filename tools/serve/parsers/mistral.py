@@ -29,6 +29,7 @@ _NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)")
 class MistralParser:
     name: ClassVar[str] = "mistral"
     needs_special_tokens: ClassVar[bool] = True
+    separator: ClassVar[str] = ""  # between two calls written by :meth:`write`
     structural: ClassVar[bool] = False
 
     def __init__(self, tools: Sequence[Mapping] | None = None) -> None:
@@ -99,6 +100,10 @@ class MistralParser:
 
     def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> None:
         return None  # [TOOL_CALLS] is a special token: not built for this family yet
+
+    def write(self, name: str, arguments: str) -> str:
+        """One call as this family writes it, v11 form (``arguments``: JSON text)."""
+        return f"{TOOL_CALLS}{name}{ARGS}{arguments}"
 
     def call_id(self) -> str:
         return alnum_id()

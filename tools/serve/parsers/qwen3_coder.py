@@ -38,6 +38,7 @@ _PARAM = re.compile(r"\s*<parameter=([^>\n]+)>")
 class Qwen3CoderParser:
     name: ClassVar[str] = "qwen3_coder"
     needs_special_tokens: ClassVar[bool] = False
+    separator: ClassVar[str] = "\n"  # between two calls written by :meth:`write`
     structural: ClassVar[bool] = False
 
     def __init__(self, tools: Sequence[Mapping] | None = None) -> None:
@@ -133,6 +134,19 @@ class Qwen3CoderParser:
         start = 'start: call ("\\n" call)*' if many else "start: call"
         calls = " | ".join(f"f{k}" for k in range(len(names)))
         return "\n".join([start, f'call: "{OPEN}\\n" ({calls}) "\\n{CLOSE}"', *rules]) + "\n"
+
+    def write(self, name: str, arguments: str) -> str:
+        """One call as this family writes it (``arguments``: JSON text of an object)."""
+        try:
+            args = json.loads(arguments)
+        except json.JSONDecodeError:
+            args = {}
+        params = "".join(
+            f"{PARAMETER}{key}>\n{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}\n"
+            f"{END_PARAMETER}\n"
+            for key, value in (args.items() if isinstance(args, dict) else ())
+        )
+        return f"{OPEN}\n{FUNCTION}{name}>\n{params}{END_FUNCTION}\n{CLOSE}"
 
     def call_id(self) -> str:
         return openai_call_id()
