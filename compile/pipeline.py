@@ -36,8 +36,8 @@ import onnx
 import onnx_ir as ir
 
 import kvforge.compile.export as export_stage
+from kvforge.compile import chat_format, heap
 from kvforge.compile import derive as derive_stage
-from kvforge.compile import heap
 from kvforge.compile import load as load_stage
 from kvforge.compile import optimize as optimize_stage
 from kvforge.compile import packing as packing_stage
@@ -560,6 +560,7 @@ def _manifest(
     numel = 1
     for d in shape:
         numel *= d
+    tool_parser, reasoning_parser = chat_format.detect_artifact(tmp)  # from the copied tokenizer files
     return mf.Manifest(
         schema_version=mf.SCHEMA_VERSION,
         kvforge_version=mf.kvforge_version(),
@@ -605,6 +606,8 @@ def _manifest(
         quantization=_quantization(options, source, kept),
         ort_optimization=_ort_optimization(options, optimized),
         target=options.target,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
 
 

@@ -19,6 +19,10 @@ SCHEMA_VERSION = 2
 # changed nothing else: a schema-1 artifact still runs, without speculative decoding.
 READABLE_SCHEMAS = (1, 2)
 MANIFEST_FILE = "manifest.json"
+# How a model writes tool calls and reasoning (the server's parsers, kvforge.tools.serve.parsers):
+# chosen at compile time from the chat template and the special tokens (kvforge.compile.chat_format).
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "harmony")
+REASONING_PARSERS = ("think", "harmony")
 
 
 class ArtifactError(ValueError):
@@ -89,6 +93,9 @@ class Manifest:
     ort_optimization: dict[str, Any] | None = None  # how the <graph>.ort.onnx files were optimized
     engines: dict[str, Any] = field(default_factory=dict)  # {"tensorrt": EngineRecord as a dict}, when built
     target: str = "cpu"  # "cpu" | "cuda" | "tensorrt": what the artifact was compiled for (kvforge compile --target)
+    # Optional (older manifests lack them: hermes, no reasoning): one of TOOL_PARSERS, REASONING_PARSERS.
+    tool_parser: str = "hermes"
+    reasoning_parser: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"format": "kvforge", **asdict(self)}, indent=2) + "\n"
@@ -168,6 +175,10 @@ def check_schema(data: dict[str, Any]) -> None:
         _mapping(key, data.get(key), optional=True)
     for key in ("kvforge_version", "created_utc", "lowering", "target"):
         _text(key, data.get(key, ""))
+    if data.get("tool_parser", "hermes") not in TOOL_PARSERS:
+        raise _malformed("tool_parser", data["tool_parser"], f"one of {', '.join(TOOL_PARSERS)}")
+    if data.get("reasoning_parser") not in (None, *REASONING_PARSERS):
+        raise _malformed("reasoning_parser", data["reasoning_parser"], f"null or one of {', '.join(REASONING_PARSERS)}")
     model, limits = data["model"], data["limits"]
     for name in _DIMS:
         _positive(f"model.{name}", model.get(name))

@@ -161,6 +161,12 @@ def _(c):
         return raised(lambda: Engine.load(art), mf.ArtifactError)
 
 
+@trigger("manifest-parser")
+def _(c):
+    with c.manifest_edit(lambda d: d.update(tool_parser="xml")) as art:
+        return raised(lambda: Engine.load(art), mf.ArtifactError)
+
+
 @trigger("manifest-inconsistent")
 def _(c):
     with c.manifest_edit(lambda d: d["limits"].update(max_seq=4096)) as art:
@@ -676,6 +682,22 @@ def _(c, http):
     return answer(http[1].post("/v1/chat/completions", json=body, headers=KEY), 400)
 
 
+@trigger("http-400-forced-tool-format")
+def _(c):
+    from kvforge.tools.serve import structured
+    from kvforge.tools.serve.parsers.mistral import MistralParser
+    from kvforge.tools.serve.serving import ServingError
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    return raised(lambda: structured.plan(None, tools, "required", None, MistralParser()), ServingError)
+
+
+@trigger("http-400-template-kwargs")
+def _(c, http):
+    body = {**CHAT, "chat_template_kwargs": {"messages": []}}
+    return answer(http[1].post("/v1/chat/completions", json=body, headers=KEY), 400)
+
+
 @trigger("http-400-text-only")
 def _(c, http):
     body = {**CHAT, "modalities": ["text", "audio"]}
@@ -798,6 +820,11 @@ def cli(argv: list[str]) -> str:
 @trigger("cli-serve-port")
 def _(c):
     return cli(["serve", str(c.artifact), "--port", "70000"])
+
+
+@trigger("cli-serve-parser-scale-out")
+def _(c):
+    return cli(["serve", str(c.artifact), "--tool-parser", "hermes", "--ray"])
 
 
 @trigger("cli-loadtest-timeout")

@@ -611,6 +611,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from kvforge.graphs import manifest as mf
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (one process, or Ray Serve replicas)")
     p.add_argument("artifact", help="artifact directory written by kvforge compile")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -638,6 +640,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="refuse request fields outside OpenAI's schema with HTTP 400 (default: ignore them, log a warning "
         "and name them in the x-kvforge-ignored-fields response header)",
+    )
+    p.add_argument(
+        "--tool-parser",
+        default=None,
+        choices=list(mf.TOOL_PARSERS),
+        help="how the model writes tool calls (default: the manifest's, chosen at compile time from the chat "
+        "template; hermes for artifacts compiled before)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=[*mf.REASONING_PARSERS, "none"],
+        help="how the model writes its reasoning, returned as reasoning_content (default: the manifest's; none: "
+        "leave it in the content)",
     )
     _add_speculative(p)
     disagg = p.add_argument_group("disaggregated prefill/decode (worker processes on this machine)")
@@ -695,6 +711,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     speculative = _speculative(args)
+    if (args.tool_parser or args.reasoning_parser) and (
+        args.ray or args.prefill_workers is not None or args.decode_workers is not None
+    ):
+        raise ValueError(
+            "--tool-parser/--reasoning-parser run in the one-process server for now; drop them (the manifest's "
+            "parsers are used) or --ray and the worker flags"
+        )
     if args.ray:
         if args.speculative or args.draft:
             raise ValueError("--speculative/--draft run in the one-process server for now; drop --ray or them")
@@ -735,6 +758,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             model_name=args.served_model_name,
             max_queue=args.max_queue,
             prefix_cache=args.prefix_cache,
+            tool_parser=args.tool_parser,
+            reasoning_parser=args.reasoning_parser,
             **speculative,
         )
         _note_near_ties(args, server.engine.manifest.lowering)

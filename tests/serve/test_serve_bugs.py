@@ -37,7 +37,7 @@ import pytest
 from kvforge.runtime import Engine, SamplingParams
 from kvforge.runtime.sampling import Sampler
 from kvforge.tools.serve import app as serve_app
-from kvforge.tools.serve import chat, completions, structured
+from kvforge.tools.serve import chat, completions, parsers, structured
 from kvforge.tools.serve import protocol as p
 from tests.conftest import CHATML_TEMPLATE
 from tests.tools.test_serve import KEY, MODEL, metric, post, running, sse_events
@@ -194,10 +194,17 @@ def test_forced_call_cut_by_max_tokens_returns_the_closed_calls(client):
         for c in chunk.choices:
             finish = c.finish_reason or finish
             text += c.delta.content or ""
-            for d in c.delta.tool_calls or []:
-                streamed[d.index] = (d.function.name, d.function.arguments)
+            for d in c.delta.tool_calls or []:  # the first piece names the call, the rest add arguments
+                name, arguments = streamed.get(d.index, (None, ""))
+                streamed[d.index] = (name or d.function.name, arguments + (d.function.arguments or ""))
     assert finish == "length" and text == ""  # no `<tool_call>{...` markup as content
-    assert [streamed[i] for i in sorted(streamed)] == [(c.function.name, c.function.arguments) for c in calls]
+    # Streamed, arguments go out as they are generated: the closed calls equal the whole answer's,
+    # and the cut call (its pieces sent before the cut) is a prefix that does not parse.
+    whole = [(c.function.name, c.function.arguments) for c in calls]
+    assert [streamed[i] for i in sorted(streamed)][: len(whole)] == whole
+    for _, arguments in [streamed[i] for i in sorted(streamed)][len(whole) :]:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(arguments)
     # Cut inside the first call: no call, no content.
     r = client.chat.completions.create(**{**common, "max_tokens": 6})
     assert r.choices[0].finish_reason == "length"
@@ -208,10 +215,12 @@ def test_forced_parse_drops_an_unclosed_block():
     text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu'
     content, calls = structured.parse_output(text, forced=True)
     assert content is None and [c["function"]["name"] for c in calls] == ["f"]
-    assert structured.parse_output(text)[0].startswith("<tool_call>")  # auto: kept as the model wrote it
-    parser = structured.DeltaParser(forced=True)
-    deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
-    assert [d.content for d in deltas if d.content] == [] and len([d for d in deltas if d.tool_calls]) == 1
+    assert structured.parse_output(text)[0].strip().startswith("<tool_call>")  # auto: kept as the model wrote it
+    stream = parsers.ChatFormat().output(parse_calls=True, forced=True).stream()
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.finish()
+    assert [d.content for d in deltas if d.content] == []  # no markup as content, streamed either
+    assert {d.index for d in deltas if d.index is not None} == {0}  # the cut block never got as far as its arguments
+    assert [c.complete for c in stream.calls] == [True]  # and the whole answer drops it
 
 
 @pytest.mark.parametrize(

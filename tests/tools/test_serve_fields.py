@@ -45,8 +45,8 @@ from kvforge.tools.serve import protocol as p
 from tests.tools.test_serve import KEY, MESSAGES, MODEL, PROMPTS, free_port, metric, post, running, start_cli_server
 
 SERVING_DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
-# vLLM's documented extensions, and kvforge's usage.speculative (drafted/accepted tokens, README)
-VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative"}
+# vLLM's documented extensions (reasoning_content: docs/serving.md), and kvforge's usage.speculative (README)
+VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative", "reasoning_content"}
 
 # Fields that change generation (each mapped to the runtime or the response).
 IMPLEMENTED = {
@@ -61,6 +61,7 @@ IMPLEMENTED = {
         "n",
         "parallel_tool_calls",
         "prediction",
+        "reasoning_effort",
         "presence_penalty",
         "response_format",
         "seed",
@@ -95,7 +96,10 @@ IMPLEMENTED = {
 # kvforge's own fields beyond OpenAI's schema (as vLLM's completions take response_format too), and
 # vLLM's extensions (docs/serving.md's table of them, checked below).
 VLLM_EXTENSIONS = {"ignore_eos", "min_tokens", "stream_options.continuous_usage_stats"}
-EXTENSIONS = {"chat": {"ignore_eos", "min_tokens"}, "completions": {"response_format", "ignore_eos", "min_tokens"}}
+EXTENSIONS = {
+    "chat": {"ignore_eos", "min_tokens", "chat_template_kwargs"},
+    "completions": {"response_format", "ignore_eos", "min_tokens"},
+}
 # Fields refused with a 400 unless set to their no-op value.
 REFUSED = {
     "chat": {"audio", "function_call", "functions"},

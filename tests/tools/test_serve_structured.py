@@ -24,7 +24,7 @@ import pydantic
 import pytest
 
 from kvforge.runtime.chat import ChatTemplate
-from kvforge.tools.serve import structured
+from kvforge.tools.serve import parsers, structured
 from kvforge.tools.serve.serving import ServingError
 from tests.conftest import CHATML_TEMPLATE
 from tests.tools.test_serve import KEY, MODEL, running
@@ -94,12 +94,15 @@ def test_streamed_parsing_equals_whole():
         '<tool_call>{"name": "b", "arguments": {}}</tool_call> done <tool_c'
     )
     whole_content, whole_calls = structured.parse_output(text)
-    stream = structured.CallStream()
-    events = [e for ch in text for e in stream.feed(ch)] + stream.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e for e in events if isinstance(e, dict)]
+    stream = parsers.ChatFormat().output(parse_calls=True).stream()
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.finish()
+    content = "".join(d.content for d in deltas if d.content)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.index is not None:
+            calls.setdefault(d.index, [d.name, ""])[1] += d.arguments or ""
     assert content == whole_content == "Sure done <tool_c"
-    assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+    assert [{"name": n, "arguments": a} for n, a in calls.values()] == [c["function"] for c in whole_calls]
 
 
 def test_plan_refusals():
@@ -200,13 +203,16 @@ def test_forced_tool_calls_whole_and_streamed(client, tool_choice, names):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     if names is not None:
         assert [c.function.name for c in choice.message.tool_calls] == names
-    streamed, finish = {}, None
+    streamed, finish, pieces = {}, None, 0
     for chunk in client.chat.completions.create(temperature=0, stream=True, **common):
         for c in chunk.choices:
             finish = c.finish_reason or finish
-            for d in c.delta.tool_calls or []:
-                streamed[d.index] = (d.function.name, d.function.arguments)
+            for d in c.delta.tool_calls or []:  # the name first, then the arguments as generated
+                name, args = streamed.get(d.index, (None, ""))
+                streamed[d.index] = (name or d.function.name, args + (d.function.arguments or ""))
+                pieces += bool(d.function.arguments)
     assert finish == "tool_calls"
+    assert pieces > len(streamed), "the arguments arrive in pieces as they are generated, not whole at the end"
     assert [streamed[i] for i in sorted(streamed)] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]

@@ -8,6 +8,12 @@ encoded without special tokens (as ``apply_chat_template(tokenize=True)`` does).
 runtime's ``SamplingParams.logit_bias``. ``prediction`` (predicted outputs) is tokenized like the
 answer would be (no special tokens) and handed to the runtime by :func:`.serving.with_prediction`;
 ``usage.completion_tokens_details`` reports the accepted and rejected prediction tokens.
+
+The answer is read by the model family's parsers (:mod:`.parsers`, chosen by the server's
+``chat_format``): reasoning to ``reasoning_content``, tool calls to ``tool_calls`` (streamed: each
+call's name, then its arguments as they are generated), the rest to ``content``.
+``reasoning_effort`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) reach the
+chat template as variables.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvforge.runtime.chat import ChatTemplateError
-from kvforge.tools.serve import fields, structured
+from kvforge.tools.serve import fields, parsers, structured
 from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve.parsers.text import OutputText
 from kvforge.tools.serve.serving import (
     SSE_DONE,
     Flight,
@@ -46,6 +53,7 @@ class Prepared:
     sequences: list[SeqRequest]
     prompt_tokens: int
     plan: structured.Plan
+    output: parsers.OutputParser  # reads each choice's answer (reasoning, content, calls)
 
 
 def _content(message: p.ChatMessage, index: int) -> str:
@@ -73,7 +81,9 @@ def _prediction_text(prediction: p.PredictionContent) -> str:
 def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     server.check_model(req.model)
     fields.check_refused(req)
-    plan = structured.plan(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls)
+    chat_format = _chat_format(server)
+    tool_parser = chat_format.tool(req.tools)
+    plan = structured.plan(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
     if not req.messages:
         raise ServingError("messages is empty; send at least one message", param="messages")
     if server.chat_template is None:
@@ -87,9 +97,9 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
         raise ServingError("top_logprobs needs logprobs: true; set both or neither", param="top_logprobs")
     server.check_n(req.n)
     messages = [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(req.messages)]
-    messages, tools = structured.chat_messages(messages, req.messages, plan, server.chat_template)
+    messages, tools = structured.chat_messages(messages, req.messages, plan, server.chat_template, tool_parser)
     try:
-        text = server.chat_template.render(messages, add_generation_prompt=True, tools=tools)
+        text = server.chat_template.render(messages, add_generation_prompt=True, tools=tools, **_template_kwargs(req))
     except ChatTemplateError as e:
         raise ServingError(f"the chat template rejected the messages: {e}", param="messages") from e
     ids = server.encode(text, special=False)
@@ -110,7 +120,40 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     if req.prediction is not None:  # the draft, tokenized as the answer would be (no special tokens)
         base = with_prediction(base, server.encode(_prediction_text(req.prediction), special=False))
     base = structured.constrain(base, plan)
-    return Prepared(choices(req, ids, max_tokens, base), len(ids), plan)
+    # kvforge's grammars of calls and JSON cover the answer alone (a user's Lark grammar may hold the reasoning).
+    answer_only = bool(plan.fields) and (req.response_format or {}).get("type") != "grammar"
+    output = chat_format.output(
+        plan.tools, prompt=text, parse_calls=plan.parse_calls, answer_only=answer_only, forced=plan.forced
+    )
+    return Prepared(choices(req, ids, max_tokens, base), len(ids), plan, output)
+
+
+def _chat_format(server: ModelServer) -> parsers.ChatFormat:
+    return getattr(server, "chat_format", None) or parsers.ChatFormat()
+
+
+# Template variables a request may not set through chat_template_kwargs (the server sets them).
+_RESERVED_TEMPLATE_VARS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _template_kwargs(req: p.ChatCompletionRequest) -> dict:
+    """The chat template's extra variables: ``chat_template_kwargs`` and ``reasoning_effort``."""
+    extra = dict(req.chat_template_kwargs or {})
+    taken = [k for k in extra if k in _RESERVED_TEMPLATE_VARS]
+    if taken:
+        raise ServingError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the server passes those from the request's own "
+            "fields (messages, tools); remove them from chat_template_kwargs",
+            param="chat_template_kwargs",
+        )
+    if req.reasoning_effort is not None:
+        extra.setdefault("reasoning_effort", req.reasoning_effort)
+    return extra
+
+
+def _output_text(server: ModelServer, prep: Prepared) -> OutputText:
+    eos = getattr(server.engine, "eos_token_ids", ())
+    return OutputText(server.tokenizer, eos, _chat_format(server).needs_special_tokens and prep.output.active)
 
 
 def chat_logprobs(server: ModelServer, logprobs) -> p.ChatCompletionLogProbs:
@@ -135,13 +178,15 @@ async def full(
     results = await final_results(flight)
     response_choices = []
     for i in range(len(prep.sequences)):
-        content, calls = (results[i].text, [])
-        if prep.plan.parse_calls:
-            content, calls = structured.parse_output(content, forced=prep.plan.forced)
+        content, reasoning, calls = results[i].text, None, []
+        if prep.output.active:
+            parsed = prep.output.parse(_output_text(server, prep).whole(results[i].text, results[i].token_ids))
+            content, reasoning = parsed.content, parsed.reasoning
+            calls = parsers.call_dicts(prep.output, parsed.calls)
         response_choices.append(
             p.ChatCompletionResponseChoice(
                 index=i,
-                message=p.ChatResponseMessage(content=content, tool_calls=calls or None),
+                message=p.ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
                 logprobs=chat_logprobs(server, results[i].logprobs) if req.logprobs else None,
                 finish_reason=_finish_reason(results[i].finish_reason, calls),
                 stop_reason=results[i].stop_string,
@@ -172,8 +217,8 @@ async def stream(
             update["usage"] = running_usage(prep.prompt_tokens, generated)
         return sse(head.model_copy(update=update))
 
-    forced = prep.plan.forced
-    parsers = [structured.DeltaParser(forced) if prep.plan.parse_calls else None for _ in prep.sequences]
+    streams = [prep.output.stream() if prep.output.active else None for _ in prep.sequences]
+    texts = [_output_text(server, prep) for _ in prep.sequences]
     results = {}
     try:
         for index in range(len(prep.sequences)):
@@ -181,24 +226,29 @@ async def stream(
         async with contextlib.aclosing(flight.events()) as events:
             async for event in events:
                 raise_on_error(event)
-                parser = parsers[event.index]
+                reader = streams[event.index]
                 if event.kind == "chunk":
                     piece = event.payload
                     generated += len(piece.token_ids)
                     logprobs = chat_logprobs(server, piece.logprobs) if req.logprobs and piece.logprobs else None
-                    if parser is not None:  # tool calls: content and whole calls as they are certain
-                        for j, delta in enumerate(parser.feed(piece.text, logprobs is not None)):
+                    if reader is not None:  # reasoning, content and call pieces as they are certain
+                        deltas = _deltas(reader.feed(texts[event.index].piece(piece.text, piece.token_ids)))
+                        if not deltas and logprobs is not None:
+                            deltas = [p.DeltaMessage(content="")]  # an empty one to carry the logprobs
+                        for j, delta in enumerate(deltas):
                             yield chunk(event.index, delta, logprobs=None if j else logprobs)
                     elif piece.text or logprobs is not None:
                         yield chunk(event.index, p.DeltaMessage(content=piece.text), logprobs=logprobs)
                 else:
                     result = results[event.index] = event.payload
-                    for delta in parser.finish() if parser is not None else ():
-                        yield chunk(event.index, delta)
+                    if reader is not None:
+                        rest = reader.feed(texts[event.index].flush()) + reader.finish()
+                        for delta in _deltas(rest):
+                            yield chunk(event.index, delta)
                     yield chunk(
                         event.index,
                         p.DeltaMessage(),
-                        finish_reason=_finish_reason(result.finish_reason, parser.calls if parser else 0),
+                        finish_reason=_finish_reason(result.finish_reason, reader.ids if reader else 0),
                         stop_reason=result.stop_string,
                     )
         if req.stream_options and req.stream_options.include_usage:
@@ -207,6 +257,19 @@ async def stream(
     except ServingError as e:
         yield sse(e.body())
     yield SSE_DONE
+
+
+def _deltas(pieces: list[parsers.Delta]) -> list[p.DeltaMessage]:
+    """The parser's pieces as OpenAI's deltas: a call's first piece carries its id, type and name."""
+    out = []
+    for d in pieces:
+        if d.index is None:
+            out.append(p.DeltaMessage(content=d.content, reasoning_content=d.reasoning))
+            continue
+        function = p.DeltaFunctionCall(name=d.name, arguments=d.arguments)
+        call = p.DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None, function=function)
+        out.append(p.DeltaMessage(tool_calls=[call]))
+    return out
 
 
 def _finish_reason(reason: str, calls: list | int) -> str:

@@ -44,7 +44,6 @@ IGNORED: dict[str, str] = {
     "prompt_cache_key": "nothing: kvforge's caching needs no routing key",
     "prompt_cache_options": "nothing: no cache breakpoints or lifetimes to set",
     "prompt_cache_retention": "nothing: no cache lifetimes to set",
-    "reasoning_effort": "nothing: the served models have no reasoning switch",
     "verbosity": "nothing: the answer's length is the model's (use max_tokens to bound it)",
     "web_search_options": "nothing: no web search is run",
     "moderation": "nothing: no moderation model is run",

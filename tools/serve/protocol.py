@@ -231,7 +231,7 @@ class ChatCompletionRequest(RequestModel):
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # passed to the chat template (gpt-oss reads it)
     response_format: dict[str, Any] | None = None  # {"type": "text"} only
     safety_identifier: str | None = None
     seed: int | None = None
@@ -250,6 +250,8 @@ class ChatCompletionRequest(RequestModel):
     # vLLM extensions (as in CompletionRequest)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # vLLM's extension: variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TopLogprob(ResponseModel):
@@ -295,6 +297,7 @@ class DeltaToolCall(ResponseModel):
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's/DeepSeek's field: the model's reasoning, never in content
     refusal: str | None = None
     annotations: list[dict[str, Any]] = Field(default_factory=list)
     tool_calls: list[ToolCall] | None = None
@@ -321,6 +324,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -40,7 +40,9 @@ from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from kvforge.runtime.chat import ChatTemplate
 from kvforge.runtime.sampling import SamplingParams
+from kvforge.tools.serve import parsers
 from kvforge.tools.serve.metrics import ServeMetrics
+from kvforge.tools.serve.parsers import ChatFormat
 from kvforge.tools.serve.protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's chat API allows
@@ -322,6 +324,8 @@ class ModelServer:
         model_name: str | None = None,
         max_queue: int = 64,
         replica_id: str | None = None,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         if engine.tokenizer is None:
             raise ValueError(f"{engine.artifact_dir} has no tokenizer; the server needs one to take text prompts")
@@ -334,6 +338,8 @@ class ModelServer:
         self.max_seq = engine.max_seq
         # None: the model has no template, and /v1/chat/completions answers 400 saying so.
         self.chat_template = ChatTemplate.from_artifact(Path(engine.artifact_dir))
+        # How the model writes tool calls and reasoning: the manifest's choice, or the overrides.
+        self.chat_format = ChatFormat.choose(engine.manifest, tool_parser, reasoning_parser)
         self.scheduler = engine.scheduler()
         engine.grammars.warm()  # structured output's tokenizer, off the event loop (None without llguidance)
         self.capacity = self.scheduler.rows + max_queue  # sequences in flight: in a row or queued for one
@@ -356,19 +362,31 @@ class ModelServer:
         prefix_cache: int | str | None = None,
         speculative: object = None,
         draft: str | Path | None = None,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> ModelServer:
         """Load the artifact (``prefix_cache``: the engine's prefix-cache budget; ``speculative``,
         ``draft``: drafting; see ``Engine.load``) and serve it. Without ``speculative`` or
         ``draft``, an artifact with a verify graph (schema 2) is served with
         ``speculative="prediction"``: requests that send OpenAI's ``prediction`` have it verified as
-        a draft, the others decode plainly through the same one session."""
+        a draft, the others decode plainly through the same one session. ``tool_parser``,
+        ``reasoning_parser``: override the manifest's parsers (:mod:`.parsers`; ``"none"``: no
+        reasoning parsing)."""
+        parsers.check_names(tool_parser, reasoning_parser)
         if speculative is None and draft is None and "verify" in mf.read(artifact_dir, verify=False).graphs:
             speculative = "prediction"
         engine = Engine.load(
             artifact_dir, threads=threads, prefix_cache=prefix_cache, speculative=speculative, draft=draft
         )
         try:
-            return cls(engine, model_name=model_name, max_queue=max_queue, replica_id=replica_id)
+            return cls(
+                engine,
+                model_name=model_name,
+                max_queue=max_queue,
+                replica_id=replica_id,
+                tool_parser=tool_parser,
+                reasoning_parser=reasoning_parser,
+            )
         except BaseException:
             engine.close()
             raise

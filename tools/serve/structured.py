@@ -10,7 +10,8 @@ Input: a request's ``response_format`` (``{"type": "text"}``, ``{"type": "json_o
 the constraint (see :mod:`kvforge.runtime.constraints`), the tools to render, whether to parse calls
 and whether they are forced.
 
-Tool calls are written Hermes-style, the format most open chat models are trained on::
+Tool calls are written in the served model family's format (:mod:`.parsers`; Hermes-style by
+default, the format most open chat models are trained on)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -18,14 +19,14 @@ Tool calls are written Hermes-style, the format most open chat models are traine
 
 one block per call (parallel calls: blocks separated by a newline). The tools reach the model through
 its chat template (``tools=`` as transformers passes them) when the template reads ``tools``; a
-template that ignores them (SmolLM2's) gets them in a system message that lists the tools and this
-format. ``required`` and a named function constrain the output to such blocks whose JSON is
-``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`` (a named function:
-exactly one call of it; ``required``: one call, or one or more when ``parallel_tool_calls`` is
-true); ``auto`` leaves the output free (with a ``json_schema`` response format: the schema's JSON
-or tool calls) and parses what comes; ``none`` renders no tools and parses nothing. A response with
-calls has ``finish_reason: "tool_calls"`` and the text outside the blocks as ``content`` (None when
-blank).
+template that ignores them (SmolLM2's) gets them in a system message that lists the tools and the
+Hermes format. ``required`` and a named function constrain the output to calls in the family's
+format (the parser's ``grammar``; a family without one is a 400) whose arguments follow the tool's
+``parameters`` schema (a named function: exactly one call of it; ``required``: one call, or one or
+more when ``parallel_tool_calls`` is true); ``auto`` leaves the output free (with a
+``json_schema`` response format: the schema's JSON or calls, where the family has a grammar) and
+parses what comes; ``none`` renders no tools and parses nothing. A response with calls has
+``finish_reason: "tool_calls"`` and the text outside the calls as ``content`` (None when blank).
 
 Grammar rules of forced calls (docs/serving.md, "Tool calls"):
 
@@ -48,18 +49,17 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvforge.runtime import constraints
 from kvforge.runtime.sampling import SamplingParams
-from kvforge.tools.serve import protocol as p
+from kvforge.tools.serve import parsers
+from kvforge.tools.serve.parsers.hermes import HermesParser
 from kvforge.tools.serve.serving import ServingError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 _JSON_OPTIONS = {"whitespace_pattern": constraints.JSON_WHITESPACE}
 
 
@@ -160,23 +160,27 @@ def closed_objects(schema: Any, top: bool = True) -> Any:
     return out
 
 
-def _calls_grammar(schemas: Mapping[str, dict], names: Sequence[str], many: bool, close: bool = False) -> str:
-    """A Lark grammar (llguidance's) of one, or one or more, ``<tool_call>`` blocks of ``names``;
-    ``close``: argument objects closed (:func:`closed_objects`), as for forced calls."""
-    body = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": n}, "arguments": closed_objects(schemas[n]) if close else schemas[n]},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for n in names
-        ],
-        "x-guidance": _JSON_OPTIONS,
-    }
-    start = 'start: call ("\\n" call)*' if many else "start: call"
-    return f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(body)}\n'
+def _calls_grammar(
+    schemas: Mapping[str, dict], names: Sequence[str], many: bool, parser: Any = None, close: bool = False
+) -> str:
+    """A Lark grammar (llguidance's) of one, or one or more, calls of ``names`` in the format of
+    ``parser`` (a :class:`~kvforge.tools.serve.parsers.ToolParser`; Hermes ``<tool_call>`` blocks
+    when None); a family whose grammar kvforge does not build is a 400 naming it. ``close``:
+    argument objects closed (:func:`closed_objects`), as for forced calls."""
+    parser = parser if parser is not None else HermesParser()
+    if close:
+        schemas = {n: closed_objects(s) for n, s in schemas.items()}
+    grammar = parser.grammar(schemas, names, many)
+    if grammar is None:
+        raise ServingError(
+            f"tool_choice 'required' or a named function needs a grammar of this model's tool-call format "
+            f"({parser.name}), which kvforge does not build yet (it does for hermes, llama3_json and qwen3_coder); "
+            "send tool_choice 'auto' and let the model call, or serve with --tool-parser naming a format the model "
+            "also writes",
+            param="tool_choice",
+            code="unsupported",
+        )
+    return grammar
 
 
 def plan(
@@ -184,8 +188,11 @@ def plan(
     tools: Sequence[Mapping] | None = None,
     tool_choice: str | Mapping | None = None,
     parallel_tool_calls: bool | None = None,
+    parser: Any = None,
 ) -> Plan:
-    """The :class:`Plan` of one chat request (400 naming the field for anything malformed)."""
+    """The :class:`Plan` of one chat request (400 naming the field for anything malformed);
+    ``parser``: the model family's tool parser, whose format forced calls are written in (Hermes
+    when None)."""
     fields = response_format_fields(response_format)
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -198,7 +205,9 @@ def plan(
         if "json_schema" in fields or "json_object" in fields:
             schema = fields.get("json_schema", {"type": "object"})
             schema = {**schema, "x-guidance": _JSON_OPTIONS} if isinstance(schema, Mapping) else {}
-            calls = _calls_grammar(schemas, list(schemas), parallel_tool_calls is True)
+            if parser is not None and parser.grammar(schemas, list(schemas), True) is None:
+                return Plan(fields, list(tools), True)  # no grammar of this family's calls: the schema alone
+            calls = _calls_grammar(schemas, list(schemas), parallel_tool_calls is True, parser)
             grammar = calls.replace("start: ", "start: answer | calls\ncalls: ", 1)
             grammar += f"answer: %json {json.dumps(schema)}\n"
             return Plan({"grammar": grammar}, list(tools), True, "response_format")
@@ -218,7 +227,7 @@ def plan(
             "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
             param="tool_choice",
         )
-    grammar = _calls_grammar(schemas, names, many, close=True)
+    grammar = _calls_grammar(schemas, names, many, parser, close=True)
     return Plan({"grammar": grammar}, list(tools), parse_calls=True, param="tools", forced=True)
 
 
@@ -243,9 +252,17 @@ def template_reads_tools(template: Any) -> bool:
     return re.search(r"\btools\b", source) is not None
 
 
-def tools_system_prompt(tools: Sequence[Mapping]) -> str:
-    """The tools and the call format, for a template that does not render tools itself."""
+def tools_system_prompt(tools: Sequence[Mapping], parser: Any = None) -> str:
+    """The tools and the call format, for a template that does not render tools itself (``parser``:
+    the family's tool parser, whose format is shown; Hermes when None)."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if parser is not None and not isinstance(parser, HermesParser):
+        example = parser.write("NAME", '{"ARGUMENT": "VALUE"}')
+        return (
+            "You can call functions. Their signatures are listed between <tools> and </tools>. To call one, "
+            f"answer with the call written as below (NAME: the function, then its arguments), one per call:\n"
+            f"{example}\n<tools>\n{listed}\n</tools>"
+        )
     return (
         "You can call functions. Their signatures are listed between <tools> and </tools>. To call one, "
         f"answer with a JSON object holding the function's name and its arguments between {OPEN} and {CLOSE}, "
@@ -254,11 +271,14 @@ def tools_system_prompt(tools: Sequence[Mapping]) -> str:
     )
 
 
-def chat_messages(messages: list[dict], raw: Sequence[Any], plan: Plan, template: Any) -> tuple[list[dict], Any]:
+def chat_messages(
+    messages: list[dict], raw: Sequence[Any], plan: Plan, template: Any, parser: Any = None
+) -> tuple[list[dict], Any]:
     """The messages and the ``tools`` argument to render with: history tool calls and tool results
-    kept for a template that reads tools; else calls written as ``<tool_call>`` blocks and the tools
-    in the system message."""
+    kept for a template that reads tools; else calls written in the family's format (``parser``'s;
+    Hermes ``<tool_call>`` blocks when None) and the tools in the system message."""
     reads = template_reads_tools(template)
+    parser = parser if parser is not None else HermesParser()
     out = []
     for m, r in zip(messages, raw):
         extra = dict(getattr(r, "model_extra", None) or {})  # ChatMessage keeps tool_calls, tool_call_id as extras
@@ -269,13 +289,16 @@ def chat_messages(messages: list[dict], raw: Sequence[Any], plan: Plan, template
                 kept["tool_calls"] = [{"type": "function", "function": _call_json(c)} for c in calls]
             out.append({**m, **kept})
         elif calls:
-            blocks = "\n".join(f"{OPEN}\n{json.dumps(_call_json(c), ensure_ascii=False)}\n{CLOSE}" for c in calls)
+            written = [_call_json(c) for c in calls]
+            blocks = parser.separator.join(
+                parser.write(str(c["name"]), json.dumps(c["arguments"], ensure_ascii=False)) for c in written
+            )
             out.append({**m, "content": (m["content"] + "\n" if m["content"] else "") + blocks})
         else:
             out.append(m)
     if plan.tools is None or reads:
         return out, plan.tools
-    prompt = tools_system_prompt(plan.tools)
+    prompt = tools_system_prompt(plan.tools, parser)
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
     else:
@@ -294,122 +317,11 @@ def _call_json(call: Any) -> dict:
 # --------------------------------------------------------------------------------- parsing
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parse_call(body: str) -> dict | None:
-    """An OpenAI tool call ``{"id", "type", "function": {"name", "arguments"}}`` from one block's
-    JSON, or None when it is not ``{"name": str, "arguments": ...}``."""
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    args = data.get("arguments", data.get("parameters", {}))
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": data["name"], "arguments": text}}
-
-
 def parse_output(text: str, forced: bool = False) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole output; blocks that are not calls stay in the content.
-    ``forced``: the output is calls only (a forced tool choice): an unclosed last block (the output
-    hit ``max_tokens``) is dropped, not content."""
-    stream = CallStream(forced)
-    events = stream.feed(text) + stream.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e for e in events if isinstance(e, dict)]
-    return (content if content.strip() else None), calls
-
-
-class CallStream:
-    """Incremental ``<tool_call>`` parsing of streamed text: :meth:`feed` returns content strings
-    and tool calls (dicts) as soon as they are certain. Text that may begin a block is held back;
-    blank text next to a call is dropped; a block that does not parse is passed on as content.
-    ``forced``: what is held at the end (an unclosed block) is dropped instead."""
-
-    def __init__(self, forced: bool = False) -> None:
-        self.forced = forced
-        self.buf = ""
-        self.blank = ""  # whitespace held until we know whether a call follows
-        self.in_call = False
-        self.calls = 0
-
-    def feed(self, text: str) -> list[str | dict]:
-        self.buf += text
-        out: list[str | dict] = []
-        while True:
-            if self.in_call:
-                j = self.buf.find(CLOSE)
-                if j < 0:
-                    return out
-                body, self.buf = self.buf[:j], self.buf[j + len(CLOSE) :]
-                self.in_call = False
-                call = parse_call(body.strip())
-                if call is None:
-                    self._content(OPEN + body + CLOSE, out)
-                else:
-                    self.blank = ""
-                    self.calls += 1
-                    out.append(call)
-                continue
-            i = self.buf.find(OPEN)
-            if i >= 0:
-                self._content(self.buf[:i], out, before_call=True)
-                self.buf, self.in_call = self.buf[i + len(OPEN) :], True
-                continue
-            n = len(self.buf)
-            keep = next((k for k in range(min(len(OPEN) - 1, n), 0, -1) if OPEN.startswith(self.buf[-k:])), 0)
-            self._content(self.buf[: len(self.buf) - keep], out)
-            self.buf = self.buf[len(self.buf) - keep :]
-            return out
-
-    def finish(self) -> list[str | dict]:
-        """What is held at the end (an unfinished block is content; dropped when forced)."""
-        out: list[str | dict] = []
-        rest = "" if self.forced else (OPEN if self.in_call else "") + self.buf
-        self.buf, self.in_call = "", False
-        self._content(rest, out)
-        if self.blank and not self.calls:  # a reply of blanks alone stays what it was
-            out.append(self.blank)
-        self.blank = ""
-        return out
-
-    def _content(self, text: str, out: list, before_call: bool = False) -> None:
-        """Emit ``text``, holding its trailing whitespace until more text comes (dropped at a call)."""
-        body = text.rstrip()
-        if body:
-            out.append(self.blank + body)
-            self.blank = ""
-        self.blank += text[len(body) :]
-        if before_call:
-            self.blank = ""
-
-
-class DeltaParser:
-    """One streamed chat choice with tools: text pieces -> ``DeltaMessage``s (content, and each
-    call whole, as one ``tool_calls`` entry, once its block closes)."""
-
-    def __init__(self, forced: bool = False) -> None:
-        self.stream = CallStream(forced)
-        self.calls = 0
-
-    def feed(self, text: str, keep_one: bool = False) -> list[p.DeltaMessage]:
-        """Deltas for ``text``; ``keep_one``: at least one (an empty one to carry logprobs)."""
-        out = self._deltas(self.stream.feed(text))
-        return out or ([p.DeltaMessage(content="")] if keep_one else [])
-
-    def finish(self) -> list[p.DeltaMessage]:
-        return self._deltas(self.stream.finish())
-
-    def _deltas(self, events: list[str | dict]) -> list[p.DeltaMessage]:
-        out = []
-        for e in events:
-            if isinstance(e, str):
-                out.append(p.DeltaMessage(content=e))
-            else:
-                call = p.DeltaToolCall(index=self.calls, id=e["id"], type="function", function=e["function"])
-                self.calls += 1
-                out.append(p.DeltaMessage(tool_calls=[call]))
-        return out
+    """(content, tool_calls) of a whole output in Hermes' format (see :mod:`.parsers` for the
+    other families); blocks that are not calls stay in the content. ``forced``: the output is calls
+    only (a forced tool choice): an unclosed last block (the output hit ``max_tokens``) is dropped,
+    not content."""
+    parser = parsers.ChatFormat().output(parse_calls=True, forced=forced)
+    parsed = parser.parse(text)
+    return parsed.content, parsers.call_dicts(parser, parsed.calls)

@@ -67,6 +67,7 @@ from kvforge.runtime.tokenizer import Tokenizer
 from kvforge.tools.serve.disagg.metrics import DisaggMetrics
 from kvforge.tools.serve.disagg.workers import DECODE, PREFILL, ROLES, PipeWorker, WorkerEvent, WorkerSpec
 from kvforge.tools.serve.metrics import ServeMetrics
+from kvforge.tools.serve.parsers import ChatFormat
 from kvforge.tools.serve.serving import Event, Flight, ModelServer, SeqRequest, ServingError
 
 log = logging.getLogger("kvforge.serve")
@@ -213,6 +214,7 @@ class DisaggServer:
         self.engine = ArtifactView(artifact_dir, manifest.model.vocab_size, limits.max_seq, limits.max_batch)
         self.tokenizer = Tokenizer(artifact_dir / "tokenizer.json")
         self.chat_template = ChatTemplate.from_artifact(artifact_dir)
+        self.chat_format = ChatFormat.choose(manifest)  # the manifest's tool-call and reasoning parsers
         self.model_name = model_name or artifact_dir.name
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}"
         self.max_seq = limits.max_seq
