@@ -3,7 +3,9 @@
     app = build_app(ModelServer.load("out"), api_key="secret")   # then: uvicorn.run(app) or Ray Serve
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``: server-sent
-events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
+events ending with ``data: [DONE]``), ``POST /v1/responses`` with ``GET``/``DELETE
+/v1/responses/{id}`` (OpenAI's Responses API over the chat path: :mod:`.responses`),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
 ``/v1`` routes need ``Authorization: Bearer KEY`` when an ``api_key`` is set. Every error is
 OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input
 (malformed JSON, unknown model, invalid value, a field value kvforge cannot honour, too long a
@@ -40,12 +42,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvforge.tools.serve import chat, completions, fields
+from kvforge.tools.serve import chat, completions, fields, responses
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import ModelServer, ServingError
 
 REPLICA_HEADER = "x-kvforge-replica"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/responses/{id}",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
 
 T = TypeVar("T")
 log = logging.getLogger("kvforge.serve")
@@ -84,7 +94,7 @@ class _Observe:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else "/v1/responses/{id}" if path.startswith("/v1/responses/") else "other"
 
         async def send_observed(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -184,7 +194,7 @@ def build_app(
                 headers[fields.IGNORED_HEADER],
             )
             server.metrics.unknown_fields.inc(len(unknown))
-        for name in fields.ignored_fields(body):
+        for name in getattr(handler, "ignored_fields", fields.ignored_fields)(body):
             server.metrics.ignored_fields.labels(field=name).inc()
         server.admit(len(prep.sequences))
         flight = server.start(prep.sequences)
@@ -209,6 +219,21 @@ def build_app(
     @app.post("/v1/chat/completions", dependencies=v1)
     async def create_chat_completion(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await respond(request, chat, body)
+
+    store = app.state.responses = responses.ResponseStore()
+    responses_handler = responses.ResponsesHandler(store)
+
+    @app.post("/v1/responses", dependencies=v1)
+    async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+        return await respond(request, responses_handler, body)
+
+    @app.get("/v1/responses/{response_id}", dependencies=v1)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(store.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=v1)
+    async def delete_response(response_id: str) -> JSONResponse:
+        return JSONResponse(store.delete(response_id))
 
     @app.get("/health")
     async def health() -> JSONResponse:
