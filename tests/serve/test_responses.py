@@ -31,6 +31,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
+from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve import responses
 from kvforge.tools.serve.serving import ServingError
 from tests.conftest import CHATML_TEMPLATE
@@ -143,6 +144,78 @@ def test_store_keeps_the_most_recently_used():
         store.delete("a")
     with pytest.raises(ValueError, match="at least 1"):
         responses.ResponseStore(limit=0)
+
+
+def test_chat_answer_becomes_output_items():
+    call = p.ToolCall(id="call_1", function=p.FunctionCall(name="f", arguments='{"x": 1}'))
+
+    def items(**message):
+        choice = p.ChatCompletionResponseChoice(index=0, message=p.ChatResponseMessage(**message))
+        return [item.model_dump() for item in responses.output_items(choice)]
+
+    out = items(content="Hi.", tool_calls=[call], reasoning_content="Think.")  # a reasoning parser's field
+    assert [i["type"] for i in out] == ["reasoning", "message", "function_call"]
+    assert out[0]["content"] == [{"type": "reasoning_text", "text": "Think."}] and out[0]["id"].startswith("rs_")
+    assert out[1]["content"][0]["text"] == "Hi." and out[2]["call_id"] == "call_1" and out[2]["name"] == "f"
+    assert [i["type"] for i in items(content=None, tool_calls=[call])] == ["function_call"]
+    assert items(content="")[0]["content"][0]["text"] == ""  # no text nor call: one empty message
+
+
+def test_chat_chunks_become_stream_events():
+    """Reasoning, text and two calls (arguments in pieces) from chat chunks: each item opened,
+    filled and closed in order, numbered, every event openai's typed event."""
+    head = responses.ResponseObject(id="resp_1", created_at=0, status="in_progress", model=MODEL)
+    stream = responses.EventStream(head, logprobs=False)
+
+    def delta(**fields):
+        return {"choices": [{"index": 0, "delta": fields}]}
+
+    def call(index, **function):
+        return {"index": index, "id": f"call_{index}" if "name" in function else None, "function": function}
+
+    chunks = [
+        delta(role="assistant", content=""),
+        delta(reasoning_content="Let me "),
+        delta(reasoning_content="see."),
+        delta(content="Checking."),
+        delta(tool_calls=[call(0, name="f", arguments='{"x":')]),
+        delta(tool_calls=[call(0, arguments=" 1}")]),
+        delta(tool_calls=[call(1, name="g", arguments="{}")]),
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}},
+    ]
+    events = [stream.lifecycle("response.created")]
+    for chunk in chunks:
+        events += stream.chunk(chunk)
+    events += stream.close(empty_message=True)
+    bodies = [json.loads(e.split("data: ", 1)[1]) for e in events]
+    assert [e.split("\n", 1)[0] for e in events] == [f"event: {b['type']}" for b in bodies]
+    assert [b["sequence_number"] for b in bodies] == list(range(len(bodies)))
+    added, done = "response.output_item.added", "response.output_item.done"
+    assert [b["type"] for b in bodies] == [
+        "response.created",
+        *(added, "response.reasoning_text.delta", "response.reasoning_text.delta"),
+        *("response.reasoning_text.done", done),
+        *(added, "response.content_part.added", "response.output_text.delta", "response.output_text.done"),
+        *("response.content_part.done", done),
+        *(added, "response.function_call_arguments.delta", "response.function_call_arguments.delta"),
+        *("response.function_call_arguments.done", done),
+        *(added, "response.function_call_arguments.delta", "response.function_call_arguments.done", done),
+    ]
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    for body in bodies:
+        adapter.validate_python(body)
+    assert [b["output_index"] for b in bodies if b["type"] == done] == [0, 1, 2, 3]
+    output = [item.model_dump() for item in stream.output]
+    assert [(i["type"], i["status"]) for i in output] == [
+        ("reasoning", "completed"),
+        ("message", "completed"),
+        ("function_call", "completed"),
+        ("function_call", "completed"),
+    ]
+    assert output[0]["content"][0]["text"] == "Let me see." and output[1]["content"][0]["text"] == "Checking."
+    assert (output[2]["call_id"], output[2]["arguments"]) == ("call_0", '{"x": 1}') and output[3]["name"] == "g"
+    assert stream.finish_reason == "tool_calls" and stream.usage.input_tokens == 5 and stream.usage.total_tokens == 12
 
 
 # ------------------------------------------------------------------------------ the server

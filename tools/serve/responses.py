@@ -24,7 +24,8 @@ Translation (request):
   ["message.output_text.logprobs"]`` -> logprobs on the ``output_text`` parts; ``reasoning.effort``
   -> ``reasoning_effort``; kvforge extensions ``seed`` and ``stop`` as in chat.
 
-Translation (answer): the message's text -> one ``message`` item with one ``output_text`` part;
+Translation (answer): chat's ``reasoning_content`` (where a reasoning parser separates it) -> a
+``reasoning`` item; the message's text -> one ``message`` item with one ``output_text`` part;
 each tool call -> a ``function_call`` item (``call_id`` = the chat call's id); ``finish_reason``
 ``length`` -> ``status: "incomplete"`` with ``incomplete_details.reason: "max_output_tokens"``;
 ``usage`` -> ``input_tokens`` (with ``input_tokens_details.cached_tokens``: prompt tokens taken
@@ -34,7 +35,8 @@ Streaming sends OpenAI's event sequence, each event with a ``sequence_number``: 
 ``response.in_progress``; per output item ``response.output_item.added``, then for a message
 ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, or for a call ``response.function_call_arguments.delta``...,
-``response.function_call_arguments.done``; ``response.output_item.done``; finally
+``response.function_call_arguments.done``, or for reasoning ``response.reasoning_text.delta``...,
+``response.reasoning_text.done``; ``response.output_item.done``; finally
 ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``; ``error`` then
 ``response.failed`` when generation fails).
 
@@ -55,7 +57,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field
@@ -176,13 +178,31 @@ class FunctionCallItem(p.ResponseModel):
     arguments: str  # JSON text
 
 
+class ReasoningText(p.ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(p.ResponseModel):
+    """The model's reasoning (chat's ``reasoning_content``, where a reasoning parser separates it)."""
+
+    id: str = Field(default_factory=lambda: _item_id("rs"))
+    type: Literal["reasoning"] = "reasoning"
+    status: str = "completed"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText]
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
+
+
 class ResponseObject(p.ResponseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
     status: str  # "in_progress", "completed", "incomplete", "failed"
     model: str
-    output: list[OutputMessage | FunctionCallItem] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     error: dict[str, Any] | None = None
     incomplete_details: dict[str, Any] | None = None
@@ -461,7 +481,6 @@ class Prepared:
     messages: list[dict[str, Any]]
     head: ResponseObject
     logprobs: bool
-    started: float = field(default_factory=time.time)
 
     @property
     def sequences(self) -> list[SeqRequest]:
@@ -537,23 +556,14 @@ class ResponsesHandler:
     async def full(self, server: ModelServer, req: ResponsesRequest, prep: Prepared, flight: Flight) -> ResponseObject:
         answer = await chat.full(server, prep.chat_request, prep.inner, flight)
         choice = answer.choices[0]
-        output: list[OutputMessage | FunctionCallItem] = []
-        text = choice.message.content
-        if text or not choice.message.tool_calls:
-            logprobs = [_logprob(lp) for lp in choice.logprobs.content or []] if choice.logprobs else None
-            output.append(OutputMessage(content=[OutputText(text=text or "", logprobs=logprobs)]))
-        for call in choice.message.tool_calls or []:
-            output.append(FunctionCallItem(call_id=call.id, name=call.function.name, arguments=call.function.arguments))
-        response = self._finish(prep, output, choice.finish_reason, _usage(answer.usage))
-        return response
+        return self._finish(prep, output_items(choice), choice.finish_reason, _usage(answer.usage))
 
     async def stream(
         self, server: ModelServer, req: ResponsesRequest, prep: Prepared, flight: Flight
     ) -> AsyncIterator[str]:
-        events = _Events(prep.head, prep.logprobs)
+        events = EventStream(prep.head, prep.logprobs)
         yield events.lifecycle("response.created")
         yield events.lifecycle("response.in_progress")
-        finish, usage = "stop", None
         async with contextlib.aclosing(chat.stream(server, prep.chat_request, prep.inner, flight)) as chunks:
             async for line in chunks:
                 data = line.removeprefix("data: ").strip()
@@ -564,21 +574,11 @@ class ResponsesHandler:
                     for event in events.failed(chunk["error"]):
                         yield event
                     return
-                if chunk.get("usage"):
-                    usage = _usage(p.UsageInfo.model_validate(chunk["usage"]))
-                for choice in chunk.get("choices", []):
-                    delta = choice.get("delta") or {}
-                    if delta.get("content"):
-                        logprobs = (choice.get("logprobs") or {}).get("content") if prep.logprobs else None
-                        for event in events.text(delta["content"], [_logprob(lp) for lp in logprobs or []]):
-                            yield event
-                    for call in delta.get("tool_calls") or []:
-                        for event in events.call(call):
-                            yield event
-                    finish = choice.get("finish_reason") or finish
+                for event in events.chunk(chunk):
+                    yield event
         for event in events.close(empty_message=True):
             yield event
-        response = self._finish(prep, events.output, finish, usage)
+        response = self._finish(prep, events.output, events.finish_reason, events.usage)
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
         yield events.emit(kind, response=response.model_dump())
 
@@ -600,7 +600,22 @@ class ResponsesHandler:
         return response
 
 
-def _output_messages(output: list[OutputMessage | FunctionCallItem]) -> list[dict[str, Any]]:
+def output_items(choice: p.ChatCompletionResponseChoice) -> list[OutputItem]:
+    """A whole chat answer's output items: its reasoning (if a parser separated any), its text (also
+    when empty, unless it only calls tools), a ``function_call`` per tool call."""
+    message, output = choice.message, []
+    reasoning = (message.model_extra or {}).get("reasoning_content") or getattr(message, "reasoning_content", None)
+    if reasoning:
+        output.append(ReasoningItem(content=[ReasoningText(text=reasoning)]))
+    if message.content or not message.tool_calls:
+        logprobs = [_logprob(lp) for lp in choice.logprobs.content or []] if choice.logprobs else None
+        output.append(OutputMessage(content=[OutputText(text=message.content or "", logprobs=logprobs)]))
+    for call in message.tool_calls or []:
+        output.append(FunctionCallItem(call_id=call.id, name=call.function.name, arguments=call.function.arguments))
+    return output
+
+
+def _output_messages(output: list[OutputItem]) -> list[dict[str, Any]]:
     """A response's output as chat messages (one assistant turn), to chain a later request onto."""
     text = "".join(part.text for item in output if isinstance(item, OutputMessage) for part in item.content)
     calls = [
@@ -630,17 +645,20 @@ def _logprob(lp: Any) -> dict[str, Any]:
     return {"token": lp["token"], "bytes": lp["bytes"], "logprob": lp["logprob"], "top_logprobs": top}
 
 
-class _Events:
-    """Responses' stream events for one answer, numbered; keeps the output items as they close.
-    One item is open at a time: text opens a message item, a new tool call a function_call item;
-    the open item's ``output_index`` is ``len(self.output)``."""
+class EventStream:
+    """Responses' stream events for one answer, numbered from 0, made from chat's stream chunks
+    (:meth:`chunk`); keeps the output items as they close, the finish reason and the usage. One
+    item is open at a time: reasoning text opens a reasoning item, text a message item, a new tool
+    call a function_call item; the open item's ``output_index`` is ``len(self.output)``."""
 
     def __init__(self, head: ResponseObject, logprobs: bool) -> None:
         self.head, self.logprobs = head, logprobs
         self.sequence = 0
-        self.output: list[OutputMessage | FunctionCallItem] = []
-        self.open: OutputMessage | FunctionCallItem | None = None
+        self.output: list[OutputItem] = []
+        self.open: OutputItem | None = None
         self.open_call: int | None = None  # the chat call index of an open function_call item
+        self.finish_reason: str | None = None
+        self.usage: ResponseUsage | None = None
 
     def emit(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -650,12 +668,39 @@ class _Events:
     def lifecycle(self, kind: str) -> str:
         return self.emit(kind, response=self.head.model_dump())
 
-    def _at(self, item: OutputMessage | FunctionCallItem) -> dict[str, Any]:
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        """The events of one chat completion chunk (a parsed ``ChatCompletionStreamResponse``)."""
+        out = []
+        if chunk.get("usage"):
+            self.usage = _usage(p.UsageInfo.model_validate(chunk["usage"]))
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self.reasoning(delta["reasoning_content"])
+            if delta.get("content"):
+                logprobs = (choice.get("logprobs") or {}).get("content") if self.logprobs else None
+                out += self.text(delta["content"], [_logprob(lp) for lp in logprobs or []])
+            for call in delta.get("tool_calls") or []:
+                out += self.call(call)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return out
+
+    def _at(self, item: OutputItem) -> dict[str, Any]:
         return {"item_id": item.id, "output_index": len(self.output)}
 
-    def _added(self, item: OutputMessage | FunctionCallItem) -> str:
+    def _added(self, item: OutputItem) -> str:
         self.open = item
         return self.emit("response.output_item.added", output_index=len(self.output), item=item.model_dump())
+
+    def reasoning(self, delta: str) -> list[str]:
+        out = []
+        if not isinstance(self.open, ReasoningItem):
+            out += self.close()
+            out.append(self._added(ReasoningItem(status="in_progress", content=[ReasoningText(text="")])))
+        item = self.open
+        item.content[0].text += delta
+        out.append(self.emit("response.reasoning_text.delta", **self._at(item), content_index=0, delta=delta))
+        return out
 
     def text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[str]:
         out = []
@@ -686,28 +731,32 @@ class _Events:
             self.open_call = delta["index"]
         call = self.open
         if function.get("arguments"):
-            call.arguments += function["arguments"]
             piece = function["arguments"]
+            call.arguments += piece
             out.append(self.emit("response.function_call_arguments.delta", **self._at(call), delta=piece))
         return out
 
     def close(self, empty_message: bool = False) -> list[str]:
-        """Close the open item; ``empty_message``: at the end, an answer with no item gets an empty message."""
+        """Close the open item; ``empty_message``: at the end, an answer with no text nor call gets an
+        empty message."""
         out = []
-        if self.open is None and empty_message and not self.output:
+        answered = any(isinstance(item, (OutputMessage, FunctionCallItem)) for item in [*self.output, self.open])
+        if empty_message and not answered:
             out += self.text("", [])
         item, self.open, self.open_call = self.open, None, None
         if item is None:
             return out
         where = self._at(item)
-        if isinstance(item, OutputMessage):
+        if isinstance(item, ReasoningItem):
+            text = item.content[0].text
+            out.append(self.emit("response.reasoning_text.done", **where, content_index=0, text=text))
+        elif isinstance(item, OutputMessage):
             part = item.content[0]
             done = dict(text=part.text, logprobs=part.logprobs or [])
             out.append(self.emit("response.output_text.done", **where, content_index=0, **done))
             out.append(self.emit("response.content_part.done", **where, content_index=0, part=part.model_dump()))
         else:
-            done = dict(name=item.name, arguments=item.arguments)
-            out.append(self.emit("response.function_call_arguments.done", **where, **done))
+            out.append(self.emit("response.function_call_arguments.done", **where, arguments=item.arguments))
         item.status = "completed"
         out.append(self.emit("response.output_item.done", output_index=len(self.output), item=item.model_dump()))
         self.output.append(item)
