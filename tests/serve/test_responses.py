@@ -13,7 +13,8 @@ OpenAI's event sequence, numbered, with deltas that join to the final text or ar
 a prefix-cache hit, ``GET``/``DELETE`` work and unknown ids are 404s in OpenAI's error form; bad
 requests are 400s naming the Responses field. The openai-agents SDK's default (Responses) model
 runs an ``Agent`` with a function tool end to end: the tool runs with parsed arguments, its output
-goes back to the model, and the structured final output comes back.
+goes back to the model, and the structured final output comes back (``Runner.run`` and
+``Runner.run_streamed``).
 """
 
 from __future__ import annotations
@@ -500,10 +501,20 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(served):
     provider = agents.OpenAIProvider(openai_client=client)
     assert isinstance(provider.get_model(MODEL), agents.OpenAIResponsesModel)  # the SDK's default
     run = agents.RunConfig(model_provider=provider, tracing_disabled=True)
-    result = asyncio.run(agents.Runner.run(agent, "Weather in Paris?", max_turns=3, run_config=run))
+
+    async def both() -> tuple:
+        whole = await agents.Runner.run(agent, "Weather in Paris?", max_turns=3, run_config=run)
+        calls.clear()  # the tool enabled again, for the streamed run (the SDK streams the Responses events)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Paris?", max_turns=3, run_config=run)
+        kinds = [event.type async for event in streamed.stream_events()]
+        return whole, streamed, kinds
+
+    result, streamed, event_kinds = asyncio.run(both())
     assert calls == ["Paris"]  # the tool ran once, with the arguments parsed by the SDK
-    kinds = [item.type for item in result.new_items]
-    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
-    assert result.new_items[1].output == "Sunny in Paris"
-    assert isinstance(result.final_output, Report) and result.final_output.city == "Paris"
-    assert len(result.raw_responses) == 2 and all(r.usage.input_tokens > 0 for r in result.raw_responses)
+    for r in (result, streamed):
+        kinds = [item.type for item in r.new_items]
+        assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+        assert r.new_items[1].output == "Sunny in Paris"
+        assert isinstance(r.final_output, Report) and r.final_output.city == "Paris"
+        assert len(r.raw_responses) == 2 and all(raw.usage.input_tokens > 0 for raw in r.raw_responses)
+    assert streamed.final_output == result.final_output and "raw_response_event" in event_kinds
