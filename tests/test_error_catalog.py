@@ -721,6 +721,59 @@ def _(c, http):
     return answer(http[2].post("/v1/chat/completions", json=body), 400)
 
 
+RESPONSES = {"model": "m", "input": "hi", "max_output_tokens": 2}
+
+
+def responses_error(http, status: int = 400, path: str = "/v1/responses", **fields) -> str:
+    return answer(http[1].post(path, json={**RESPONSES, **fields}, headers=KEY), status)
+
+
+@trigger("http-404-response")
+def _(c, http):
+    return answer(http[1].get("/v1/responses/resp_nope", headers=KEY), 404)
+
+
+@trigger("http-400-responses-item")
+def _(c, http):
+    return responses_error(http, input=[{"type": "web_search_call", "id": "ws_1"}])
+
+
+@trigger("http-400-responses-text-only")
+def _(c, http):
+    part = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    return responses_error(http, input=[{"role": "user", "content": [part]}])
+
+
+@trigger("http-400-responses-tool")
+def _(c, http):
+    return responses_error(http, tools=[{"type": "web_search"}])
+
+
+@trigger("http-400-responses-format")
+def _(c, http):
+    return responses_error(http, text={"format": {"type": "xml"}})
+
+
+@trigger("http-400-responses-logprobs")
+def _(c, http):
+    return responses_error(http, top_logprobs=2)
+
+
+@trigger("http-400-responses-conversation")
+def _(c, http):
+    return responses_error(http, conversation="conv_1")
+
+
+@trigger("http-400-responses-background")
+def _(c, http):
+    return responses_error(http, background=True)
+
+
+@trigger("http-400-responses-prompt")
+def _(c, http):
+    return responses_error(http, prompt={"id": "pmpt_1"})
+
+
 @trigger("http-401")
 def _(c, http):
     return answer(http[1].post("/v1/completions", json=BODY), 401)

@@ -3,8 +3,10 @@
     app = build_app(ModelServer.load("out"), api_key="secret")   # then: uvicorn.run(app) or Ray Serve
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``: server-sent
-events ending with ``data: [DONE]``), Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
-(:mod:`.anthropic`, translated onto chat), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
+events ending with ``data: [DONE]``), ``POST /v1/responses`` with ``GET``/``DELETE
+/v1/responses/{id}`` (OpenAI's Responses API over the chat path: :mod:`.responses`), Anthropic's
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (:mod:`.anthropic`, translated onto
+chat), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
 ``/v1`` routes need ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) when an ``api_key`` is set.
 Every error on the Anthropic routes is Anthropic's error object (:func:`.anthropic.error_response`); every other is
 OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input
@@ -49,13 +51,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvforge.tools.serve import anthropic, chat, completions, fields
+from kvforge.tools.serve import anthropic, chat, completions, fields, responses
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import SSE_DONE, ModelServer, ServingError, sse
 
 REPLICA_HEADER = "x-kvforge-replica"
 REQUEST_ID_HEADER = "x-request-id"
-ROUTES = ("/v1/completions", "/v1/chat/completions", *anthropic.ROUTES, "/v1/models", "/health", "/metrics")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/responses/{id}",
+    *anthropic.ROUTES,
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
 
 T = TypeVar("T")
 log = logging.getLogger("kvforge.serve")
@@ -139,7 +150,7 @@ class _Observe:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else "/v1/responses/{id}" if path.startswith("/v1/responses/") else "other"
         request_id = _request_id(scope)
         scope.setdefault("state", {})["request_id"] = request_id  # request.state.request_id
         started = False
@@ -267,7 +278,7 @@ def build_app(
                 headers[fields.IGNORED_HEADER],
             )
             server.metrics.unknown_fields.inc(len(unknown))
-        for name in fields.ignored_fields(body):
+        for name in getattr(handler, "ignored_fields", fields.ignored_fields)(body):
             server.metrics.ignored_fields.labels(field=name).inc()
         server.admit(len(prep.sequences))
         flight = server.start(prep.sequences)
@@ -303,6 +314,21 @@ def build_app(
         if unknown and strict_fields:
             raise fields.strict_refusal(unknown)
         return JSONResponse(anthropic.count_tokens(server, body))
+
+    store = app.state.responses = responses.ResponseStore()
+    responses_handler = responses.ResponsesHandler(store)
+
+    @app.post("/v1/responses", dependencies=v1)
+    async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+        return await respond(request, responses_handler, body)
+
+    @app.get("/v1/responses/{response_id}", dependencies=v1)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(store.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=v1)
+    async def delete_response(response_id: str) -> JSONResponse:
+        return JSONResponse(store.delete(response_id))
 
     @app.get("/health")
     async def health() -> JSONResponse:
