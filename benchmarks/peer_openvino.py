@@ -125,12 +125,15 @@ def ensure_ov_venv(venv: Path) -> str:
     pg.say(f"installing OpenVINO GenAI and optimum-intel into {venv} (minutes; once)")
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    log = venv.parent / "openvino-install.log"
-    for cmd in install_commands(venv):
+    for step, cmd in enumerate(install_commands(venv)):
+        log = venv.parent / f"openvino-install-{step}.log"
         pg.run_logged(cmd, log, f"pip install into {venv}")
     have = installed_versions(python)
     if have != wanted_versions():
-        raise pg.StepFailed(f"the OpenVINO venv {venv} has {have}, expected {wanted_versions()}; see {log}")
+        raise pg.StepFailed(
+            f"the OpenVINO venv {venv} has {have}, expected {wanted_versions()}; "
+            f"pip's logs: {venv.parent}/openvino-install-*.log"
+        )
     return str(python)
 
 
