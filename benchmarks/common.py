@@ -150,7 +150,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         names = [r["side"] for r in group]
         for ax, key, title in ((left, "ttft_ms", "TTFT ms"), (right, "decode_ms_step", "ms per decode step")):
             colors = ["C0" if n.startswith("kvforge") else "C7" for n in names]
-            ax.barh(names, [r[key] or 0 for r in group], color=colors)
+            bars = ax.barh(names, [r[key] or 0 for r in group], color=colors)
+            for bar, r in zip(bars, group):
+                if r.get("defaults"):  # a peer's own defaults: hatched, never the headline
+                    bar.set_hatch("//")
+                    bar.set_facecolor("0.85")
             ax.set_title(f"{model}, batch {batch}: {title} (lower is better)", fontsize=9)
             ax.tick_params(labelsize=8)
     fig.tight_layout()

@@ -52,6 +52,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -351,8 +352,9 @@ def perplexities(args, model: str, model_dir: Path, sides: dict, ov_python: str,
     return {"tokens": len(ids), "window": PPL_WINDOW, "windows": len(plan), "rows": out}
 
 
-def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> list[dict[str, Any]]:
-    """Every side of ``model`` at every prompt length and batch size: one report per prompt length."""
+def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Iterator[dict[str, Any]]:
+    """Every side of ``model`` at every prompt length and batch size: one report per prompt length,
+    each yielded as soon as it is measured."""
     model_dir = ensure_model(model, work)
     builds: dict[str, Any] = {}
     exports = {}
@@ -372,7 +374,6 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> list[
             defaults_label("int4", probes["int4"]): ("openvino", exports["int4"], {}),
         }
         quality = perplexities(args, model, model_dir, sides, ov_python, work)
-    reports = []
     for prompt_len in args.prompt_lens:
         max_seq = max_seq_for(prompt_len, args.new_tokens, args.max_seq)
         suffix = "" if max_seq == pg.DEFAULT_MAX_SEQ else f"-s{max_seq}"
@@ -420,24 +421,21 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> list[
                 q = (quality or {}).get("rows", {}).get(label, {})
                 r["perplexity"] = q.get("perplexity") if prompt_len == args.prompt_lens[0] else None
             tables[f"batch {batch}"] = rows
-        reports.append(
-            {
-                "model_name": model if prompt_len == 128 else f"{model}, prompt {prompt_len}",
-                "model": str(model_dir),
-                "prompt_len": prompt_len,
-                "max_seq": max_seq,
-                "kv_tokens": MAX_BATCH * max_seq,
-                "probes": probes,
-                "builds": builds,
-                "quality": quality,
-                "uptime_before": uptime_before,
-                "uptime_after": peers.uptime(),
-                "loadavg_before": load_before,
-                "loadavg_after": pg.loadavg(),
-                "tables": tables,
-            }
-        )
-    return reports
+        yield {
+            "model_name": model if prompt_len == 128 else f"{model}, prompt {prompt_len}",
+            "model": str(model_dir),
+            "prompt_len": prompt_len,
+            "max_seq": max_seq,
+            "kv_tokens": MAX_BATCH * max_seq,
+            "probes": probes,
+            "builds": builds,
+            "quality": quality,
+            "uptime_before": uptime_before,
+            "uptime_after": peers.uptime(),
+            "loadavg_before": load_before,
+            "loadavg_after": pg.loadavg(),
+            "tables": tables,
+        }
 
 
 def format_report(report: dict[str, Any]) -> str:
