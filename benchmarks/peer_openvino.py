@@ -25,7 +25,9 @@ in blocks of ``OV_KV_BLOCK`` (the CPU plugin's); ``enable_prefix_caching=False``
 ``max_num_batched_tokens`` unbounded, so a prompt goes in one call on both sides (LLMPipeline's own
 default). The same prompt ids every side (SmolLM2: slices of the quality text; the 1.39B shape:
 random ids). ``--model``: ``smollm2`` (SmolLM2-135M-Instruct from ``make smollm2``) and ``large``
-(benchmarks/peer_llamacpp.py's random 1.39B Llama, built the same way, in the same work folder).
+(benchmarks/peer_llamacpp.py's random 1.39B Llama, built the same way, in the same work folder;
+int4 only unless ``--precisions`` says otherwise, as in peer_llamacpp.py: its int4 compile alone
+peaks at 13.4 GiB, issue 41).
 
 What each side times: kvforge ``Engine.prefill`` + argmax (TTFT), then ``Engine.decode`` + argmax
 per step; OV ``LLMPipeline.generate`` of ``TokenizedInputs`` with ``ignore_eos``, greedy: TTFT is
@@ -356,9 +358,10 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
     """Every side of ``model`` at every prompt length and batch size: one report per prompt length,
     each yielded as soon as it is measured."""
     model_dir = ensure_model(model, work)
+    precisions = args.precisions or peers.DEFAULT_PRECISIONS[model]  # the 1.39B shape: int4 only
     builds: dict[str, Any] = {}
     exports = {}
-    for precision in args.precisions:
+    for precision in precisions:
         out = work / f"openvino-{model}-{precision}"
         exports[precision], builds[f"openvino_export_{precision}_s"] = ensure_export(venv, model_dir, out, precision)
     probes = {}
@@ -366,7 +369,7 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
         job = {"ov_dir": str(path), "threads": args.threads, "hints": {}}
         probes[precision] = pg.run_worker(ov_python, "openvino-probe", job, work, SCRIPT)
     quality = None
-    if args.ppl_tokens and "int4" in args.precisions:
+    if args.ppl_tokens and "int4" in precisions:
         artifact = peers.ensure_kvforge_artifact(model_dir, work / f"kvforge-{model}-int4", "int4")
         sides = {
             "kvforge (int4)": ("kvforge", artifact, None),
@@ -382,7 +385,7 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
             p: peers.ensure_kvforge_artifact(
                 model_dir, work / f"kvforge-{model}-{p}{suffix}", None if p == "fp32" else p, flags
             )
-            for p in args.precisions
+            for p in precisions
         }
         uptime_before, load_before = peers.uptime(), pg.loadavg()
         pg.say(f"{model}, prompt {prompt_len}: {uptime_before}")
@@ -394,7 +397,7 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
                 rows_in = pg.prompts(batch, prompt_len, peers.LARGE["vocab"])
             base = {"prompts": rows_in, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads}
             plan, meta = [], {}
-            for precision in args.precisions:
+            for precision in precisions:
                 kvforge_job = {**base, "out": str(artifacts[precision])}
                 plan.append((f"kvforge ({precision})", sys.executable, "kvforge", kvforge_job, None))
                 meta[f"kvforge ({precision})"] = {"precision": precision, "defaults": False}
@@ -473,7 +476,13 @@ def format_report(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", nargs="+", choices=("smollm2", "large"), default=["smollm2"])
-    p.add_argument("--precisions", nargs="+", choices=("int4", "fp32"), default=["int4", "fp32"])
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=("int4", "fp32"),
+        default=None,
+        help="kvforge's and OV's rows (default: int4 fp32 for smollm2, int4 for large, as peer_llamacpp.py)",
+    )
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024], help="one report each")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="one table per batch size")
     p.add_argument(
