@@ -1,8 +1,8 @@
 """The benchmark suite: ``python -m benchmarks [SUBCOMMAND] [ARGS]`` from the repository root.
 
-``peers`` (the default) is the headline: kvforge against transformers, onnxruntime-genai and
-llama.cpp at equal threads, each side in a process of its own, the sides taking turns over rounds
-(``peer_genai.py`` and ``peer_llamacpp.py`` measure; this merges their reports). It writes
+``peers`` (the default) is the headline: kvforge against transformers, onnxruntime-genai,
+llama.cpp and OpenVINO GenAI at equal threads, each side in a process of its own, the sides taking turns over rounds
+(``peer_genai.py``, ``peer_llamacpp.py`` and ``peer_openvino.py`` measure; this merges their reports). It writes
 ``peers.json``, ``peers.md`` (the table the README quotes, every row's TTFT and step as a ratio to
 kvforge's) and ``peers.png`` into ``--out`` (default ``benchmarks/results/``). ``--quick`` runs the
 small 4-layer shape against transformers (and genai when installed) in a minute or two; the full
@@ -34,6 +34,7 @@ import common  # noqa: E402
 FEATURES = {
     "genai": ("peer_genai", "kvforge vs onnxruntime-genai vs transformers on a random-weight shape"),
     "llamacpp": ("peer_llamacpp", "kvforge vs llama.cpp (built from source) vs genai on SmolLM2 and a 1.39B shape"),
+    "openvino": ("peer_openvino", "kvforge vs OpenVINO GenAI (its own venv) on SmolLM2 and the 1.39B shape"),
     "quality": ("quality", "perplexity per precision on Genesis, kvforge against transformers and llama.cpp"),
     "speculative": ("speculative", "speculative decoding (ngram, draft model) against plain decoding, A/B rounds"),
     "spec-peers": ("spec_peers", "speculative decoding against llama.cpp's prompt lookup and genai"),
@@ -65,6 +66,13 @@ def peers(argv: list[str]) -> int:
     p.add_argument("--max-seq", type=int, default=512, help="KV capacity a sequence on every side (default 512)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="batch sizes (default 1 4)")
     p.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out (it builds once, minutes)")
+    p.add_argument(
+        "--openvino",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="OpenVINO GenAI (peer_openvino.py, its own venv, installed once; needs `make smollm2`): "
+        "on by default, off with --quick unless given (then SmolLM2 only, 16 new tokens)",
+    )
     p.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON, Markdown and plot go")
     p.add_argument("--work-dir", type=Path, default=None, help="the peers' cache of models and artifacts")
     args = p.parse_args(argv)
@@ -104,11 +112,25 @@ def peers(argv: list[str]) -> int:
             return 1
         sources[report.name] = json.loads(report.read_text())
         rows += common.peer_rows(sources[report.name], "peer_llamacpp")
+    run_openvino = not args.quick if args.openvino is None else args.openvino
+    if not run_openvino:
+        skipped["openvino"] = "--quick" if args.quick and args.openvino is None else "--no-openvino"
+    elif not (smollm2_hf() / "config.json").exists():
+        skipped["openvino"] = f"SmolLM2 missing at {smollm2_hf()} (make smollm2)"
+    else:
+        report = args.out / "openvino.json"
+        if common.run_script("peer_openvino", openvino_args(args, rounds, report)) != 0 or not report.exists():
+            print("peer_openvino.py failed; see its output above", file=sys.stderr)
+            return 1
+        sources[report.name] = json.loads(report.read_text())
+        rows += common.peer_rows(sources[report.name], "peer_openvino")
     command = "python -m benchmarks peers" + (" --quick" if args.quick else "") + f" --threads {args.threads}"
+    command += " --openvino" if args.quick and run_openvino else ""
     settings = (
         f"{args.threads} threads every side, each side in its own process, the sides taking turns over {rounds} "
         f"round(s) (medians); the same prompt ids on every side; kvforge's KV capacity {args.max_seq} a sequence "
-        f"(llama.cpp's n_ctx likewise; genai's buffer is prompt + new tokens); prefix caches off; load "
+        f"(llama.cpp's n_ctx likewise; genai's buffer is prompt + new tokens; OpenVINO's KV blocks hold kvforge's "
+        f"max_batch 4 x max_seq, a prompt over max_seq a longer max_seq on both); prefix caches off; load "
         f"{common.pg.loadavg()} at the end."
     )
     report = {
@@ -126,6 +148,27 @@ def peers(argv: list[str]) -> int:
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(v) for v in paths.values()))
     return 0
+
+
+def smollm2_hf() -> Path:
+    """Where `make smollm2` puts SmolLM2's HF directory (peer_llamacpp.py's SMOLLM2_HF)."""
+    import peer_llamacpp
+
+    return peer_llamacpp.SMOLLM2_HF
+
+
+def openvino_args(args: argparse.Namespace, rounds: int, report: Path) -> list[str]:
+    """peer_openvino.py's arguments for the suite: SmolLM2 and the 1.39B shape, prompts of 128 and
+    1024 tokens; ``--quick``: SmolLM2 only, 16 new tokens, 1,024 quality-text tokens scored."""
+    cmd = ["--threads", str(args.threads), "--rounds", str(rounds), "--max-seq", str(args.max_seq)]
+    cmd += ["--batches", *map(str, args.batch), "--prompt-lens", "128", "1024", "--json", str(report)]
+    if args.quick:
+        cmd += ["--model", "smollm2", "--new-tokens", "16", "--ppl-tokens", "1024"]
+    else:
+        cmd += ["--model", "smollm2", "large"]
+    if args.work_dir:
+        cmd += ["--work-dir", str(args.work_dir)]
+    return cmd
 
 
 def build_parser() -> argparse.ArgumentParser:

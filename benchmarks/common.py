@@ -71,26 +71,35 @@ def peer_rows(report: dict[str, Any] | list[dict[str, Any]], source: str) -> lis
                 if "error" in r:
                     continue
                 rss = r.get("rss_peak_bytes")
-                out.append(
-                    {
-                        "source": source,
-                        "model": model,
-                        "batch": batch,
-                        "side": side,
-                        "ttft_ms": r.get("ttft_ms"),
-                        "decode_ms_step": r.get("decode_ms_step"),
-                        "rss_peak_mib": rss / 2**20 if rss else None,
-                    }
-                )
+                row = {
+                    "source": source,
+                    "model": model,
+                    "batch": batch,
+                    "side": side,
+                    "ttft_ms": r.get("ttft_ms"),
+                    "decode_ms_step": r.get("decode_ms_step"),
+                    "rss_peak_mib": rss / 2**20 if rss else None,
+                }
+                row.update({k: r[k] for k in ROW_EXTRAS if r.get(k) is not None})
+                out.append(row)
     return out
 
 
+# What a peer script may add to its rows and the suite keeps: ``precision`` (the ratio's kvforge row
+# is the one of the same precision where the source has one), ``defaults`` (a peer's own defaults:
+# marked in the table, never the headline), ``perplexity`` (on the quality text: a table of its own).
+ROW_EXTRAS = ("precision", "defaults", "perplexity")
+
+
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row's TTFT and step as a ratio to the kvforge row of the same source, model and batch
-    (the first kvforge row when there are several): below 1, that side is faster than kvforge."""
+    """Each row's TTFT and step as a ratio to the kvforge row of the same source, model and batch:
+    the one of the row's ``precision`` where there is one, else the first kvforge row. Below 1,
+    that side is faster than kvforge."""
     for row in rows:
         same = [r for r in rows if (r["source"], r["model"], r["batch"]) == (row["source"], row["model"], row["batch"])]
-        ours = next((r for r in same if r["side"].startswith("kvforge")), None)
+        kvforge = [r for r in same if r["side"].startswith("kvforge")]
+        matched = [r for r in kvforge if row.get("precision") and r.get("precision") == row.get("precision")]
+        ours = next(iter(matched or kvforge), None)
         for key in ("ttft_ms", "decode_ms_step"):
             ok = ours and row.get(key) and ours.get(key)
             row[f"{key}_vs_kvforge"] = row[key] / ours[key] if ok else None
@@ -110,10 +119,20 @@ def markdown(rows: list[dict[str, Any]], command: str, settings: str) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        side = f"{r['side']} ¹" if r.get("defaults") else r["side"]
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['side']} | {cell(r['ttft_ms'], 1)} | {cell(r['decode_ms_step'])} | "
+            f"| {r['model']} | {r['batch']} | {side} | {cell(r['ttft_ms'], 1)} | {cell(r['decode_ms_step'])} | "
             f"{cell(r['ttft_ms_vs_kvforge'])} | {cell(r['decode_ms_step_vs_kvforge'])} | {cell(r['rss_peak_mib'], 0)} |"
         )
+    if any(r.get("defaults") for r in rows):
+        lines += [
+            "",
+            "¹ the peer's own defaults (its precision choices, not kvforge's arithmetic): never the headline.",
+        ]
+    scored = {(r["model"], r["side"]): r["perplexity"] for r in rows if r.get("perplexity")}
+    if scored:
+        lines += ["", "| model | side | perplexity on the quality text |", "|---|---|---:|"]
+        lines += [f"| {model} | {side} | {ppl:.3f} |" for (model, side), ppl in scored.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -131,7 +150,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         names = [r["side"] for r in group]
         for ax, key, title in ((left, "ttft_ms", "TTFT ms"), (right, "decode_ms_step", "ms per decode step")):
             colors = ["C0" if n.startswith("kvforge") else "C7" for n in names]
-            ax.barh(names, [r[key] or 0 for r in group], color=colors)
+            bars = ax.barh(names, [r[key] or 0 for r in group], color=colors)
+            for bar, r in zip(bars, group):
+                if r.get("defaults"):  # a peer's own defaults: hatched, never the headline
+                    bar.set_hatch("//")
+                    bar.set_facecolor("0.85")
             ax.set_title(f"{model}, batch {batch}: {title} (lower is better)", fontsize=9)
             ax.tick_params(labelsize=8)
     fig.tight_layout()
