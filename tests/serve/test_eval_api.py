@@ -161,14 +161,25 @@ def test_prompt_logprobs_extension_and_the_openai_client(served, reference):
 
 
 def test_echo_without_logprobs_and_streamed_prompt_logprobs(served):
-    url, server = served
+    url, _ = served
     body = completion(url, prompt=["Hello there", "A list"], echo=True, max_tokens=0, n=2)
     assert [c["text"] for c in body["choices"]] == ["Hello there"] * 2 + ["A list"] * 2
     assert all(c["logprobs"] is None for c in body["choices"])
 
     whole = completion(url, prompt=TEXT, echo=True, logprobs=1, max_tokens=3, temperature=0)["choices"][0]
-    r = post(url, "/v1/completions", {"model": MODEL, "prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 3,
-                                      "temperature": 0, "stream": True})
+    r = post(
+        url,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": TEXT,
+            "echo": True,
+            "logprobs": 1,
+            "max_tokens": 3,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
     events = sse_events(r.text.splitlines())
     assert events[-1] == "[DONE]"
     chunks = [e["choices"][0] for e in events[:-1]]
@@ -220,10 +231,15 @@ def test_tokenize_messages_through_the_chat_template(served):
     assert chat["usage"]["prompt_tokens"] == body["count"]
     opened = httpx.post(
         url + "/tokenize",
-        json={"messages": [*messages, {"role": "assistant", "content": "A list"}], "add_generation_prompt": False,
-              "continue_final_message": True},
+        json={
+            "messages": [*messages, {"role": "assistant", "content": "A list"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
     ).json()
-    assert server.tokenizer.decode(opened["tokens"], skip_special_tokens=False).endswith("<|im_start|>assistant\nA list")
+    assert server.tokenizer.decode(opened["tokens"], skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\nA list"
+    )
 
 
 def test_tokenizer_route_errors(served):
@@ -254,10 +270,10 @@ def test_tokenizer_info_and_model_by_id(served):
 # ---------------------------------------------------------------------------------------- lm-eval
 
 DOCS = [
-    {"question": "The for statement iterates over", "choices": [" a sequence", " the moon", " nothing"], "answer": 0},
-    {"question": "A list is a", "choices": [" mutable sequence", " fish", " number", " loop"], "answer": 0},
-    {"question": "Python is a programming", "choices": [" language", " snake"], "answer": 1},
-    {"question": "Question: what is a tuple? Answer:", "choices": [" immutable", " mutable", " red"], "answer": 2},
+    {"question": "The for statement iterates over", "choices": ["a sequence", "the moon", "nothing"], "answer": 0},
+    {"question": "A list is a", "choices": ["mutable sequence", "fish", "number", "loop"], "answer": 0},
+    {"question": "Python is a programming", "choices": ["language", "snake"], "answer": 1},
+    {"question": "Question: what is a tuple? Answer:", "choices": ["immutable", "mutable", "red"], "answer": 2},
 ]
 QUESTIONS = [{"question": "What is a list?"}, {"question": "Name a loop."}]
 
@@ -306,10 +322,32 @@ metric_list:
 def lm_eval(root: Path, tasks: str, model: str, model_args: str, *extra: str) -> list[dict]:
     """``lm_eval run`` in a process of its own (offline); its logged samples, in doc order."""
     out = root / f"out-{model}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(root / "hf"),
-           "OPENAI_API_KEY": KEY, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", tasks,
-           "--include_path", str(root), "--output_path", str(out), "--log_samples", *extra]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(root / "hf"),
+        "OPENAI_API_KEY": KEY,
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--tasks",
+        tasks,
+        "--include_path",
+        str(root),
+        "--output_path",
+        str(out),
+        "--log_samples",
+        *extra,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     [samples] = list(out.rglob(f"samples_{tasks}_*.jsonl"))
@@ -320,28 +358,42 @@ def test_lm_eval_local_completions_equals_hf(served, eval_model, tmp_path):
     pytest.importorskip("lm_eval")
     url, _ = served
     root = _task_dir(tmp_path / "tasks")
-    api = lm_eval(root, "kvf_mc", "local-completions",
-                  f"model={MODEL},base_url={url}/v1/completions,max_retries=1", "--batch_size", "4")
-    hf = lm_eval(root, "kvf_mc", "hf", f"pretrained={eval_model},dtype=float32", "--device", "cpu",
-                 "--batch_size", "4")
+    api = lm_eval(
+        root,
+        "kvf_mc",
+        "local-completions",
+        f"model={MODEL},base_url={url}/v1/completions,max_retries=1",
+        "--batch_size",
+        "4",
+    )
+    hf = lm_eval(root, "kvf_mc", "hf", f"pretrained={eval_model},dtype=float32", "--device", "cpu", "--batch_size", "4")
     assert len(api) == len(hf) == len(DOCS)
     for a, h in zip(api, hf):
-        got = [r[0][0] for r in a["resps"]]  # each choice's loglikelihood
-        want = [r[0][0] for r in h["resps"]]
+        got = [float(r[0][0]) for r in a["resps"]]  # each choice's loglikelihood (logged as text)
+        want = [float(r[0][0]) for r in h["resps"]]
         assert np.abs(np.array(got) - np.array(want)).max() <= 1e-3, (a["doc_id"], got, want)
+        assert [r[0][1] for r in a["resps"]] == [r[0][1] for r in h["resps"]]  # is_greedy
         assert a["acc"] == h["acc"]
 
 
 def test_lm_eval_local_chat_completions_generate_until(served, tmp_path):
     pytest.importorskip("lm_eval")
-    url, server = served
+    url, _ = served
     root = _task_dir(tmp_path / "tasks")
-    samples = lm_eval(root, "kvf_gen", "local-chat-completions",
-                      f"model={MODEL},base_url={url}/v1/chat/completions,max_retries=1", "--apply_chat_template")
+    samples = lm_eval(
+        root,
+        "kvf_gen",
+        "local-chat-completions",
+        f"model={MODEL},base_url={url}/v1/chat/completions,max_retries=1",
+        "--apply_chat_template",
+    )
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)
     for doc, sample in zip(QUESTIONS, samples):
         direct = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": doc["question"]}], max_tokens=6, temperature=0,
+            model=MODEL,
+            messages=[{"role": "user", "content": doc["question"]}],
+            max_tokens=6,
+            temperature=0,
             stop=["\n"],
         )
         assert sample["resps"][0][0] == direct.choices[0].message.content
