@@ -354,6 +354,7 @@ def lm_eval(root: Path, tasks: str, model: str, model_args: str, *extra: str) ->
     return sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda s: s["doc_id"])
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions_equals_hf(served, eval_model, tmp_path):
     pytest.importorskip("lm_eval")
     url, _ = served
@@ -376,6 +377,7 @@ def test_lm_eval_local_completions_equals_hf(served, eval_model, tmp_path):
         assert a["acc"] == h["acc"]
 
 
+@pytest.mark.slow
 def test_lm_eval_local_chat_completions_generate_until(served, tmp_path):
     pytest.importorskip("lm_eval")
     url, _ = served

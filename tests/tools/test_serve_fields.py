@@ -46,7 +46,7 @@ from tests.tools.test_serve import KEY, MESSAGES, MODEL, PROMPTS, free_port, met
 
 SERVING_DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 # vLLM's documented extensions, and kvforge's usage.speculative (drafted/accepted tokens, README)
-VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative"}
+VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative", "prompt_logprobs"}
 
 # Fields that change generation (each mapped to the runtime or the response).
 IMPLEMENTED = {
@@ -93,7 +93,7 @@ IMPLEMENTED = {
     },
 }
 # kvforge's own fields beyond OpenAI's schema (as vLLM's completions take response_format too).
-EXTENSIONS = {"chat": set(), "completions": {"response_format"}}
+EXTENSIONS = {"chat": set(), "completions": {"response_format", "prompt_logprobs"}}
 # Fields refused with a 400 unless set to their no-op value.
 REFUSED = {
     "chat": {"audio", "function_call", "functions"},
@@ -162,7 +162,7 @@ COMPLETION_EVERYTHING = {
     "echo": True,
     "frequency_penalty": 0.3,
     "logit_bias": {"7": 2.5, "11": -100},
-    "logprobs": None,  # echo with logprobs asks for prompt logprobs (refused; tested apart)
+    "logprobs": None,  # echo with logprobs asks for prompt logprobs (a score graph: tests/serve/test_eval_api.py)
     "max_tokens": 10,
     "n": 2,
     "presence_penalty": 0.2,
@@ -406,7 +406,7 @@ REFUSALS = [
     ("/v1/chat/completions", {"prediction": {"type": "draft", "content": "x"}}, "prediction", "'content'"),
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction", ""),
     ("/v1/completions", {"suffix": "}"}, "suffix", "fill-in-the-middle"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "logprobs", "no score graph"),  # compiled without one
     ("/v1/completions", {"best_of": 1, "n": 2}, "best_of", "best_of=1 is less than n=2"),
     ("/v1/completions", {"best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
 ]

@@ -86,7 +86,8 @@ def detokenize(server: ModelServer, req: p.DetokenizeRequest) -> p.DetokenizeRes
 
 
 def tokenizer_info(server: ModelServer) -> dict[str, Any]:
-    """vLLM's tokenizer info: the tokenizer config's class and named special tokens, the chat
+    """vLLM's tokenizer info: the tokenizer config's class and named special tokens (``eos_token``
+    from the artifact's eos id when the config names none: lm-eval reads its id from it), the chat
     template (None without one) and ``model_max_length`` (max_seq)."""
     path = Path(server.engine.artifact_dir) / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -94,6 +95,9 @@ def tokenizer_info(server: ModelServer) -> dict[str, Any]:
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = config.get(name)
         info[name] = value.get("content") if isinstance(value, dict) else value
+    eos_ids = sorted(getattr(server.engine, "eos_token_ids", ()))
+    if info["eos_token"] is None and eos_ids:  # no tokenizer config: the generation config's eos id
+        info["eos_token"] = server.token_text(eos_ids[0])
     for name in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
         if name in config:
             info[name] = config[name]
