@@ -199,6 +199,8 @@ def test_prompt_logprob_refusals(served, llama_chat_artifact):
         r = post(chat_url, "/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1})
         assert r.status_code == 400
         assert "no score graph" in r.json()["error"]["message"] and r.json()["error"]["param"] == "logprobs"
+        streamed = {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 0, "stream": True}
+        assert post(chat_url, "/v1/completions", streamed).status_code == 400  # refused before the stream starts
 
 
 # ------------------------------------------------------------------------------ tokenizer routes

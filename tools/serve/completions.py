@@ -102,13 +102,16 @@ def prepare(server: ModelServer, req: p.CompletionRequest) -> Prepared:
     if not generate:
         best_of = req.n  # nothing to rank
     score_top = _score_top(req)
-    if score_top is not None and getattr(server, "score", None) is None:
-        raise ServingError(
-            "prompt logprobs (echo with logprobs, prompt_logprobs) are not computed by a disaggregated server; "
-            "serve the artifact without --prefill-workers/--decode-workers for evaluation",
-            param="logprobs",
-            code="invalid_value",
-        )
+    if score_top is not None:
+        check_scoring = getattr(server, "check_scoring", None)
+        if check_scoring is None:
+            raise ServingError(
+                "prompt logprobs (echo with logprobs, prompt_logprobs) are not computed by a disaggregated server; "
+                "serve the artifact without --prefill-workers/--decode-workers for evaluation",
+                param="logprobs",
+                code="invalid_value",
+            )
+        check_scoring()  # before anything starts: a stream's refusal is a 400, not an event
     prompts = _prompts(server, req.prompt)
     server.check_n(req.n, len(prompts))
     server.check_n(best_of, len(prompts))

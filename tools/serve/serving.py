@@ -497,6 +497,16 @@ class ModelServer:
         finally:
             call(self._release, 1, handle)
 
+    def check_scoring(self) -> None:
+        """400 unless the artifact can compute prompt logprobs (it has a score graph)."""
+        if "score" not in self.engine.manifest.graphs:
+            raise ServingError(
+                "prompt logprobs (echo with logprobs, prompt_logprobs) cannot be computed: this artifact has no "
+                "score graph; recompile without --no-score-graph",
+                param="logprobs",
+                code="invalid_value",
+            )
+
     async def score(self, prompts: Sequence[Sequence[int]], top: int) -> list[Any]:
         """Prompt token logprobs (:class:`kvforge.runtime.scoring.PromptScores`, one per prompt) from
         the scheduler's score turns (the score graph, in batches between decode steps). 400 for an
