@@ -520,6 +520,7 @@ class ModelServer:
                 param="logprobs",
                 code="invalid_value",
             ) from e
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         try:
             return await asyncio.wrap_future(future)  # cancelling this await cancels the future
         except (asyncio.CancelledError, ServingError):
