@@ -275,9 +275,9 @@ class Scheduler:
                     return
             try:
                 with lock:
-                    loop.step()
-                    if self._scoring:
+                    if self._scoring:  # first: the rows retired by the last step are free now, not yet re-filled
                         self._score_turn()
+                    loop.step()
             except Exception as error:  # a bug outside any one request: fail what runs, keep serving
                 loop.fail_all(error)
             time.sleep(0)  # let a session's thread waiting for the engine's lock take its step
