@@ -69,3 +69,16 @@ def test_score_refusals(engine, llama_chat_artifact):
         pytest.raises(ValueError, match="no score graph"),
     ):
         sched.score([[1, 2]])
+
+
+def test_a_score_job_takes_the_first_freed_row_before_queued_requests(engine):
+    with engine.scheduler() as sched:
+        rows = sched.rows
+        running = [sched.submit([1, 2, i], max_new_tokens=20, sampling=GREEDY) for i in range(rows)]
+        for handle in running:  # each has its first token: all rows are taken
+            next(iter(handle))
+        queued = [sched.submit([3, 4, i], max_new_tokens=40, sampling=GREEDY) for i in range(rows)]
+        future = sched.score([PROMPTS[0]], top=1)  # every row is busy: it waits for one to free
+        future.result(timeout=120)
+        assert all(h.done for h in running)
+        assert not any(h.done for h in queued)  # they were admitted after the score turn
