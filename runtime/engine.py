@@ -441,23 +441,29 @@ class StepEngine(KVTransfer):
         """Like :meth:`prefill`, but returns the logits of every position, ``[B, S, V]`` (a new
         array; positions past a row's length are padding). Runs the separate score graph, for
         tools such as perplexity; the cache is updated as by :meth:`prefill`."""
-        if "score" not in self.manifest.graphs:
-            raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
         rows, start = self._step_inputs(rows, start)
         with self._lock:
-            self._check_graph_io("score")
-            batch = len(rows)
-            self._check_step_rows(batch)
+            self._check_step_rows(len(rows))
             self._check_rows(rows, start)
-            seq = max(len(r) for r in rows)
-            inputs = self._fill_inputs(rows, start, seq)
-            del inputs[contract.INPUT_LENGTHS]
-            outputs = self._outputs(batch)
-            logits = outputs[contract.LOGITS] = np.empty((batch, seq, self.vocab_size), dtype=self._logits.dtype)
-            binding = self.backend.bind("score", inputs, outputs)
-            self.backend.run(binding)
-            self.batch, self._batch_thread = batch, threading.get_ident()
+            logits = self.score_rows(rows, start, first=0)
+            self.batch, self._batch_thread = len(rows), threading.get_ident()
             return logits
+
+    def score_rows(self, rows: Sequence[Sequence[int]], start: Sequence[int], first: int) -> np.ndarray:
+        """:meth:`score` into cache rows ``[first, first + len(rows))``, without the ownership and
+        token checks (the caller has made them; used by the scheduler's prompt scoring). Returns
+        the logits of every position, ``[B, S, V]``, a new array."""
+        if "score" not in self.manifest.graphs:
+            raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
+        self._check_graph_io("score")
+        batch, seq = len(rows), max(len(r) for r in rows)
+        inputs = self._fill_inputs(rows, list(start), seq, first)
+        del inputs[contract.INPUT_LENGTHS]
+        outputs = self._outputs(batch, first)
+        logits = outputs[contract.LOGITS] = np.empty((batch, seq, self.vocab_size), dtype=self._logits.dtype)
+        binding = self.backend.bind("score", inputs, outputs)
+        self.backend.run(binding)
+        return logits
 
     def _step_inputs(self, rows: object, start: object) -> tuple[list[list[int]], list[int]]:
         """The step API's ``rows`` and ``start`` checked for type: ``list[list[int]]`` and one

@@ -34,6 +34,11 @@ be released: ``handoff.release()``). While every row is lent, new
 requests wait (back-pressure); :meth:`close` with requests still waiting for a row waits for
 the takers too (``cancel=True`` does not).
 
+Prompt scoring (:mod:`kvforge.runtime.scoring`). ``score(prompts, top)`` returns a future of
+each prompt's token logprobs (the score graph's logits of every position); the scheduler thread
+scores queued prompts between the batch loop's steps, in the rows no request uses, one score call
+per turn.
+
 Errors. ``submit`` validates everything it can (``max_new_tokens``, sampling parameters, stop
 strings, prompt length and token ids) and raises ValueError there; a request that fails later
 fails alone: its handle raises the error, the other requests go on.
@@ -44,10 +49,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from kvforge.runtime import validate
+from kvforge.runtime import scoring, validate
 from kvforge.runtime.batching import BatchLoop
 from kvforge.runtime.generation import Generation, GenerationResult, StreamChunk
 
@@ -131,6 +138,7 @@ class Scheduler:
             raise
         self._cond = threading.Condition()
         self._incoming: list[Generation] = []
+        self._scoring: deque[scoring.ScoreJob] = deque()  # prompt scoring, first in first out
         self._closing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvforge-scheduler", daemon=True)
@@ -170,6 +178,47 @@ class Scheduler:
             handoff.release()  # refused: its memory (a shared-memory slot) is freed
             raise
 
+    def score(self, prompts: Sequence[Sequence[int]], top: int = 0) -> Future[list[scoring.PromptScores]]:
+        """Queue token-id prompts for scoring (thread-safe); the future gets one
+        :class:`~kvforge.runtime.scoring.PromptScores` per prompt (``top``: alternatives per
+        position, 0..20). Cancelling the future drops the prompts not yet scored. Raises
+        ValueError for bad prompts, an artifact without a score graph or a lending scheduler,
+        RuntimeError after :meth:`close`."""
+        if "score" not in self.engine.manifest.graphs:
+            raise ValueError("this artifact has no score graph; recompile without --no-score-graph")
+        if self._loop.lender is not None:
+            raise ValueError("a lending scheduler (lend_rows=True) does not score prompts: its free rows may be lent")
+        prompts, top = scoring.check_prompts(prompts, top, self.engine.vocab_size, self.engine.max_seq)
+        job = scoring.ScoreJob(prompts, top)
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the scheduler is closed; create a new one with engine.scheduler()")
+            self._scoring.append(job)
+            self._cond.notify()
+        return job.future
+
+    def _score_turn(self) -> None:
+        """One score call for the oldest job, in the rows above the loop's active ones (none free:
+        after the next step). Under the engine's lock, on the scheduler thread."""
+        job = self._scoring[0]
+        loop = self._loop
+        first = loop.first + loop.active
+        free = loop.lo + loop.rows - first
+        if job.future.cancelled():
+            self._scoring.popleft()
+            return
+        if free < 1:
+            return
+        try:
+            scoring.score_next(self.engine, job, first, free, loop.chunk)
+        except Exception as error:  # this job fails alone
+            self._scoring.popleft()
+            job.finish(error)
+            return
+        if job.done == len(job.prompts):
+            self._scoring.popleft()
+            job.finish()
+
     def _queue(self, gen: Generation) -> RequestHandle:
         handle = RequestHandle(self)
         gen.sink = handle._sink
@@ -194,6 +243,8 @@ class Scheduler:
                 for gen in [*self._loop.waiting, *self._loop.resuming, *self._loop.decoding, self._loop.filling]:
                     if gen is not None:
                         gen.cancel()
+                for job in self._scoring:
+                    job.future.cancel()
             self._cond.notify()
         self._thread.join()
         self._closed = True
@@ -213,17 +264,19 @@ class Scheduler:
         loop, lock = self._loop, self.engine._lock
         while True:
             with self._cond:
-                while not self._incoming and loop.idle and not self._closing:
+                while not self._incoming and not self._scoring and loop.idle and not self._closing:
                     self._cond.wait()
                 if loop.stalled and not self._incoming:
                     self._cond.wait(LENT_POLL_S)  # every row lent: poll the takers' state words (no busy loop)
                 for gen in self._incoming:
                     loop.add(gen)
                 self._incoming.clear()
-                if self._closing and loop.idle:
+                if self._closing and loop.idle and not self._scoring:
                     return
             try:
                 with lock:
+                    if self._scoring:  # first: the rows retired by the last step are free now, not yet re-filled
+                        self._score_turn()
                     loop.step()
             except Exception as error:  # a bug outside any one request: fail what runs, keep serving
                 loop.fail_all(error)

@@ -774,6 +774,23 @@ def _(c, http):
     return responses_error(http, prompt={"id": "pmpt_1"})
 
 
+@trigger("http-400-no-score-graph")
+def _(c, http):  # the chat artifact is compiled without a score graph
+    body = {**BODY, "echo": True, "logprobs": 1}
+    return answer(http[1].post("/v1/completions", json=body, headers=KEY), 400)
+
+
+@trigger("http-400-tokenize")
+def _(c, http):
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    return answer(http[1].post("/tokenize", json=body), 400)
+
+
+@trigger("http-404-model")
+def _(c, http):
+    return answer(http[1].get("/v1/models/gpt-4", headers=KEY), 404)
+
+
 @trigger("http-401")
 def _(c, http):
     return answer(http[1].post("/v1/completions", json=BODY), 401)

@@ -315,7 +315,7 @@ def test_bad_input_is_400_with_openai_error_object(served, engine):
     assert_error(post(url, "/v1/completions", {**ok, "temperature": -1}), 400, "temperature", param="temperature")
     assert_error(post(url, "/v1/completions", {**ok, "top_p": 1.5}), 400, "top_p", "(0, 1]", param="top_p")
     assert_error(post(url, "/v1/completions", {**ok, "n": 0}), 400, "n must be at least 1", param="n")
-    assert_error(post(url, "/v1/completions", {**ok, "max_tokens": 0}), 400, "max_tokens", param="max_tokens")
+    assert_error(post(url, "/v1/completions", {**ok, "max_tokens": -1}), 400, "max_tokens", param="max_tokens")
     assert_error(post(url, "/v1/completions", {**ok, "logprobs": 50}), 400, "logprobs", param="logprobs")
     assert_error(post(url, "/v1/completions", {**ok, "stop": [""]}), 400, "stop")
     assert_error(post(url, "/v1/completions", {**ok, "n": "two"}), 400, "'n'", param="n")

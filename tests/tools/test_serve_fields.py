@@ -46,7 +46,7 @@ from tests.tools.test_serve import KEY, MESSAGES, MODEL, PROMPTS, free_port, met
 
 SERVING_DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 # vLLM's documented extensions (reasoning_content: docs/serving.md), and kvforge's usage.speculative (README)
-VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative", "reasoning_content"}
+VENDOR_FIELDS = {"stop_reason", "max_model_len", "speculative", "reasoning_content", "prompt_logprobs"}
 
 # Fields that change generation (each mapped to the runtime or the response).
 IMPLEMENTED = {
@@ -98,7 +98,7 @@ IMPLEMENTED = {
 VLLM_EXTENSIONS = {"ignore_eos", "min_tokens", "stream_options.continuous_usage_stats"}
 EXTENSIONS = {
     "chat": {"ignore_eos", "min_tokens", "chat_template_kwargs"},
-    "completions": {"response_format", "ignore_eos", "min_tokens"},
+    "completions": {"response_format", "ignore_eos", "min_tokens", "prompt_logprobs"},
 }
 # Fields refused with a 400 unless set to their no-op value.
 REFUSED = {
@@ -168,7 +168,7 @@ COMPLETION_EVERYTHING = {
     "echo": True,
     "frequency_penalty": 0.3,
     "logit_bias": {"7": 2.5, "11": -100},
-    "logprobs": None,  # echo with logprobs asks for prompt logprobs (refused; tested apart)
+    "logprobs": None,  # echo with logprobs asks for prompt logprobs (a score graph: tests/serve/test_eval_api.py)
     "max_tokens": 10,
     "n": 2,
     "presence_penalty": 0.2,
@@ -416,7 +416,7 @@ REFUSALS = [
     ("/v1/chat/completions", {"prediction": {"type": "draft", "content": "x"}}, "prediction", "'content'"),
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction", ""),
     ("/v1/completions", {"suffix": "}"}, "suffix", "fill-in-the-middle"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "logprobs", "no score graph"),  # compiled without one
     ("/v1/completions", {"best_of": 1, "n": 2}, "best_of", "best_of=1 is less than n=2"),
     ("/v1/completions", {"best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
 ]

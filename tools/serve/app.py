@@ -6,7 +6,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 events ending with ``data: [DONE]``), ``POST /v1/responses`` with ``GET``/``DELETE
 /v1/responses/{id}`` (OpenAI's Responses API over the chat path: :mod:`.responses`), Anthropic's
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (:mod:`.anthropic`, translated onto
-chat), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
+chat), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and vLLM's tokenizer
+routes ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (:mod:`.tokens`; as vLLM's,
+outside ``/v1`` and so without the key). The
 ``/v1`` routes need ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) when an ``api_key`` is set.
 Every error on the Anthropic routes is Anthropic's error object (:func:`.anthropic.error_response`); every other is
 OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input
@@ -51,7 +53,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvforge.tools.serve import anthropic, chat, completions, fields, responses
+from kvforge.tools.serve import anthropic, chat, completions, fields, responses, tokens
 from kvforge.tools.serve import protocol as p
 from kvforge.tools.serve.serving import SSE_DONE, ModelServer, ServingError, sse
 
@@ -66,6 +68,9 @@ ROUTES = (
     "/v1/models",
     "/health",
     "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
 )
 
 T = TypeVar("T")
@@ -263,6 +268,29 @@ def build_app(
     @app.get("/v1/models", dependencies=v1)
     async def models() -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=server.model_name, max_model_len=server.max_seq)])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=v1)
+    async def model(model_id: str) -> p.ModelCard:
+        if model_id != server.model_name:
+            raise ServingError(
+                f"the model {model_id!r} does not exist; this server serves {server.model_name!r} (GET /v1/models)",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return p.ModelCard(id=server.model_name, max_model_len=server.max_seq)
+
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:
+        return tokens.tokenize(server, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        return tokens.detokenize(server, body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokens.tokenizer_info(server))
 
     async def respond(request: Request, handler, body: Any) -> Response:
         unknown = fields.unknown_fields(body)

@@ -144,6 +144,7 @@ class CompletionRequest(RequestModel):
     # vLLM extensions: an eos does not end the output; no eos nor stop string before min_tokens tokens
     ignore_eos: bool = False
     min_tokens: int = 0
+    prompt_logprobs: int | None = None  # vLLM extension: each prompt token's logprob, rank and top alternatives
 
 
 class CompletionLogProbs(ResponseModel):
@@ -153,12 +154,23 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's prompt_logprobs entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1: the likeliest token at that position
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM extension: the stop string matched, if any
+    # vLLM extension (request field prompt_logprobs): per prompt position, {"token id": PromptLogprob}
+    # for the prompt's token and the top alternatives; the first position has none (null).
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -343,3 +355,38 @@ class ChatCompletionStreamResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------------ tokenizer routes
+# vLLM's /tokenize, /detokenize and /tokenizer_info (entrypoints/serve/tokenize): what
+# lm-evaluation-harness' remote tokenizer calls.
+
+
+class TokenizeRequest(RequestModel):
+    """``{"prompt": text}`` or ``{"messages": [...]}`` (rendered through the chat template), not both.
+    ``add_special_tokens`` defaults as vLLM's: true for a prompt, false for messages (the template
+    writes its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True  # messages only
+    continue_final_message: bool = False  # messages only: leave the last message open
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

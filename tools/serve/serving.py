@@ -554,6 +554,42 @@ class ModelServer:
         finally:
             call(self._release, 1, handle)
 
+    def check_scoring(self) -> None:
+        """400 unless the artifact can compute prompt logprobs (it has a score graph)."""
+        if "score" not in self.engine.manifest.graphs:
+            raise ServingError(
+                "prompt logprobs (echo with logprobs, prompt_logprobs) cannot be computed: this artifact has no "
+                "score graph; recompile without --no-score-graph",
+                param="logprobs",
+                code="invalid_value",
+            )
+
+    async def score(self, prompts: Sequence[Sequence[int]], top: int) -> list[Any]:
+        """Prompt token logprobs (:class:`kvforge.runtime.scoring.PromptScores`, one per prompt) from
+        the scheduler's score turns (the score graph, in batches between decode steps). 400 for an
+        artifact without a score graph; cancelled with the request (the prompts not yet scored are
+        dropped); a runtime failure is a 500."""
+        try:
+            future = self.scheduler.score(prompts, top)
+        except ValueError as e:
+            raise ServingError(
+                f"prompt logprobs (echo with logprobs, prompt_logprobs) cannot be computed: {e}",
+                param="logprobs",
+                code="invalid_value",
+            ) from e
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+        try:
+            return await asyncio.wrap_future(future)  # cancelling this await cancels the future
+        except (asyncio.CancelledError, ServingError):
+            raise
+        except Exception as error:
+            raise ServingError(
+                f"scoring the prompt failed: {type(error).__name__}: {error}",
+                status=500,
+                type="internal_error",
+                code="internal",
+            ) from error
+
     # ------------------------------------------------------------------------------------ helpers
 
     def token_text(self, token_id: int) -> str:
