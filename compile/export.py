@@ -66,9 +66,7 @@ def _example_past(loaded: LoadedModel, num_layers: int | None = None) -> list[to
     if not layout.has_state:
         return [torch.zeros(shape, dtype=dtype) for _ in range(2 * (num_layers or d.num_layers))]
     kv = [torch.zeros(shape, dtype=dtype) for _ in range(2 * len(layout.attention))]
-    states = [
-        torch.zeros((_EXAMPLE_BATCH, *t.shape), dtype=getattr(torch, t.dtype)) for _, t in layout.state_tensors()
-    ]
+    states = [torch.zeros((_EXAMPLE_BATCH, *t.shape), dtype=getattr(torch, t.dtype)) for _, t in layout.state_tensors()]
     return kv + states
 
 
@@ -427,4 +425,6 @@ def export_decode(loaded: LoadedModel, lowering_name: str, max_batch: int, max_s
     shapes = ({0: batch}, {0: batch}, {0: batch}, _past_shapes(loaded, batch, capacity))
     module = DecodeGraph(loaded.model, loaded.spec, loaded.layout).eval()
     layers = _names_layout(loaded, n)
-    return _export(module, args, shapes, contract.decode_input_names(layers), contract.output_names(layers), lowering_name)
+    return _export(
+        module, args, shapes, contract.decode_input_names(layers), contract.output_names(layers), lowering_name
+    )

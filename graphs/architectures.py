@@ -91,7 +91,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec(
             "Lfm2ForCausalLM",
             state="conv",
-            notes="short-convolution layers keep a conv state [C, K-1] (layer_types 'conv'); KV only for attention layers",
+            notes="short-convolution layers keep a conv state [C, K-1]; KV only for the attention layers",
         ),
     )
 }

@@ -60,8 +60,13 @@ GRAPHS = ("prefill", "decode", "score", "verify")
 # State kinds: what each per-layer entry is. "attention" is KV; the others are not position-indexed.
 STATE_KINDS = ("attention", "conv", "gated_delta", "mamba2", "mamba")
 # The named tensors of each kind, in graph order.
-STATE_TENSORS = {"attention": ("key", "value"), "conv": ("conv",), "gated_delta": ("conv", "recurrent"),
-                 "mamba2": ("conv", "recurrent"), "mamba": ("conv", "recurrent")}
+STATE_TENSORS = {
+    "attention": ("key", "value"),
+    "conv": ("conv",),
+    "gated_delta": ("conv", "recurrent"),
+    "mamba2": ("conv", "recurrent"),
+    "mamba": ("conv", "recurrent"),
+}
 
 
 @dataclass(frozen=True)

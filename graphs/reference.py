@@ -98,7 +98,12 @@ def conv_update(
 
 
 def gated_delta_step(
-    state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    state: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule (Qwen3.5 / Qwen3-Next linear attention), in float32:
     ``state [B, H, Dk, Dv]``, ``query``/``key [B, H, Dk]`` (already L2-normalized, the query

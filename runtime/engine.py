@@ -772,7 +772,9 @@ def _check_state_options(manifest: mf.Manifest, prefix_cache, budget: int, spec,
     cannot run yet; returns the prefix cache budget (0: a default budget is turned off, not refused)."""
     what = f"this artifact's {state_summary(manifest)} beside the KV cache"
     if device != "cpu":
-        raise ValueError(f"device={device!r}: {what}, which the GPU backends do not bind yet; load it with device='cpu'")
+        raise ValueError(
+            f"device={device!r}: {what}, which the GPU backends do not bind yet; load it with device='cpu'"
+        )
     if kv_shared:
         raise ValueError(f"kv_shared=True: {what}, which lent KV rows do not carry; load it without kv_shared")
     if spec is not None:
