@@ -68,6 +68,27 @@ def gemma2_onnx_artifact(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lfm2_dir(tmp_path_factory) -> Path:
+    """The tiny LFM2 of tests/families.py: short-convolution layers 0, 2, 3 (a conv state each)
+    and one attention layer, 1."""
+    from tests import families
+
+    [case] = [c for c in families.CASES if c[0] == "lfm2"]
+    return families.build(tmp_path_factory.mktemp("lfm2") / "model", *case[1:])
+
+
+@pytest.fixture(scope="session")
+def lfm2_artifact(lfm2_dir, tmp_path_factory) -> Path:
+    """The tiny LFM2 compiled with the default lowering (gqa, ORT-optimized graphs), max_batch 2,
+    max_seq 48, with its score graph: the hybrid family's runtime tests run on it."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "lfm2"
+    compile_model(lfm2_dir, out, max_batch=2, max_seq=48, progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_reference(llama_dir):
     """transformers' model of ``llama_dir`` (eager attention), the reference for every comparison."""
     from transformers import AutoModelForCausalLM
