@@ -6,7 +6,8 @@ both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length prom
 batching with more requests than rows (rows finish at different steps, survivors are compacted,
 a chunked prefill is moved) gives every request its solo result; and every feature that would
 need a state snapshot refuses up front, naming the state layers (prefix cache, sessions, KV
-export/import, speculative decoding, shared KV, the GPU backends, a ragged score call)."""
+export/import, speculative decoding, shared KV, the GPU backends, a ragged score call); the
+memory plan counts KV for the attention layer only and the state bytes beside it."""
 
 from __future__ import annotations
 
@@ -120,3 +121,15 @@ def test_sessions_and_kv_blocks_refuse(engine):
     engine.prefill([PROMPTS[1]])
     with pytest.raises(ValueError, match=r"export_kv: .*KV blocks .* do not carry states yet"):
         engine.export_kv(0, PROMPTS[1])
+
+
+def test_memory_plan_counts_kv_of_attention_layers_and_the_state(lfm2_artifact):
+    from kvforge.compile.plan import format_plan, plan_for
+
+    plan = plan_for(lfm2_artifact)
+    assert plan.kv_cache_bytes == 1 * 2 * 2 * 2 * 48 * 16 * 4  # one attention layer: [1, 2, B, H_kv, S, D] fp32
+    assert plan.state_bytes == 2 * 3 * 64 * 2 * 4  # B rows x three conv layers' [C, K-1] fp32
+    assert plan.total_bytes == plan.weights_bytes + plan.kv_cache_bytes + plan.state_bytes + plan.activation_bytes + (
+        plan.reserve_bytes
+    )
+    assert "model state" in format_plan(plan)
