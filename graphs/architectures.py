@@ -93,6 +93,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             state="conv",
             notes="short-convolution layers keep a conv state [C, K-1]; KV only for the attention layers",
         ),
+        ArchSpec(
+            "Lfm2MoeForCausalLM",
+            state="conv",
+            experts_implementation=_MOE,
+            notes="LFM2's conv state beside attention layers; MoE experts exported with batched_mm",
+        ),
     )
 }
 

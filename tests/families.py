@@ -117,6 +117,19 @@ CASES: list[tuple[str, str, str, dict]] = [
     ),
     # short-convolution layers (a conv state [C, K-1]) beside attention layers (KV only for those)
     ("lfm2", "Lfm2ForCausalLM", "Lfm2Config", {"num_hidden_layers": 4, "layer_types": LFM2_LAYERS, "conv_L_cache": 3}),
+    (
+        "lfm2-moe",
+        "Lfm2MoeForCausalLM",
+        "Lfm2MoeConfig",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": LFM2_LAYERS,
+            "num_dense_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+        },
+    ),
 ]
 
 # Keys some config classes do not take (GPT-2 names its sizes n_*).
