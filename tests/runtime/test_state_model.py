@@ -7,9 +7,13 @@ batching with more requests than rows (rows finish at different steps, survivors
 a chunked prefill is moved) gives every request its solo result; and every feature that would
 need a state snapshot refuses up front, naming the state layers (prefix cache, sessions, KV
 export/import, speculative decoding, shared KV, the GPU backends, a ragged score call); the
-memory plan counts KV for the attention layer only and the state bytes beside it."""
+memory plan counts KV for the attention layer only and the state bytes beside it. Every batch-loop
+feature a hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string,
+a cancellation, chunked prefills) on at once gives each request its solo answer."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnx
@@ -17,7 +21,7 @@ import pytest
 import transformers
 
 from kvforge.graphs import manifest as mf
-from kvforge.runtime import Engine
+from kvforge.runtime import Engine, SamplingParams
 from tests.helpers import assert_close, hf_greedy
 
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64], [7, 5, 9, 250, 31], [11, 2], [40, 41, 42, 43, 44, 45, 46]]
@@ -133,3 +137,46 @@ def test_memory_plan_counts_kv_of_attention_layers_and_the_state(lfm2_artifact):
         plan.reserve_bytes
     )
     assert "model state" in format_plan(plan)
+
+
+# name -> (prompt, max_new_tokens, sampling, stop): every batch-loop feature a hybrid runs
+FEATURES = {
+    "greedy": ("The for statement iterates", 14, SamplingParams(temperature=0.0), None),
+    "regex": ("A list is a mutable", 12, SamplingParams(temperature=0.0, regex=r"[a-z]+( [a-z]+){1,4}\."), None),
+    "sampled": ("Exceptions are", 10, SamplingParams(temperature=0.8, top_p=0.9, seed=7, logit_bias={5: -100}), None),
+    "stop": ("The while loop repeats", 16, SamplingParams(temperature=0.0), ["e"]),
+}
+
+
+def _features(engine: Engine, requests: dict, cancel: bool = False) -> dict:
+    with engine.scheduler() as sched:
+        handles = {name: sched.submit(p, n, s, stop) for name, (p, n, s, stop) in requests.items()}
+        if cancel:
+            victim = sched.submit("The for statement", max_new_tokens=40)
+            victim.cancel()
+        results = {name: h.result(timeout=120) for name, h in handles.items()}
+        if cancel:
+            results["cancelled"] = victim.result(timeout=120)
+    return results
+
+
+def test_every_batch_loop_feature_at_once_gives_each_request_its_solo_answer(engine):
+    pytest.importorskip("llguidance")
+    solo = {name: _features(engine, {name: r})[name] for name, r in FEATURES.items()}
+    # the constraint holds on every token (a random model may not finish the sentence in 12 tokens)
+    assert re.fullmatch(r"[a-z]+( [a-z]*){0,4}\.?", solo["regex"].text), solo["regex"].text
+    assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "e"
+    engine.prefill_chunk = 3  # chunked prefills beside decoding rows, on 2 rows for 5 requests
+    try:
+        together = _features(engine, FEATURES, cancel=True)
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    for name in FEATURES:
+        got, want = together[name], solo[name]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_string) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_string,
+        ), name
+    assert together["cancelled"].finish_reason == "cancelled"
