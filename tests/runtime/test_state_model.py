@@ -7,7 +7,8 @@ batching with more requests than rows (rows finish at different steps, survivors
 a chunked prefill is moved) gives every request its solo result; and every feature that would
 need a state snapshot refuses up front, naming the state layers (prefix cache, sessions, KV
 export/import, speculative decoding, shared KV, the GPU backends, a ragged score call); the
-memory plan counts KV for the attention layer only and the state bytes beside it. Every batch-loop
+memory plan counts KV for the attention layer only and the state bytes beside it; inspect
+reports the state; the OpenAI server completes on it (no default drafting). Every batch-loop
 feature a hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string,
 a cancellation, chunked prefills) on at once gives each request its solo answer."""
 
@@ -180,3 +181,23 @@ def test_every_batch_loop_feature_at_once_gives_each_request_its_solo_answer(eng
             want.stop_string,
         ), name
     assert together["cancelled"].finish_reason == "cancelled"
+
+
+def test_inspect_and_the_openai_server_run_on_a_hybrid(lfm2_artifact, engine):
+    from fastapi.testclient import TestClient
+
+    from kvforge.tools.inspect_artifact import format_report, inspect
+    from kvforge.tools.serve.app import build_app
+    from kvforge.tools.serve.serving import ModelServer
+
+    report = inspect(lfm2_artifact)
+    assert [e["layer"] for e in report["manifest"]["state"]] == [0, 2, 3]
+    assert "state (conv) of layers [0, 2, 3]" in format_report(report)
+
+    [expected] = engine.generate(["The for statement"], max_new_tokens=8, sampling=SamplingParams(temperature=0.0))
+    server = ModelServer.load(lfm2_artifact, threads=1, model_name="lfm2")  # the default prefix cache: off
+    with TestClient(build_app(server)) as client:
+        body = {"model": "lfm2", "prompt": "The for statement", "max_tokens": 8, "temperature": 0}
+        answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == expected.text
