@@ -741,13 +741,7 @@ class StepEngine(KVTransfer):
                     self._rows_owner = None
 
     def reserve_row(self) -> int:
-        """Reserve the highest row no session holds, for a session (refused while rows are owned,
-        and for an artifact with state layers: a session rewinds and restores its row)."""
-        if self.manifest.layout.has_state:
-            raise ValueError(
-                f"sessions: this artifact's {state_summary(self.manifest)}, valid at one position only, and a "
-                "session rewinds, syncs and restores its cache row; use generate, chat or a scheduler"
-            )
+        """Reserve the highest row no session holds, for a session (refused while rows are owned)."""
         with self._lock:
             self._check_step_rows(0)
             free = [r for r in range(self.max_batch) if r not in self._session_rows]

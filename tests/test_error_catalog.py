@@ -821,12 +821,6 @@ def _(c, lfm2):
     return raised(lambda: Engine.load(lfm2, device="cuda"))
 
 
-@trigger("state-sessions")
-def _(c, lfm2):
-    with Engine.load(lfm2, threads=1) as engine:
-        return raised(engine.session)
-
-
 @trigger("state-kv-blocks")
 def _(c, lfm2):
     with Engine.load(lfm2, threads=1) as engine:

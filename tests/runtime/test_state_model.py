@@ -6,7 +6,8 @@ both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length prom
 batching with more requests than rows (rows finish at different steps, survivors are compacted,
 a chunked prefill is moved) gives every request its solo result; and every feature that would
 need a state snapshot refuses up front, naming the state layers (prefix cache, sessions, KV
-export/import, speculative decoding, shared KV, the GPU backends, a ragged score call); the
+export/import and saved sessions, speculative decoding, shared KV, the GPU backends, a ragged
+score call), while a session continues a row's state turn by turn and re-prefills after a rewind; the
 memory plan counts KV for the attention layer only and the state bytes beside it; inspect
 reports the state; the OpenAI server completes on it (no default drafting). Every batch-loop
 feature a hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string,
@@ -120,9 +121,26 @@ def test_features_without_state_snapshots_refuse_at_load(lfm2_artifact, options,
         Engine.load(lfm2_artifact, **options)
 
 
-def test_sessions_and_kv_blocks_refuse(engine):
-    with pytest.raises(ValueError, match=r"sessions: this artifact's layers \[0, 2, 3\] keep a conv state"):
-        engine.session()
+def test_a_session_continues_its_state_and_re_prefills_after_a_rewind(engine, reference):
+    greedy = SamplingParams(temperature=0.0)
+    with engine.session() as session:
+        session.append(PROMPTS[0])
+        first = session.generate(max_new_tokens=6, sampling=greedy)
+        assert first.token_ids == hf_greedy(reference, PROMPTS[0], 6)
+        session.append(PROMPTS[1])  # the next turn prefills only its new tokens, from the row's state
+        conversation = session.tokens
+        second = session.generate(max_new_tokens=6, sampling=greedy)
+        assert second.token_ids == hf_greedy(reference, conversation, 6)
+        session.rewind(9)  # below the cached tokens: the state cannot go back, the row is dropped
+        assert session.cached == 0
+        rewound = session.tokens
+        third = session.generate(max_new_tokens=6, sampling=greedy)
+        assert third.token_ids == hf_greedy(reference, rewound, 6)
+        with pytest.raises(ValueError, match=r"export_kv: .*do not carry states yet"):
+            session.save(engine.artifact_dir.parent / "session.kvb")
+
+
+def test_kv_blocks_refuse(engine):
     engine.prefill([PROMPTS[1]])
     with pytest.raises(ValueError, match=r"export_kv: .*KV blocks .* do not carry states yet"):
         engine.export_kv(0, PROMPTS[1])
