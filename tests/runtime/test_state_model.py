@@ -9,7 +9,8 @@ need a state snapshot refuses up front, naming the state layers (prefix cache, s
 export/import and saved sessions, speculative decoding, shared KV, the GPU backends, a ragged
 score call), while a session continues a row's state turn by turn and re-prefills after a rewind; the
 memory plan counts KV for the attention layer only and the state bytes beside it; inspect
-reports the state; the OpenAI server completes on it (no default drafting). Every batch-loop
+reports the state; the OpenAI server completes on it (no default drafting); compare finds it
+exact (prefill, decode, perplexity, padded batches). Every batch-loop
 feature a hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string,
 a cancellation, chunked prefills) on at once gives each request its solo answer."""
 
@@ -219,3 +220,15 @@ def test_inspect_and_the_openai_server_run_on_a_hybrid(lfm2_artifact, engine):
         answer = client.post("/v1/completions", json=body)
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] == expected.text
+
+
+def test_compare_checks_a_hybrid_against_transformers(lfm2_artifact, lfm2_dir):
+    from kvforge.tools import compare
+
+    text = compare.load_text(None)[:400]
+    result = compare.run_compare(
+        lfm2_artifact, lfm2_dir, ["The for statement", "A list"], text, steps=4, threads=1, stride=None
+    )
+    assert result["verdict"]["ok"], result["verdict"]
+    assert result["batch"]["all_consistent"]  # a padded batch equals the batch-1 runs
+    assert result["perplexity"]["kvforge"] == pytest.approx(result["perplexity"]["reference"], rel=1e-5)
