@@ -4,15 +4,15 @@ that attends; its graphs lower the conv to a grouped ``Conv`` over the state and
 no loop; chunked prefill equals one-shot prefill; greedy output equals transformers' generate at
 both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length prompt); in-flight
 batching with more requests than rows (rows finish at different steps, survivors are compacted,
-a chunked prefill is moved) gives every request its solo result; and every feature that would
-need a state snapshot refuses up front, naming the state layers (prefix cache, sessions, KV
-export/import and saved sessions, speculative decoding, shared KV, the GPU backends, a ragged
-score call), while a session continues a row's state turn by turn and re-prefills after a rewind; the
+a chunked prefill is moved) gives every request its solo result; every batch-loop feature a
+hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string, a
+cancellation, chunked prefills) on at once gives each request its solo answer; a session
+continues a row's state turn by turn and re-prefills after a rewind; every feature that would
+need a state snapshot refuses up front, naming the state layers (prefix cache, KV export/import
+and saved sessions, speculative decoding, shared KV, the GPU backends, a ragged score call); the
 memory plan counts KV for the attention layer only and the state bytes beside it; inspect
 reports the state; the OpenAI server completes on it (no default drafting); compare finds it
-exact (prefill, decode, perplexity, padded batches). Every batch-loop
-feature a hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string,
-a cancellation, chunked prefills) on at once gives each request its solo answer."""
+exact (prefill, decode, perplexity, padded batches)."""
 
 from __future__ import annotations
 
