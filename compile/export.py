@@ -57,10 +57,33 @@ class ExportTimes:
 
 
 def _example_past(loaded: LoadedModel, num_layers: int | None = None) -> list[torch.Tensor]:
+    """Example past tensors in contract order: KV of ``num_layers`` layers (all by default), or for a
+    family with state layers, KV of its attention layers and then each state tensor."""
     d = loaded.dims
     dtype = next(loaded.model.parameters()).dtype
     shape = (_EXAMPLE_BATCH, d.num_kv_heads, _EXAMPLE_CAPACITY, d.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * (num_layers or d.num_layers))]
+    layout = loaded.state_layout
+    if not layout.has_state:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(2 * (num_layers or d.num_layers))]
+    kv = [torch.zeros(shape, dtype=dtype) for _ in range(2 * len(layout.attention))]
+    states = [torch.zeros((_EXAMPLE_BATCH, *t.shape), dtype=getattr(torch, t.dtype)) for _, t in layout.state_tensors()]
+    return kv + states
+
+
+def _past_shapes(loaded: LoadedModel, batch, capacity, num_layers: int | None = None) -> tuple:
+    """The dynamic shapes of :func:`_example_past`'s tensors: KV ``{0: batch, 2: capacity}``, a
+    state ``{0: batch}``."""
+    layout = loaded.state_layout
+    if not layout.has_state:
+        return tuple({0: batch, 2: capacity} for _ in range(2 * (num_layers or loaded.dims.num_layers)))
+    kv = tuple({0: batch, 2: capacity} for _ in range(2 * len(layout.attention)))
+    return kv + tuple({0: batch} for _ in layout.state_tensors())
+
+
+def _names_layout(loaded: LoadedModel, num_layers: int):
+    """What :mod:`kvforge.graphs.contract`'s name functions take for this trace: the layout of a
+    family with state, else the number of (attention) layers traced."""
+    return loaded.state_layout if loaded.state_layout.has_state else num_layers
 
 
 def _dims(max_batch: int, max_seq: int) -> tuple[object, object, object]:
@@ -279,8 +302,9 @@ def export_general(
     was done, and why a full trace was needed."""
     times = times if times is not None else ExportTimes()
     n = loaded.dims.num_layers
-    module = GeneralGraph(loaded.model, loaded.spec).eval()
-    plan = replicate.plan(loaded.model, n, full_trace)
+    module = GeneralGraph(loaded.model, loaded.spec, loaded.layout).eval()
+    # a family with state layers is traced whole: its layers are not one computation
+    plan = replicate.plan(loaded.model, n, full_trace or loaded.state_layout.has_state)
     model, optimized = None, False
     if plan.stack is not None:
         with replicate.truncated(loaded.model, plan.stack, plan.traced):
@@ -351,10 +375,11 @@ def _trace_general(module, loaded: LoadedModel, n: int, lowering_name: str, max_
         {0: batch, 1: seq},
         {0: batch},
         {0: batch, 1: positions},
-        tuple({0: batch, 2: capacity} for _ in range(2 * n)),
+        _past_shapes(loaded, batch, capacity, n),
     )
-    names = [*contract.decode_input_names(n)[:3], LOGIT_INDICES, *contract.past_names(n)]
-    return _trace(module, args, shapes, names, contract.output_names(n), lowering_name, times)
+    layers = _names_layout(loaded, n)
+    names = [*contract.decode_input_names(n)[:3], LOGIT_INDICES, *contract.past_names(layers)]
+    return _trace(module, args, shapes, names, contract.output_names(layers), lowering_name, times)
 
 
 def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int, all_logits: bool = False):
@@ -376,11 +401,14 @@ def export_prefill(loaded: LoadedModel, lowering_name: str, max_batch: int, max_
         {0: batch, 1: seq},
         {0: batch},
         *({0: batch} for _ in lengths),
-        tuple({0: batch, 2: capacity} for _ in range(2 * n)),
+        _past_shapes(loaded, batch, capacity),
     )
     graph = "score" if all_logits else "prefill"
-    module = (ScoreGraph if all_logits else PrefillGraph)(loaded.model, loaded.spec).eval()
-    return _export(module, args, shapes, contract.input_names(graph, n), contract.output_names(n), lowering_name)
+    module = (ScoreGraph if all_logits else PrefillGraph)(loaded.model, loaded.spec, loaded.layout).eval()
+    layers = _names_layout(loaded, n)
+    return _export(
+        module, args, shapes, contract.input_names(graph, layers), contract.output_names(layers), lowering_name
+    )
 
 
 def export_decode(loaded: LoadedModel, lowering_name: str, max_batch: int, max_seq: int):
@@ -394,6 +422,9 @@ def export_decode(loaded: LoadedModel, lowering_name: str, max_batch: int, max_s
         torch.full((b,), _EXAMPLE_SEQ, dtype=torch.int64),
         *_example_past(loaded),
     )
-    shapes = ({0: batch}, {0: batch}, {0: batch}, tuple({0: batch, 2: capacity} for _ in range(2 * n)))
-    module = DecodeGraph(loaded.model, loaded.spec).eval()
-    return _export(module, args, shapes, contract.decode_input_names(n), contract.output_names(n), lowering_name)
+    shapes = ({0: batch}, {0: batch}, {0: batch}, _past_shapes(loaded, batch, capacity))
+    module = DecodeGraph(loaded.model, loaded.spec, loaded.layout).eval()
+    layers = _names_layout(loaded, n)
+    return _export(
+        module, args, shapes, contract.decode_input_names(layers), contract.output_names(layers), lowering_name
+    )

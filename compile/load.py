@@ -16,7 +16,8 @@ import torch
 
 from kvforge.compile import generic, quiet
 from kvforge.graphs import lowering
-from kvforge.graphs.architectures import ArchSpec, Dims, UnsupportedArchitectureError, lookup, supported
+from kvforge.graphs.architectures import ArchSpec, Dims, UnsupportedArchitectureError, lookup, state_layout, supported
+from kvforge.graphs.contract import Layout
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -33,6 +34,11 @@ class LoadedModel:
     dims: Dims
     config: dict  # config.json as written by the model's authors
     weight_files: list[Path]
+    layout: Layout | None = None  # which layers attend and which keep a state; None: every layer attends
+
+    @property
+    def state_layout(self) -> Layout:
+        return self.layout if self.layout is not None else Layout.all_attention(self.dims.num_layers)
 
 
 def read_config(model_dir: str | Path) -> tuple[dict, list[Path]]:
@@ -247,7 +253,8 @@ def load_model(
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
     dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, max_seq)
-    return LoadedModel(model, spec, dims, config, weights)
+    layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
+    return LoadedModel(model, spec, dims, config, weights, layout)
 
 
 def load_reference(

@@ -93,9 +93,17 @@ def reference(model: torch.nn.Module, dims: Dims) -> Reference:
     return Reference(tokens, np.ascontiguousarray(logits[PROMPT_TOKENS - 1 :]))
 
 
-def measure(out_dir: Path, graph_file: str, ref: Reference | None, dims: Dims, dtype: torch.dtype) -> dict[str, Any]:
+def measure(
+    out_dir: Path,
+    graph_file: str,
+    ref: Reference | None,
+    dims: Dims,
+    dtype: torch.dtype,
+    layout: contract.Layout | None = None,
+) -> dict[str, Any]:
     """Run ``graph_file`` (a prefill graph) in ``out_dir`` on ``ref``'s tokens and compare its
-    logits with ``ref``'s (None only where ``dtype`` cannot run on the CPU provider: skipped)."""
+    logits with ``ref``'s (None only where ``dtype`` cannot run on the CPU provider: skipped).
+    ``layout``: which layers keep KV and which a state (None: every layer attends)."""
     if not ort_dtype_ok(dtype) or ref is None:
         return {"skipped": f"ONNX Runtime's CPU provider cannot run {dtype} graphs"}
     import onnxruntime as ort
@@ -115,8 +123,10 @@ def measure(out_dir: Path, graph_file: str, ref: Reference | None, dims: Dims, d
 
     np_dtype = np.float16 if dtype == torch.float16 else np.float32
     shape = (1, dims.num_kv_heads, CAPACITY, dims.head_dim)
-    past = [np.zeros(shape, np_dtype) for _ in range(2 * dims.num_layers)]
-    past_names = contract.past_names(dims.num_layers)
+    layout = layout if layout is not None else contract.Layout.all_attention(dims.num_layers)
+    past = [np.zeros(shape, np_dtype) for _ in range(2 * len(layout.attention))]
+    past += [np.zeros((1, *t.shape), np.dtype(t.dtype)) for _, t in layout.state_tensors()]
+    past_names = contract.past_names(layout)
     ours = []
     start, count = 0, PROMPT_TOKENS
     for _ in range(DECODE_STEPS + 1):  # the prefill, then one token per decode step

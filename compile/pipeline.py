@@ -363,7 +363,7 @@ def _compile_into(
     heap.freeze_survivors()  # the libraries imported so far: loading's collections skip them
     stages.start("load", f"loading {model_dir} ({options.dtype})")
     loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
-    dims, loaded_spec = loaded.dims, loaded.spec
+    dims, loaded_spec, layout = loaded.dims, loaded.spec, loaded.state_layout
     stages.start("reference", "running transformers (eager) on the parity prompt, on the loaded model")
     reference = _reference(model_dir, loaded, options.dtype, options.trust_remote_code)
     heap.freeze_survivors()  # the libraries and the model: the trace's collections skip them
@@ -440,7 +440,7 @@ def _compile_into(
     tok = tokenizer_stage.copy_tokenizer(model_dir, tmp, config)
     stages.start("parity", "checking parity against transformers")
     run_file = optimized.get("prefill", "prefill.onnx")  # what the runtime runs
-    parity = parity_stage.measure(tmp, run_file, reference, dims, torch_dtype)
+    parity = parity_stage.measure(tmp, run_file, reference, dims, torch_dtype, layout)
     if not loaded_spec.verified and not options.quantize and not (kept and kept.nodes):
         problem = parity_stage.failure(parity, options.dtype)
         if problem:
@@ -452,7 +452,7 @@ def _compile_into(
     stages.start("manifest", "writing manifest")
     report = weights.report()
     files = {"source": source_hashes.result(), report.file: weights.sha256()}
-    manifest = _manifest(source, tmp, options, config, files, dims, report.file, tok, parity, optimized, kept)
+    manifest = _manifest(source, tmp, options, config, files, dims, report.file, tok, parity, optimized, kept, layout)
     mf.write(manifest, tmp)
     stages.end()
     return manifest
@@ -538,6 +538,7 @@ def _manifest(
     parity: dict,
     optimized: dict[str, str],
     kept,
+    layout: contract.Layout,
 ) -> mf.Manifest:
     import onnxruntime
     import torch
@@ -555,7 +556,8 @@ def _manifest(
             ort_file=ort_file,
             ort_sha256=mf.sha256_file(tmp / ort_file) if ort_file else None,
         )
-    shape = contract.cache_shape(dims.num_layers, options.max_batch, dims.num_kv_heads, options.max_seq, dims.head_dim)
+    attention = len(layout.attention)  # KV only for the layers that attend
+    shape = contract.cache_shape(attention, options.max_batch, dims.num_kv_heads, options.max_seq, dims.head_dim)
     itemsize = load_stage.DTYPES[options.dtype].itemsize
     numel = 1
     for d in shape:
@@ -590,7 +592,9 @@ def _manifest(
             "shape": list(shape),
             "dtype": options.dtype,
             "bytes": numel * itemsize,
+            **({"layers": list(layout.attention)} if layout.has_state else {}),
         },
+        state=[entry.to_dict() for entry in layout.states],
         graphs=graphs,
         weights=mf.FileRef(weights_file, hashes[weights_file], (tmp / weights_file).stat().st_size),
         tokenizer=tok,

@@ -12,6 +12,8 @@ The figures:
   the data; an artifact's ``weights.data``, or its TensorRT plan once built);
 - KV cache: ``L * 2 * B * H_kv * S * D * bytes`` (:func:`kv_cache_bytes`); twice that when the
   engine does not alias the cache (two caches, alternated each step);
+- model state (a hybrid family's artifact, manifest schema 3): each state tensor's bytes per row
+  times ``B``; its KV cache then counts only the layers that attend;
 - activations: an upper estimate for a prefill of ``max_batch x max_prompt`` tokens
   (:func:`activation_bytes`), replaced by TensorRT's own figure (``device_memory_size_v2``,
   recorded in the manifest) once an engine is built;
@@ -98,6 +100,8 @@ class ModelShape:
     intermediate_size: int
     weights_bytes: int
     weights_source: str  # how weights_bytes was found
+    kv_layers: int | None = None  # layers that keep KV (a hybrid artifact's); None: every layer
+    state_row_bytes: int = 0  # one row's state tensors (a hybrid artifact's), bytes
 
 
 @dataclass(frozen=True)
@@ -117,10 +121,11 @@ class MemoryPlan:
     budget_bytes: int | None
     budget_source: str  # "--gpu-memory", "free memory of <GPU>", or "none (no GPU, no --gpu-memory)"
     advice: str | None  # the limit to lower when it does not fit
+    state_bytes: int = 0  # a hybrid model's state tensors, max_batch rows (updated in place)
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.activation_bytes + self.reserve_bytes
+        return self.weights_bytes + self.kv_cache_bytes + self.state_bytes + self.activation_bytes + self.reserve_bytes
 
     @property
     def fits(self) -> bool | None:
@@ -180,9 +185,15 @@ def model_shape_from_artifact(manifest: mf.Manifest, root: Path) -> ModelShape:
     if config.is_file():
         intermediate = int(json.loads(config.read_text()).get("intermediate_size") or intermediate)
     engine = mf.engine_record(manifest)
+    layout = manifest.layout
+    state = (
+        {"kv_layers": len(layout.attention), "state_row_bytes": layout.state_row_bytes()} if layout.has_state else {}
+    )
     if engine:
-        return ModelShape(dims, intermediate, engine.plan_bytes, f"TensorRT plan {engine.plan_file}")
-    return ModelShape(dims, intermediate, manifest.weights.bytes, f"{manifest.weights.file} ({manifest.dtype})")
+        return ModelShape(dims, intermediate, engine.plan_bytes, f"TensorRT plan {engine.plan_file}", **state)
+    return ModelShape(
+        dims, intermediate, manifest.weights.bytes, f"{manifest.weights.file} ({manifest.dtype})", **state
+    )
 
 
 def make_plan(
@@ -209,7 +220,8 @@ def make_plan(
 
     def need(batch: int, seq: int, prompt: int) -> tuple[int, int]:
         d, item = shape.dims, ITEMSIZE[dtype]
-        kv = kv_cache_bytes(d.num_layers, batch, d.num_kv_heads, seq, d.head_dim, item) * (1 if aliased else 2)
+        layers = d.num_layers if shape.kv_layers is None else shape.kv_layers
+        kv = kv_cache_bytes(layers, batch, d.num_kv_heads, seq, d.head_dim, item) * (1 if aliased else 2)
         act = engine_activation_bytes
         if act is None:
             act = activation_bytes(
@@ -224,10 +236,12 @@ def make_plan(
                 vocab_size=d.vocab_size,
                 itemsize=item,
             )
-        return kv, act
+        return kv + shape.state_row_bytes * batch, act
 
     kv, act = need(max_batch, max_seq, max_prompt)
-    total = shape.weights_bytes + kv + act + reserve_bytes
+    state = shape.state_row_bytes * max_batch
+    kv -= state
+    total = shape.weights_bytes + kv + state + act + reserve_bytes
     advice = None
     if budget_bytes is not None and total > budget_bytes:
 
@@ -246,6 +260,7 @@ def make_plan(
         weights_bytes=shape.weights_bytes,
         weights_source=shape.weights_source,
         kv_cache_bytes=kv,
+        state_bytes=state,
         activation_bytes=act,
         activation_source="estimate (formula in compile/plan.py)"
         if engine_activation_bytes is None
@@ -356,6 +371,11 @@ def format_plan(plan: MemoryPlan) -> str:
     rows = [
         ("weights", plan.weights_bytes, plan.weights_source),
         ("KV cache", plan.kv_cache_bytes, f"L*2*B*H_kv*S*D*bytes, {cache}"),
+        *(
+            [("model state", plan.state_bytes, "B * state bytes per row (conv/recurrent layers), in place")]
+            if plan.state_bytes
+            else []
+        ),
         ("activations", plan.activation_bytes, plan.activation_source),
         ("CUDA reserve", plan.reserve_bytes, "context and library workspaces (rule of thumb)"),
         ("total", plan.total_bytes, ""),

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvforge.graphs.contract import Layout, StateEntry, StateTensor
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -32,6 +34,8 @@ class ArchSpec:
         embeddings, ``view_as_complex``/``polar``): export traces it with ``torch.export`` first and
         carries the complex values as real pairs (:mod:`kvforge.compile.complex_to_real`), because
         the ONNX exporter translates few complex-valued ops.
+    state: the kind of state (:data:`kvforge.graphs.contract.STATE_KINDS`) the family's
+        non-attention layers keep, read by :func:`state_layout`; None: every layer attends.
     verified: False for the generic path (a family not in the table), which compile accepts only
         when its parity check passes.
     notes: what the family needed beyond the shared path (documentation).
@@ -44,6 +48,7 @@ class ArchSpec:
     head_attr: str | None = None
     experts_implementation: str | None = None
     complex_arithmetic: bool = False
+    state: str | None = None
     verified: bool = True
     notes: str = ""
 
@@ -83,6 +88,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("Olmo2ForCausalLM", notes="shared path (q/k norm over the projections, post-norms)"),
         ArchSpec("MixtralForCausalLM", experts_implementation=_MOE, notes="MoE experts exported with batched_mm"),
         ArchSpec("Qwen3MoeForCausalLM", experts_implementation=_MOE, notes="MoE experts exported with batched_mm"),
+        ArchSpec(
+            "Lfm2ForCausalLM",
+            state="conv",
+            notes="short-convolution layers keep a conv state [C, K-1]; KV only for the attention layers",
+        ),
+        ArchSpec(
+            "Lfm2MoeForCausalLM",
+            state="conv",
+            experts_implementation=_MOE,
+            notes="LFM2's conv state beside attention layers; MoE experts exported with batched_mm",
+        ),
     )
 }
 
@@ -130,3 +146,18 @@ class Dims:
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
         )
+
+
+def state_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
+    """Which layers of a model of family ``spec`` keep attention KV and which a state, with each
+    state tensor's per-row shape and dtype (``dtype``: the model's, numpy-style), from its
+    transformers ``config``. Every layer attends unless ``spec.state`` says otherwise."""
+    n = config.num_hidden_layers
+    if spec.state is None:
+        return Layout.all_attention(n)
+    if spec.state == "conv":  # LFM2: layer_types[i] == "conv" is a short convolution of kernel conv_L_cache
+        conv = [i for i, t in enumerate(config.layer_types[:n]) if t == "conv"]
+        width = config.conv_L_cache - 1
+        entries = tuple(StateEntry(i, "conv", (StateTensor("conv", (config.hidden_size, width), dtype),)) for i in conv)
+        return Layout(tuple(i for i in range(n) if i not in conv), entries)
+    raise ValueError(f"state kind {spec.state!r} of {spec.architecture} has no layout reader")

@@ -287,7 +287,7 @@ class LayerCaches:
     the graph computes each mask once for all the layers that share it.
     """
 
-    past: list[tuple[torch.Tensor, torch.Tensor]]
+    past: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> (key, value), attention layers only
     write_indices: torch.Tensor  # (B,) int64
     seq_len: int
     present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -295,7 +295,7 @@ class LayerCaches:
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
-            capacity = self.past[0][0].shape[2]
+            capacity = next(iter(self.past.values()))[0].shape[2]  # the first attention layer's
             self.masks[window] = reference.attention_mask(self.write_indices, self.seq_len, capacity, window)
         return self.masks[window]
 

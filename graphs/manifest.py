@@ -14,10 +14,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2
+from kvforge.graphs import contract
+
+SCHEMA_VERSION = 3
 # Schemas this kvforge reads. 2 added graphs.verify (the general graph, logits at logit_indices) and
-# changed nothing else: a schema-1 artifact still runs, without speculative decoding.
-READABLE_SCHEMAS = (1, 2)
+# changed nothing else: a schema-1 artifact still runs, without speculative decoding. 3 added
+# ``state`` (the per-layer state entries of a hybrid family, kvforge.graphs.contract) and
+# ``kv_cache.layers`` (the layers that keep KV); a schema-1 or -2 artifact has neither and means
+# what it always meant: every layer attends.
+READABLE_SCHEMAS = (1, 2, 3)
 MANIFEST_FILE = "manifest.json"
 # How a model writes tool calls and reasoning (the server's parsers, kvforge.tools.serve.parsers):
 # chosen at compile time from the chat template and the special tokens (kvforge.compile.chat_format).
@@ -96,6 +101,15 @@ class Manifest:
     # Optional (older manifests lack them: hermes, no reasoning): one of TOOL_PARSERS, REASONING_PARSERS.
     tool_parser: str = "hermes"
     reasoning_parser: str | None = None
+    # schema 3: the state entries of the layers that keep a state, not KV (StateEntry.to_dict each); [] none
+    state: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def layout(self) -> contract.Layout:
+        """Which layers keep KV (``kv_cache.layers``; every layer before schema 3) and which a state."""
+        layers = self.kv_cache.get("layers")
+        attention = tuple(layers) if layers is not None else tuple(range(self.model.num_layers))
+        return contract.Layout(attention, tuple(contract.StateEntry.from_dict(e) for e in self.state))
 
     def to_json(self) -> str:
         return json.dumps({"format": "kvforge", **asdict(self)}, indent=2) + "\n"
@@ -191,8 +205,9 @@ def check_schema(data: dict[str, Any]) -> None:
     dtype = data.get("dtype")
     if dtype not in DTYPES:
         raise _malformed("dtype", dtype, f"one of {', '.join(DTYPES)}")
-    shape = [model["num_layers"], 2, limits["max_batch"], model["num_kv_heads"], limits["max_seq"], model["head_dim"]]
     cache = data["kv_cache"]
+    attention = _check_state(data, cache)
+    shape = [len(attention), 2, limits["max_batch"], model["num_kv_heads"], limits["max_seq"], model["head_dim"]]
     if cache.get("shape") != shape or cache.get("dtype") != dtype:
         raise ArtifactError(
             f"manifest is inconsistent: kv_cache is {cache.get('shape')!r} {cache.get('dtype')!r}, but the model's "
@@ -226,6 +241,42 @@ def check_schema(data: dict[str, Any]) -> None:
         raise _malformed("tokenizer.has_tokenizer", data["tokenizer"]["has_tokenizer"], "true or false")
     for name, record in data.get("engines", {}).items():
         _mapping(f"engines.{name}", record)
+
+
+def _check_state(data: dict[str, Any], cache: dict[str, Any]) -> list[int]:
+    """The layers that keep KV (``kv_cache.layers``, every layer when absent) and the state
+    entries (``state``): each layer exactly once, kinds known, shapes positive, dtypes known.
+    Returns the attention layers."""
+    num_layers = data["model"]["num_layers"]
+    layers = cache.get("layers", list(range(num_layers)))
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise _malformed("kv_cache.layers", layers, "a list of layer indices")
+    entries = data.get("state", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise _malformed("state", entries, "a list of state entries")
+    seen = list(layers)
+    for i, entry in enumerate(entries):
+        if entry.get("kind") not in contract.STATE_KINDS[1:]:
+            raise _malformed(f"state[{i}].kind", entry.get("kind"), f"one of {', '.join(contract.STATE_KINDS[1:])}")
+        tensors = entry.get("tensors")
+        if not isinstance(tensors, list) or not tensors or not all(isinstance(t, dict) for t in tensors):
+            raise _malformed(f"state[{i}].tensors", tensors, "a list of state tensors")
+        for j, t in enumerate(tensors):
+            shape = t.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 1 for d in shape):
+                raise _malformed(f"state[{i}].tensors[{j}].shape", shape, "a list of positive integers")
+            if t.get("dtype") not in DTYPES:
+                raise _malformed(f"state[{i}].tensors[{j}].dtype", t.get("dtype"), f"one of {', '.join(DTYPES)}")
+            _text(f"state[{i}].tensors[{j}].part", t.get("part"))
+        seen.append(entry.get("layer"))
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in seen)
+    if not ints or sorted(seen) != list(range(num_layers)):
+        raise ArtifactError(
+            f"manifest is inconsistent: kv_cache.layers {layers} and the state entries' layers "
+            f"{[e.get('layer') for e in entries]} do not cover the model's {num_layers} layers once each; "
+            "the manifest was edited or corrupted: recompile the model"
+        )
+    return layers
 
 
 def _graph(data: dict[str, Any]) -> GraphFile:

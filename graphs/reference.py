@@ -66,3 +66,84 @@ def attention(
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, value.float()).to(query.dtype)
+
+
+# ---------------------------------------------------------------- model state (contract schema 3)
+# One step of each state kind, for clarity, not speed. ``lengths [B]`` int64 says how many of the
+# ``S`` new inputs of each row are real (right padding follows them): the state written is the
+# one after the row's last real input. A row that starts a sequence passes a zero state.
+
+
+def conv_update(
+    state: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal depthwise convolution over ``inputs [B, C, S]`` continuing ``state [B, C, K-1]``
+    (the last ``K-1`` inputs before them); ``weight [C, K]``, ``bias [C]`` or None.
+
+    Returns ``(output [B, C, S], new_state [B, C, K-1])``: ``output[b, c, s] = bias[c] +
+    sum_k weight[c, k] * full[b, c, s + k]`` over ``full = [state, inputs]`` (``[B, C, K-1+S]``),
+    and the new state is ``full[b, :, n_b : n_b + K-1]``, the last ``K-1`` inputs up to the row's
+    ``n_b = lengths[b]``-th. transformers' ``causal_conv1d_update`` for one token, its
+    ``causal_conv1d_fn`` over a prompt.
+    """
+    width = state.shape[-1]  # K-1
+    full = torch.cat([state, inputs.to(state.dtype)], dim=-1)  # (B, C, K-1+S)
+    windows = full.unfold(-1, width + 1, 1)  # (B, C, S, K)
+    output = (windows * weight[None, :, None, :]).sum(-1)  # (B, C, S)
+    if bias is not None:
+        output = output + bias[None, :, None]
+    index = lengths.view(-1, 1, 1) + torch.arange(width).view(1, 1, -1)  # (B, 1, K-1)
+    new_state = torch.gather(full, -1, index.expand(-1, full.shape[1], -1))  # (B, C, K-1)
+    return output, new_state
+
+
+def gated_delta_step(
+    state: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule (Qwen3.5 / Qwen3-Next linear attention), in float32:
+    ``state [B, H, Dk, Dv]``, ``query``/``key [B, H, Dk]`` (already L2-normalized, the query
+    scaled), ``value [B, H, Dv]``, ``g [B, H]`` (log decay), ``beta [B, H]``. Returns
+    ``(output [B, H, Dv], new_state)``, as transformers' ``torch_recurrent_gated_delta_rule`` step."""
+    state = state * g.exp()[..., None, None]  # decay
+    memory = (state * key[..., None]).sum(-2)  # (B, H, Dv): what the state recalls for this key
+    delta = (value - memory) * beta[..., None]  # (B, H, Dv)
+    state = state + key[..., None] * delta[..., None, :]  # (B, H, Dk, Dv)
+    return (state * query[..., None]).sum(-2), state
+
+
+def mamba2_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of Mamba2's selective state update: ``state [B, H, P, N]``, ``x [B, H, P]``,
+    ``dt [B, H]`` (after softplus), ``a [H]`` (negative), ``b``/``c [B, H, N]`` (groups already
+    repeated to heads), ``d [H]``. Returns ``(y [B, H, P], new_state)``."""
+    decay = torch.exp(dt * a)[..., None, None]  # (B, H, 1, 1)
+    state = state * decay + (dt[..., None] * x)[..., None] * b[:, :, None, :]  # (B, H, P, N)
+    return (state * c[:, :, None, :]).sum(-1) + d[None, :, None] * x, state
+
+
+def mamba_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of Mamba's selective scan: ``state [B, D, N]``, ``x``/``dt [B, D]`` (dt after
+    softplus), ``a [D, N]`` (negative), ``b``/``c [B, N]``, ``d [D]``. Returns
+    ``(y [B, D], new_state)``."""
+    state = state * torch.exp(dt[..., None] * a) + (dt * x)[..., None] * b[:, None, :]  # (B, D, N)
+    return (state * c[:, None, :]).sum(-1) + d * x, state

@@ -15,7 +15,9 @@ score(input_ids [B, S], position_ids [B, S], write_indices [B], *past)
 general(input_ids [B, S], position_ids [B, S], write_indices [B], logit_indices [B, K], *past)
     -> (logits [B, K, V] at the K positions ``logit_indices`` picks in each row, *present)
 
-``past``/``present`` alternate key and value per layer, each ``[B, H_kv, S_max, D]``. ``score`` is a
+``past``/``present`` alternate key and value per attention layer, each ``[B, H_kv, S_max, D]``,
+then (a family with state, contract schema 3) each state tensor ``[B, *shape]`` in the order of
+the wrapper's :class:`~kvforge.graphs.contract.Layout` (:mod:`kvforge.graphs.state`). ``score`` is a
 separate graph so that the prefill graph never computes the ``[B, S, V]`` logits of every position
 (only tools such as perplexity need them).
 
@@ -30,7 +32,9 @@ import torch
 
 from kvforge.graphs import lowering
 from kvforge.graphs.architectures import ArchSpec
+from kvforge.graphs.contract import Layout
 from kvforge.graphs.lowering import LayerCaches
+from kvforge.graphs.state import ExportStateCache
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -43,10 +47,11 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _CausalLMGraph(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, spec: ArchSpec) -> None:
+    def __init__(self, model: torch.nn.Module, spec: ArchSpec, layout: Layout | None = None) -> None:
         super().__init__()
         self.model = model
         self.spec = spec
+        self.layout = layout if layout is not None and layout.has_state else None  # None: every layer attends
         self.final_softcap = spec.final_logit_softcap(model.config)
         self.logit_scale = spec.logit_scale(model.config)
 
@@ -56,10 +61,14 @@ class _CausalLMGraph(torch.nn.Module):
         position_ids: torch.Tensor,
         write_indices: torch.Tensor,
         past: tuple[torch.Tensor, ...],
+        lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Hidden states ``[B, S, hidden]`` and the present caches in contract order."""
+        """Hidden states ``[B, S, hidden]`` and the present caches in contract order. ``lengths``
+        ``[B]``: real new tokens per row, where a family's state is taken (state families only)."""
+        if self.layout is not None:
+            return self._run_with_state(input_ids, position_ids, write_indices, past, lengths)
         caches = LayerCaches(
-            past=[(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)],
+            past={i: (past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)},
             write_indices=write_indices,
             seq_len=input_ids.shape[1],
         )
@@ -74,6 +83,37 @@ class _CausalLMGraph(torch.nn.Module):
                 use_cache=False,
             )
         presents = [t for layer in range(len(caches.past)) for t in caches.present[layer]]
+        return out.last_hidden_state, presents
+
+    def _run_with_state(self, input_ids, position_ids, write_indices, past, lengths):
+        """:meth:`_run` for a family with state layers: KV for the layout's attention layers through
+        the attention function, each state through :class:`ExportStateCache` passed as the
+        decoder's ``cache``. The decoder gets its per-layer-type masks as a dict (transformers'
+        hybrid families take one as given): None for the state layers (no padding mask; padding
+        follows the real tokens and never reaches a real token or the state written), the
+        cache-aware 4D mask for the others (ignored by the attention function)."""
+        layout = self.layout
+        kv = len(layout.attention)
+        caches = LayerCaches(
+            past={layer: (past[2 * i], past[2 * i + 1]) for i, layer in enumerate(layout.attention)},
+            write_indices=write_indices,
+            seq_len=input_ids.shape[1],
+        )
+        tensors = layout.state_tensors()
+        states = ExportStateCache(
+            {(entry.layer, t.part): past[2 * kv + i] for i, (entry, t) in enumerate(tensors)}, write_indices, lengths
+        )
+        config = self.model.config
+        stateful = {entry.layer for entry in layout.states}
+        types = list(config.layer_types[: config.num_hidden_layers])
+        mask = caches.mask(None) if layout.attention else None
+        masks = {t: None for t in types} | {types[i]: mask for i in range(len(types)) if i not in stateful}
+        with lowering.active(caches):
+            out = decoder_of(self.model)(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=masks, cache=states, use_cache=False
+            )
+        presents = [t for layer in layout.attention for t in caches.present[layer]]
+        presents += [states.present[(entry.layer, t.part)] for entry, t in tensors]
         return out.last_hidden_state, presents
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,7 +146,7 @@ class PrefillGraph(_CausalLMGraph):
         input_lengths: torch.Tensor,
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past, input_lengths)  # (B, S, hidden)
         last = (input_lengths - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])  # (B, 1, hidden)
         hidden = torch.gather(hidden, 1, last)  # (B, 1, hidden)
         return (self._logits(hidden).squeeze(1), *presents)
@@ -120,7 +160,8 @@ class DecodeGraph(_CausalLMGraph):
         write_indices: torch.Tensor,
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, 1, hidden)
+        ones = torch.ones_like(write_indices) if self.layout else None  # (B,): one real token per row
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past, ones)  # (B, 1, hidden)
         return (self._logits(hidden).squeeze(1), *presents)  # (B, V)
 
 
@@ -132,7 +173,8 @@ class ScoreGraph(_CausalLMGraph):
         write_indices: torch.Tensor,
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
+        full = torch.full_like(write_indices, input_ids.shape[1]) if self.layout else None  # (B,): every token
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past, full)  # (B, S, hidden)
         return (self._logits(hidden), *presents)  # (B, S, V)
 
 
@@ -147,7 +189,10 @@ class GeneralGraph(_CausalLMGraph):
         logit_indices: torch.Tensor,
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        hidden, presents = self._run(input_ids, position_ids, write_indices, past)  # (B, S, hidden)
+        # A state is taken after the last position that gets logits: each row's last real token in
+        # prefill (input_lengths - 1), the one token in decode, the last drafted token in verify.
+        lengths = logit_indices[:, -1] + 1 if self.layout else None  # (B,)
+        hidden, presents = self._run(input_ids, position_ids, write_indices, past, lengths)  # (B, S, hidden)
         picks = logit_indices.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (B, K, hidden)
         hidden = torch.gather(hidden, 1, picks)  # (B, K, hidden)
         return (self._logits(hidden), *presents)  # (B, K, V)

@@ -19,6 +19,15 @@ lives in a named POSIX shared-memory segment (:class:`kvforge.runtime.kv.lend.Sh
 zero-filled, ordinary pages, resident as written) with a state word per row, so that a prefill
 worker can lend a row's KV to a decode worker's import instead of copying it out (disaggregated
 prefill/decode).
+
+Model state (contract schema 3: a hybrid family). ``buffer`` holds KV only for the layers that
+attend (``[L_attn, 2, B_max, H_kv, S_max, D]`` over ``manifest.layout.attention``), and
+``states`` holds one zeroed allocation ``[B_max, *shape]`` per state tensor of every other layer,
+in its own dtype, by past-input name. :meth:`views` gives both; the engine binds each past input
+and its present output to the same view, so the graph updates a state in place, and
+:meth:`copy_row` moves a row's states with its KV (in-flight batching's compaction). A state is
+valid at its row's length only: the KV block paths (:meth:`read_positions` and co.) carry KV,
+and the engine refuses them for an artifact with state.
 """
 
 from __future__ import annotations
@@ -39,8 +48,12 @@ class KVCache:
         m, limits = manifest.model, manifest.limits
         if manifest.dtype not in NP_DTYPES:
             raise ArtifactError(f"the CPU runtime has no {manifest.dtype} buffers; recompile with --dtype float32")
-        self.shape = contract.cache_shape(m.num_layers, limits.max_batch, m.num_kv_heads, limits.max_seq, m.head_dim)
-        self.num_layers = m.num_layers
+        self.layout = manifest.layout
+        self.attention_layers = self.layout.attention  # the layers whose KV buffer[i] holds, in order
+        self.shape = contract.cache_shape(
+            len(self.attention_layers), limits.max_batch, m.num_kv_heads, limits.max_seq, m.head_dim
+        )
+        self.num_layers = len(self.attention_layers)  # KV layers: the buffer's first axis
         self.max_batch = limits.max_batch
         self.max_seq = limits.max_seq
         # Zeros, not empty: rows past a sequence's length are masked, but NaN garbage times a zero
@@ -53,10 +66,30 @@ class KVCache:
             self.buffer = self.segment.buffer
         else:
             self.buffer = zeroed_pages(self.shape, NP_DTYPES[manifest.dtype])
+        if shared and self.layout.has_state:
+            raise ArtifactError(
+                "kv_shared=True lends KV rows to another process, and this artifact's layers also keep a "
+                "state (a hybrid family), which lent rows do not carry; load it without kv_shared"
+            )
+        # One allocation per state tensor, [B_max, *shape], by past-input name (zeros: a new row's
+        # state is zeros; the graph also masks the state of rows that start at position 0).
+        self.states: dict[str, np.ndarray] = {}
+        for entry, tensor in self.layout.state_tensors():
+            if tensor.dtype not in NP_DTYPES:
+                raise ArtifactError(f"the CPU runtime has no {tensor.dtype} buffers; recompile with --dtype float32")
+            name = contract.past_state_name(entry.layer, tensor.part)
+            self.states[name] = zeroed_pages(contract.state_shape(self.max_batch, tensor), NP_DTYPES[tensor.dtype])
+        # past-input name -> present-output name, every cache tensor (KV, then states)
+        self.present_of = dict(zip(contract.past_names(self.layout), contract.present_names(self.layout)))
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.nbytes
+        return self.buffer.nbytes + self.state_nbytes
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the state allocations (0 for a model whose every layer attends)."""
+        return sum(a.nbytes for a in self.states.values())
 
     def views(self, batch: int, first: int = 0) -> dict[str, np.ndarray]:
         """Rows ``[first, first + batch)`` of every layer's key and value cache, by past-input name.
@@ -69,17 +102,26 @@ class KVCache:
                 f"cache rows [{first}, {first + batch}) are outside [0, {self.max_batch}) (the artifact's max_batch)"
             )
         views = {}
-        for layer in range(self.num_layers):
-            views[contract.past_key_name(layer)] = self.buffer[layer, 0, first : first + batch]
-            views[contract.past_value_name(layer)] = self.buffer[layer, 1, first : first + batch]
+        for i, layer in enumerate(self.attention_layers):
+            views[contract.past_key_name(layer)] = self.buffer[i, 0, first : first + batch]
+            views[contract.past_value_name(layer)] = self.buffer[i, 1, first : first + batch]
+        for name, state in self.states.items():  # [batch, *shape], contiguous rows
+            views[name] = state[first : first + batch]
         return views
+
+    def present_views(self, batch: int, first: int = 0) -> dict[str, np.ndarray]:
+        """:meth:`views` by present-output name: each present shares its past input's buffer."""
+        return {self.present_of[name]: view for name, view in self.views(batch, first).items()}
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of cache row ``src`` into row ``dst`` (every layer,
         key and value), in place: ``buffer[:, :, dst, :, :length] = buffer[:, :, src, :, :length]``.
-        Positions ``>= length`` of ``dst`` keep stale values, which attention masks."""
+        Positions ``>= length`` of ``dst`` keep stale values, which attention masks. Each state of
+        row ``src`` (valid at ``length``) moves to ``dst`` whole."""
         if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
             self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
+            for state in self.states.values():
+                state[dst] = state[src]
 
     def read_positions(
         self, row: int, start: int, stop: int, out: np.ndarray | None = None, each: Callable | None = None

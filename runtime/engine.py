@@ -264,6 +264,8 @@ class StepEngine(KVTransfer):
         spec = parse_speculative(speculative, draft)
         root = Path(artifact_dir)
         manifest = mf.read(root, verify=verify)
+        if manifest.layout.has_state:
+            budget = _check_state_options(manifest, prefix_cache, budget, spec, device, kv_shared)
         if spec is not None:
             setup.check_artifact(manifest, device, one_session)
         if device == "cuda":
@@ -341,7 +343,7 @@ class StepEngine(KVTransfer):
         when the graph is first used)."""
         if graph in self._checked:
             return
-        n = self.manifest.model.num_layers
+        n = self.manifest.layout
         if graph not in self.manifest.graphs:
             raise mf.ArtifactError(f"the artifact has no {graph} graph; recompile the model with this kvforge")
         inputs, outputs = contract.input_names(graph, n), contract.output_names(n)
@@ -360,9 +362,13 @@ class StepEngine(KVTransfer):
         tensor, the vocabulary of the logits (a manifest edited after compile would otherwise make
         buffers of the wrong size, and ONNX Runtime fail mid-step)."""
         m = self.manifest.model
-        n = m.num_layers
-        expected = {name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.past_names(n)}
-        expected.update({name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.present_names(n)})
+        layout = self.manifest.layout
+        expected = {name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.kv_past_names(layout)}
+        expected.update({name: {1: m.num_kv_heads, 3: m.head_dim} for name in contract.kv_present_names(layout)})
+        for entry, t in layout.state_tensors():  # [B, *shape]
+            dims = {axis + 1: d for axis, d in enumerate(t.shape)}
+            expected[contract.past_state_name(entry.layer, t.part)] = dims
+            expected[contract.present_state_name(entry.layer, t.part)] = dims
         expected[contract.LOGITS] = {-1: m.vocab_size}
         for name, dims in expected.items():
             shape = shapes.get(name, [])
@@ -399,7 +405,7 @@ class StepEngine(KVTransfer):
         """Logits and present caches of rows ``[first, first + batch)``; each present shares its
         past input's buffer."""
         views = self.cache.views(batch, first)
-        n = self.manifest.model.num_layers
+        n = self.manifest.layout
         presents = {present: views[past] for past, present in zip(contract.past_names(n), contract.present_names(n))}
         return {
             contract.LOGITS: self._logits[: batch * self.vocab_size].reshape(batch, self.vocab_size),
@@ -442,6 +448,12 @@ class StepEngine(KVTransfer):
         array; positions past a row's length are padding). Runs the separate score graph, for
         tools such as perplexity; the cache is updated as by :meth:`prefill`."""
         rows, start = self._step_inputs(rows, start)
+        if self.manifest.layout.has_state and len({len(r) for r in rows}) > 1:
+            raise ValueError(
+                f"score: this artifact's {state_summary(self.manifest)}, written after each row's last token, and "
+                "the score graph has no row lengths: a shorter row's padding would enter its state; score rows "
+                "of equal length (or one at a time)"
+            )
         with self._lock:
             self._check_step_rows(len(rows))
             self._check_rows(rows, start)
@@ -747,6 +759,35 @@ class StepEngine(KVTransfer):
     def release_row(self, row: int) -> None:
         with self._lock:
             self._session_rows.discard(row)
+
+
+def state_summary(manifest: mf.Manifest) -> str:
+    """``"layers [0, 2, 3] keep a conv state"``: what a refusal names of a hybrid artifact."""
+    states = manifest.layout.states
+    return f"layers {[e.layer for e in states]} keep a {'/'.join(sorted({e.kind for e in states}))} state"
+
+
+def _check_state_options(manifest: mf.Manifest, prefix_cache, budget: int, spec, device: str, kv_shared: bool) -> int:
+    """Refuse, before anything is allocated, the load options an artifact with state layers
+    cannot run yet; returns the prefix cache budget (0: a default budget is turned off, not refused)."""
+    what = f"this artifact's {state_summary(manifest)} beside the KV cache"
+    if device != "cpu":
+        raise ValueError(
+            f"device={device!r}: {what}, which the GPU backends do not bind yet; load it with device='cpu'"
+        )
+    if kv_shared:
+        raise ValueError(f"kv_shared=True: {what}, which lent KV rows do not carry; load it without kv_shared")
+    if spec is not None:
+        raise ValueError(
+            f"speculative decoding: {what}, and verification would leave each row's state after its last drafted "
+            "token, not after the accepted ones; load it without speculative"
+        )
+    if prefix_cache is not None and budget:
+        raise ValueError(
+            f"prefix_cache={prefix_cache!r}: {what}, which a cached prefix cannot restore (KV blocks carry no "
+            "state yet); load it with prefix_cache=0"
+        )
+    return 0
 
 
 def _load_tokenizer(artifact_dir: Path) -> Tokenizer:

@@ -27,6 +27,12 @@ copy in) and the conversation continues exactly as if it had never stopped: same
 cache contents, so the same logits and the same greedy (or seeded) continuation. A file from
 another artifact, or a truncated or corrupted one, is refused.
 
+Layers that keep a state (a hybrid artifact, manifest schema 3). A state is valid only after
+exactly ``cached`` tokens: it cannot be rewound, and a token cannot be fed twice. So on such an
+artifact a rewind below ``cached`` (``rewind``, ``sync`` to a diverging conversation, a turn whose
+kept tokens end before what it fed) drops the whole row (``cached = 0``) and the next turn
+prefills the conversation again from its first token; saving and restoring (KV blocks) is refused.
+
 Prefix cache. A session's first turn imports the longest cached prefix of its prompt from the
 engine's prefix pool (e.g. a shared system prompt); each turn offers the row's new whole blocks
 to the pool when it ends (see :mod:`kvforge.runtime.batching`).
@@ -61,6 +67,8 @@ class Session:
         self._cached = 0
         self._closed = False
         self._busy = False  # a turn is running (generate, or a stream being iterated)
+        self._has_state = engine.manifest.layout.has_state
+        self._fed = 0  # tokens the row's state has seen (= cached, unless a turn kept fewer than it fed)
 
     @property
     def tokens(self) -> list[int]:
@@ -109,7 +117,14 @@ class Session:
             )
         n_tokens = int(n_tokens)
         del self._tokens[len(self._tokens) - n_tokens :]
-        self._cached = min(self._cached, len(self._tokens))
+        self._set_cached(min(self._cached, len(self._tokens)))
+
+    def _set_cached(self, cached: int) -> None:
+        """``cached`` tokens are in the row now; with layers that keep a state (valid after the
+        row's last fed token only), fewer than the row was fed means none (see the module docstring)."""
+        if self._has_state and cached < self._fed:
+            cached = 0
+        self._cached = self._fed = cached
 
     def sync(self, ids: Sequence[int]) -> int:
         """Make the conversation ``ids``, keeping the cached common prefix: rewinds to the longest
@@ -144,7 +159,7 @@ class Session:
             with engine._lock:
                 logits = engine.prefill_rows([piece], [start], self.row)[0].copy()
             start += len(piece)
-            self._cached = start
+            self._cached = self._fed = start
         return logits
 
     def generate(
@@ -203,7 +218,7 @@ class Session:
             )
         with self.engine._lock:
             self.engine.import_kv(block, self.row)
-        self._tokens, self._cached = tokens, block.n
+        self._tokens, self._cached, self._fed = tokens, block.n, block.n
 
     def close(self) -> None:
         """Give the cache row back to the engine. Idempotent."""
@@ -232,6 +247,8 @@ class Session:
     def _start(self) -> int:
         if not self._tokens:
             raise ValueError("the session is empty; append a prompt first")
+        if self._has_state and self._cached >= len(self._tokens):
+            return 0  # a state cannot take its last token twice: the conversation is prefilled again
         return min(self._cached, len(self._tokens) - 1)  # the last token is fed again if all are cached
 
     def _request(self, max_new_tokens: int, sampling: Sampling, stop: str | Sequence[str] | None) -> Generation:
@@ -265,7 +282,8 @@ class Session:
             # What this turn wrote: its prompt part, then one position per decode step (the
             # tokens but the last were fed back).
             written = gen.prefilled + max(len(gen.token_ids) - 1, 0)
-            self._cached = min(written, len(self._tokens))
+            self._fed = written
+            self._set_cached(min(written, len(self._tokens)))
             self._busy = False
             if gen.error is not None:
                 raise gen.error

@@ -68,6 +68,35 @@ def gemma2_onnx_artifact(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lfm2_dir(tmp_path_factory) -> Path:
+    """The tiny LFM2 of tests/families.py (short-convolution layers 0, 2, 3, a conv state each, and
+    one attention layer, 1) with a vocabulary of 384, eos id 0 and a tokenizer, so that text
+    prompts, stop strings and grammars run on it."""
+    from transformers import GenerationConfig
+
+    from tests import families
+    from tests.helpers import save_tokenizer
+
+    [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == "lfm2"]
+    overrides = {**overrides, "vocab_size": 384, "eos_token_id": 0}
+    path = families.build(tmp_path_factory.mktemp("lfm2") / "model", architecture, config_class, overrides)
+    GenerationConfig(eos_token_id=0).save_pretrained(path)
+    save_tokenizer(path, 384)
+    return path
+
+
+@pytest.fixture(scope="session")
+def lfm2_artifact(lfm2_dir, tmp_path_factory) -> Path:
+    """The tiny LFM2 compiled with the default lowering (gqa, ORT-optimized graphs), max_batch 2,
+    max_seq 48, with its score graph: the hybrid family's runtime tests run on it."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "lfm2"
+    compile_model(lfm2_dir, out, max_batch=2, max_seq=48, progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_reference(llama_dir):
     """transformers' model of ``llama_dir`` (eager attention), the reference for every comparison."""
     from transformers import AutoModelForCausalLM

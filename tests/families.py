@@ -26,6 +26,7 @@ COMMON = dict(
     pad_token_id=None,
 )
 WINDOW = 8
+LFM2_LAYERS = ["conv", "full_attention", "conv", "conv"]
 
 CASES: list[tuple[str, str, str, dict]] = [
     ("llama", "LlamaForCausalLM", "LlamaConfig", {}),
@@ -113,6 +114,21 @@ CASES: list[tuple[str, str, str, dict]] = [
         "Qwen3MoeForCausalLM",
         "Qwen3MoeConfig",
         {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    ),
+    # short-convolution layers (a conv state [C, K-1]) beside attention layers (KV only for those)
+    ("lfm2", "Lfm2ForCausalLM", "Lfm2Config", {"num_hidden_layers": 4, "layer_types": LFM2_LAYERS, "conv_L_cache": 3}),
+    (
+        "lfm2-moe",
+        "Lfm2MoeForCausalLM",
+        "Lfm2MoeConfig",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": LFM2_LAYERS,
+            "num_dense_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+        },
     ),
 ]
 

@@ -957,6 +957,49 @@ def _(c):
     return raised(lambda: Engine.load(c.artifact, prefix_cache="lots"))
 
 
+# ------------------------------------------------------------------------------------------ state layers
+
+
+@trigger("state-prefix-cache")
+def _(c, lfm2):
+    return raised(lambda: Engine.load(lfm2, prefix_cache="64MiB"))
+
+
+@trigger("state-speculative")
+def _(c, lfm2):
+    return raised(lambda: Engine.load(lfm2, speculative="ngram"))
+
+
+@trigger("state-kv-shared")
+def _(c, lfm2):
+    return raised(lambda: Engine.load(lfm2, kv_shared=True))
+
+
+@trigger("state-gpu")
+def _(c, lfm2):
+    return raised(lambda: Engine.load(lfm2, device="cuda"))
+
+
+@trigger("state-kv-blocks")
+def _(c, lfm2):
+    with Engine.load(lfm2, threads=1) as engine:
+        engine.prefill([[1, 2, 3]])
+        return raised(lambda: engine.export_kv(0, [1, 2, 3]))
+
+
+@trigger("state-score-ragged")
+def _(c, lfm2):
+    with Engine.load(lfm2, threads=1) as engine:
+        return raised(lambda: engine.score([[1, 2, 3], [4, 5]]))
+
+
+@trigger("manifest-state-layers")
+def _(c, lfm2):
+    manifest = json.loads((lfm2 / "manifest.json").read_text())
+    manifest["state"] = manifest["state"][:2]  # layer 3 neither attends nor keeps a state
+    return raised(lambda: mf.Manifest.from_dict({k: v for k, v in manifest.items() if k != "format"}), mf.ArtifactError)
+
+
 # ------------------------------------------------------------------------------------------ the tests
 
 
@@ -974,6 +1017,8 @@ def test_documented_message_is_printed(row_id, ctx, request, monkeypatch):
         kwargs["http"] = request.getfixturevalue("http")
     if "monkeypatch" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
         kwargs["monkeypatch"] = monkeypatch
+    if "lfm2" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
+        kwargs["lfm2"] = request.getfixturevalue("lfm2_artifact")  # a hybrid artifact (state layers)
     message = fn(ctx, **kwargs)
     assert message, f"{row_id}: no message"
     at = 0

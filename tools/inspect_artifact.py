@@ -218,6 +218,7 @@ def _manifest_summary(manifest: mf.Manifest) -> dict[str, Any]:
             "max_prompt": manifest.limits.max_prompt,
         },
         "kv_cache": dict(manifest.kv_cache),
+        "state": list(getattr(manifest, "state", [])),  # schema 3: layers that keep a state, not KV
         "eos_token_ids": list(manifest.generation.get("eos_token_ids", [])),
         "versions": dict(manifest.versions),
         "parity": dict(manifest.parity),
@@ -321,6 +322,25 @@ def _tensor_lines(tensors: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _state_lines(state: list[dict], max_batch: int) -> list[str]:
+    """One line for a hybrid model's state entries: which layers, what kind, the bytes of max_batch rows."""
+    if not state:
+        return []
+    total = 0
+    for entry in state:
+        for t in entry["tensors"]:
+            n = max_batch * _ITEMSIZE.get(t["dtype"], 4)
+            for d in t["shape"]:
+                n *= d
+            total += n
+    kinds = ", ".join(sorted({e["kind"] for e in state}))
+    layers = [e["layer"] for e in state]
+    return [f"  state ({kinds}) of layers {layers}, KV only for layers that attend; state = {_size(total)}"]
+
+
 def format_report(result: dict[str, Any]) -> str:
     lines = [f"kvforge inspect: {result['path']}"]
     m = result["manifest"]
@@ -331,6 +351,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"{d['num_heads']} heads / {d['num_kv_heads']} KV heads, head_dim {d['head_dim']}, vocab {d['vocab_size']}",
             f"  dtype {m['dtype']}, lowering {m['lowering']}, max_batch {lim['max_batch']}, max_seq {lim['max_seq']}; "
             f"KV cache {kv.get('shape')} = {_size(kv.get('bytes', 0))}",
+            *_state_lines(m.get("state") or [], lim["max_batch"]),
             f"  compiled by kvforge {m['kvforge_version']} at {m['created_utc']} from {m['source_path']}",
             "  versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
         ]

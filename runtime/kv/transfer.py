@@ -40,6 +40,7 @@ class KVTransfer:
         positions (hashed in place when ``digest`` is given), valid while the row is not written
         (a lent row). ValueError when the row does not hold those positions."""
         ids = check.token_ids("token_ids", token_ids, vocab_size=self.vocab_size)
+        self._refuse_state("export_kv")
         if not hasattr(self.cache, "read_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV export yet; use the CPU backend")
         if out is not None:
@@ -69,6 +70,7 @@ class KVTransfer:
     def check_kv(self, block: KVBlock) -> None:
         """Raise :class:`~kvforge.runtime.kv.KVBlockError` when ``block`` cannot be imported into
         this engine's cache: another artifact or dtype, or longer than a row."""
+        self._refuse_state("import_kv")
         block.check_compatible(self.kv_fingerprint)
         m = self.manifest.model
         want = (m.num_layers, 2, m.num_kv_heads, block.n, m.head_dim)
@@ -109,6 +111,18 @@ class KVTransfer:
                     "overwritten on its way; it is not imported (run the request again)"
                 )
             self.lengths[row] = block.stop
+
+    def _refuse_state(self, call: str) -> None:
+        """A KV block carries KV positions only: refused (ValueError, before anything is read or
+        written) for an artifact whose layers also keep a state, valid at one position."""
+        layout = self.manifest.layout
+        if layout.has_state:
+            raise ValueError(
+                f"{call}: this artifact's layers {[e.layer for e in layout.states]} keep a "
+                f"{'/'.join(sorted({e.kind for e in layout.states}))} state beside the KV cache, and KV blocks "
+                "(the prefix cache, saved sessions, the disaggregated hand-off) do not carry states yet; "
+                "run such a model without them"
+            )
 
     def _check_cache_row(self, row: object) -> None:
         if not (check.is_int(row) and 0 <= row < self.max_batch):

@@ -78,7 +78,8 @@ def test_weights_are_stored_once(llama_dir, llama_artifact):
 
 def test_manifest_records_contract_and_parity(llama_artifact):
     m = json.loads((llama_artifact / "manifest.json").read_text())
-    assert m["format"] == "kvforge" and m["schema_version"] == 2
+    assert m["format"] == "kvforge" and m["schema_version"] == 3
+    assert m["state"] == [] and "layers" not in m["kv_cache"]  # every layer attends: no state entries
     assert m["model"]["architecture"] == "LlamaForCausalLM"
     assert (m["model"]["num_layers"], m["model"]["num_kv_heads"], m["model"]["head_dim"]) == (2, 2, 16)
     assert m["limits"] == {"max_batch": 4, "max_seq": 96, "max_prompt": 96}

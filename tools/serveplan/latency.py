@@ -205,10 +205,12 @@ def handoff_bandwidth(nbytes: int = 16 * 2**20, repeat: int = 3) -> float:
 
 
 def kv_bytes_per_token(manifest: Any) -> int:
-    """Bytes of one position's keys and values over every layer."""
+    """Bytes of one position's keys and values over every layer that attends (a hybrid model's
+    state layers keep no KV per position)."""
     m = manifest.model
     itemsize = np.dtype(manifest.dtype).itemsize
-    return m.num_layers * 2 * m.num_kv_heads * m.head_dim * itemsize
+    layers = len(manifest.layout.attention) if hasattr(manifest, "layout") else m.num_layers
+    return layers * 2 * m.num_kv_heads * m.head_dim * itemsize
 
 
 def measure(artifact: str | Path, threads: list[int], seed: int = 0) -> LatencyTable:

@@ -1,0 +1,217 @@
+"""The model-state contract (schema 3): the pure-torch reference of each state kind's update equals
+transformers' own kernels (the conv state against ``causal_conv1d_fn``/``causal_conv1d_update``,
+the gated delta step against ``torch_recurrent_gated_delta_rule``, Mamba2's and Mamba's steps
+against the recurrences written out), ragged rows keep the state of their last real input, the
+layout names every graph input/output, the export cache zeroes the state of a row that starts a
+sequence, and a manifest with state entries is checked field by field while schema-1/2 artifacts
+keep their meaning (every layer attends)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvforge.graphs import architectures, contract, reference
+from kvforge.graphs import manifest as mf
+from kvforge.graphs.state import ExportStateCache
+
+
+def _conv_inputs(batch=2, channels=6, kernel=4, seq=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    state = torch.randn(batch, channels, kernel - 1, generator=g)
+    x = torch.randn(batch, channels, seq, generator=g)
+    weight = torch.randn(channels, kernel, generator=g)
+    bias = torch.randn(channels, generator=g)
+    return state, x, weight, bias
+
+
+def test_conv_update_equals_transformers_kernels():
+    from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_fn, causal_conv1d_update
+
+    state, x, weight, bias = _conv_inputs()
+    lengths = torch.full((2,), x.shape[-1])
+    out, new_state = reference.conv_update(state, x, weight, bias, lengths)
+    full = torch.cat([state, x], -1)
+    expected = causal_conv1d_fn(full, weight, bias)[:, :, -x.shape[-1] :]  # over the state and the chunk
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(new_state, full[:, :, -3:])
+    # one token at a time through transformers' in-place step gives the same outputs and state
+    running = state.clone()
+    steps = [causal_conv1d_update(x[:, :, i : i + 1], running, weight, bias) for i in range(x.shape[-1])]
+    torch.testing.assert_close(torch.cat(steps, -1), out)
+    torch.testing.assert_close(running, new_state)
+
+
+def test_conv_update_of_ragged_rows_keeps_each_rows_last_real_inputs():
+    state, x, weight, bias = _conv_inputs()
+    lengths = torch.tensor([5, 2])  # row 1: 2 real inputs, 3 padding
+    _, new_state = reference.conv_update(state, x, weight, bias, lengths)
+    _, alone = reference.conv_update(state[1:], x[1:, :, :2], weight, bias, torch.tensor([2]))
+    torch.testing.assert_close(new_state[1:], alone)
+    # chunked = one-shot: 2 inputs, then 3 more from the state left
+    _, first = reference.conv_update(state, x[:, :, :2], weight, bias, torch.tensor([2, 2]))
+    out2, second = reference.conv_update(first, x[:, :, 2:], weight, bias, torch.tensor([3, 3]))
+    out, whole = reference.conv_update(state, x, weight, bias, torch.tensor([5, 5]))
+    torch.testing.assert_close(second, whole)
+    torch.testing.assert_close(out2, out[:, :, 2:])
+
+
+def test_gated_delta_step_equals_transformers_recurrence():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    g = torch.Generator().manual_seed(1)
+    b, s, h, dk, dv = 2, 4, 3, 8, 5
+    q, k = torch.randn(b, s, h, dk, generator=g), torch.randn(b, s, h, dk, generator=g)
+    v = torch.randn(b, s, h, dv, generator=g)
+    decay, beta = -torch.rand(b, s, h, generator=g), torch.rand(b, s, h, generator=g)
+    initial = torch.randn(b, h, dk, dv, generator=g)
+    expected, final = torch_recurrent_gated_delta_rule(
+        q, k, v, decay, beta, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    state, outs = initial, []
+    qn = torch.nn.functional.normalize(q, dim=-1) * dk**-0.5  # what the kernel does before its loop
+    kn = torch.nn.functional.normalize(k, dim=-1)
+    for t in range(s):
+        out, state = reference.gated_delta_step(state, qn[:, t], kn[:, t], v[:, t], decay[:, t], beta[:, t])
+        outs.append(out)
+    torch.testing.assert_close(torch.stack(outs, 1), expected)
+    torch.testing.assert_close(state, final)
+
+
+def test_mamba2_and_mamba_steps_follow_the_recurrence():
+    g = torch.Generator().manual_seed(2)
+    b, h, p, n = 2, 3, 4, 5
+    state = torch.randn(b, h, p, n, generator=g)
+    x, dt = torch.randn(b, h, p, generator=g), torch.rand(b, h, generator=g)
+    a, bm, cm, d = (
+        -torch.rand(h, generator=g),
+        torch.randn(b, h, n, generator=g),
+        torch.randn(b, h, n, generator=g),
+        torch.randn(h, generator=g),
+    )
+    y, new = reference.mamba2_step(state, x, dt, a, bm, cm, d)
+    for i in range(b):  # h_t = exp(dt·A)·h + dt·x ⊗ B; y = h_t·C + D·x, head by head
+        for j in range(h):
+            expected = torch.exp(dt[i, j] * a[j]) * state[i, j] + dt[i, j] * torch.outer(x[i, j], bm[i, j])
+            torch.testing.assert_close(new[i, j], expected)
+            torch.testing.assert_close(y[i, j], expected @ cm[i, j] + d[j] * x[i, j])
+    dm = 6
+    state1 = torch.randn(b, dm, n, generator=g)
+    x1, dt1 = torch.randn(b, dm, generator=g), torch.rand(b, dm, generator=g)
+    a1, d1 = -torch.rand(dm, n, generator=g), torch.randn(dm, generator=g)
+    bm1, cm1 = torch.randn(b, n, generator=g), torch.randn(b, n, generator=g)
+    y1, new1 = reference.mamba_step(state1, x1, dt1, a1, bm1, cm1, d1)
+    expected1 = torch.exp(dt1[..., None] * a1) * state1 + (dt1 * x1)[..., None] * bm1[:, None]
+    torch.testing.assert_close(new1, expected1)
+    torch.testing.assert_close(y1, torch.einsum("bdn,bn->bd", expected1, cm1) + d1 * x1)
+
+
+def _lfm2_layout() -> contract.Layout:
+    from transformers import Lfm2Config
+
+    config = Lfm2Config(
+        hidden_size=16,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        conv_L_cache=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+    )
+    return architectures.state_layout(architectures.ARCHITECTURES["Lfm2ForCausalLM"], config, "float32")
+
+
+def test_layout_names_kv_of_attention_layers_then_states():
+    layout = _lfm2_layout()
+    assert layout.attention == (1, 3)
+    assert [(e.layer, e.kind, e.tensors[0].shape) for e in layout.states] == [
+        (0, "conv", (16, 2)),
+        (2, "conv", (16, 2)),
+    ]
+    assert contract.past_names(layout) == [
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+        "past_key_values.3.key",
+        "past_key_values.3.value",
+        "past_state.0.conv",
+        "past_state.2.conv",
+    ]
+    assert contract.output_names(layout)[-2:] == ["present_state.0.conv", "present_state.2.conv"]
+    assert contract.past_names(2) == contract.past_names(contract.Layout.all_attention(2))  # as before schema 3
+    assert layout.state_row_bytes() == 2 * 16 * 2 * 4
+
+
+def test_export_cache_zeroes_a_new_rows_state_and_takes_the_last_real_inputs():
+    past = torch.randn(2, 4, 2)  # (B, C, K-1)
+    cache = ExportStateCache({(0, "conv"): past}, torch.tensor([0, 5]), torch.tensor([3, 1]))
+    chunk = torch.randn(2, 4, 3)
+    full = cache.update_conv_state(chunk, 0)
+    torch.testing.assert_close(full[0, :, :2], torch.zeros(4, 2))  # row 0 starts a sequence
+    torch.testing.assert_close(full[1, :, :2], past[1])  # row 1 continues its own
+    torch.testing.assert_close(cache.present[(0, "conv")][0], chunk[0, :, 1:3])
+    torch.testing.assert_close(cache.present[(0, "conv")][1], torch.cat([past[1, :, 1:], chunk[1, :, :1]], -1))
+    with pytest.raises(RuntimeError, match="layer 3 asks for a conv state"):
+        cache.get_conv_state(3)
+
+
+def _manifest_dict(layout: contract.Layout) -> dict:
+    shape = [len(layout.attention), 2, 1, 1, 8, 8]
+    return {
+        "schema_version": 3,
+        "kvforge_version": "x",
+        "created_utc": "x",
+        "source": {},
+        "model": {
+            "architecture": "Lfm2ForCausalLM",
+            "model_type": "lfm2",
+            "num_layers": 4,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 8,
+            "hidden_size": 16,
+            "vocab_size": 32,
+        },
+        "dtype": "float32",
+        "limits": {"max_batch": 1, "max_seq": 8, "max_prompt": 8},
+        "lowering": "onnx",
+        "kv_cache": {"shape": shape, "dtype": "float32", "layers": list(layout.attention)},
+        "graphs": {"prefill": {"file": "prefill.onnx", "sha256": "0", "inputs": [], "outputs": []}},
+        "weights": {"file": "weights.data", "sha256": "0", "bytes": 0},
+        "tokenizer": {},
+        "generation": {},
+        "versions": {},
+        "parity": {},
+        "state": [e.to_dict() for e in layout.states],
+    }
+
+
+def test_manifest_state_round_trips_and_is_checked():
+    layout = _lfm2_layout()
+    manifest = mf.Manifest.from_dict(_manifest_dict(layout))
+    assert manifest.layout == layout
+    bad = _manifest_dict(layout)
+    bad["state"][0]["kind"] = "lstm"
+    with pytest.raises(mf.ArtifactError, match=r"state\[0\]\.kind is 'lstm', expected one of conv"):
+        mf.Manifest.from_dict(bad)
+    bad = _manifest_dict(layout)
+    bad["kv_cache"]["layers"] = [1]  # layer 3 neither attends nor keeps a state
+    with pytest.raises(mf.ArtifactError, match="do not cover the model's 4 layers once each"):
+        mf.Manifest.from_dict(bad)
+    bad = _manifest_dict(layout)
+    bad["state"][1]["tensors"][0]["dtype"] = "int8"
+    with pytest.raises(mf.ArtifactError, match=r"state\[1\]\.tensors\[0\]\.dtype"):
+        mf.Manifest.from_dict(bad)
+
+
+def test_older_schemas_mean_every_layer_attends():
+    data = _manifest_dict(contract.Layout.all_attention(4))
+    old = copy.deepcopy(data)
+    for version in (1, 2):
+        old["schema_version"] = version
+        del old["state"]
+        del old["kv_cache"]["layers"]
+        manifest = mf.Manifest.from_dict(copy.deepcopy(old))
+        assert manifest.layout == contract.Layout.all_attention(4) and not manifest.layout.has_state
+        old = copy.deepcopy(data)
