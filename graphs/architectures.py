@@ -83,6 +83,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("Olmo2ForCausalLM", notes="shared path (q/k norm over the projections, post-norms)"),
         ArchSpec("MixtralForCausalLM", experts_implementation=_MOE, notes="MoE experts exported with batched_mm"),
         ArchSpec("Qwen3MoeForCausalLM", experts_implementation=_MOE, notes="MoE experts exported with batched_mm"),
+        ArchSpec(
+            "GptOssForCausalLM",
+            experts_implementation=_MOE,
+            notes="attention sinks (s_aux: one softmax logit per head), alternating sliding windows, "
+            "MoE experts (biased, clamped SwiGLU) exported with batched_mm",
+        ),
     )
 }
 
