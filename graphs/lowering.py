@@ -97,9 +97,7 @@ def _onnx_translation(exact: bool = False) -> Callable:
         # TensorRT's parser rejects Attention's softcap attribute, and Attention has no sinks: spell it out
         if softcap > 0.0 or sinks is not None:
             kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
-            output = _spelled_attention(
-                op, query, present_key, present_value, mask, scale, softcap, kv_heads, sinks
-            )
+            output = _spelled_attention(op, query, present_key, present_value, mask, scale, softcap, kv_heads, sinks)
             return output, present_key, present_value
         # Attention returns (Y, present_key, present_value, qk_matmul_output); only Y is used.
         output = op.Attention(query, present_key, present_value, mask, scale=scale)
@@ -115,9 +113,7 @@ def _named(value, name: str):
     return value
 
 
-def _spelled_attention(
-    op, query, key, value, mask, scale: float, softcap: float, kv_heads: int, sinks=None
-):
+def _spelled_attention(op, query, key, value, mask, scale: float, softcap: float, kv_heads: int, sinks=None):
     """Grouped-query attention with a soft-cap or attention sinks in standard ONNX ops, for the
     ``onnx`` lowering.
 
@@ -235,7 +231,15 @@ def _exact_attention(
         if groups != num_heads // kv_heads:  # the doubled rows: the sinks twice
             column = op.Concat(column, column, axis=2)
         column = op.Unsqueeze(column, op.Constant(value_ints=[3]))  # (1, H_kv, G, 1, 1)
-        column = op.Expand(column, op.Concat(op.Constant(value_ints=[1, kv_heads, groups]), op.Shape(query, start=2, end=3), op.Constant(value_ints=[1]), axis=0))
+        column = op.Expand(
+            column,
+            op.Concat(
+                op.Constant(value_ints=[1, kv_heads, groups]),
+                op.Shape(query, start=2, end=3),
+                op.Constant(value_ints=[1]),
+                axis=0,
+            ),
+        )
         column = op.Reshape(column, op.Constant(value_ints=[1, kv_heads, -1, 1]))  # (1, H_kv, G·S, 1)
         probs = _with_sinks(op, masked, column, "attention/exact")
     else:
