@@ -23,6 +23,11 @@ the op with the translation of the chosen lowering:
   query row per head (M = S); at M = 1 MLAS takes its matrix-vector kernel, whose float32 sums
   differ from the M > 1 kernel's in the last bits.
 
+Attention sinks (``s_aux``: GPT-OSS, Granite-SWA, MiMo-V2-Flash, Flint; one softmax logit per query
+head that attends no value, :func:`reference.attention`) reach the op as its ``sinks`` input. ``onnx``
+and ``exact`` spell such a layer out, concatenating the sink column before ``Softmax`` and slicing it
+off after (``Attention`` has no sinks); ``gqa`` passes them as ``GroupQueryAttention``'s ``head_sink``.
+
 The op is functional (it returns new present tensors, it never mutates its inputs) because the
 exporter requires it; "in place" is a property of the runtime binding (past and present share a
 buffer), not of the graph.
