@@ -132,8 +132,8 @@ def _spelled_attention(op, query, key, value, mask, scale: float, softcap: float
     fully masked row would give NaN here and 0 there; the contract's mask always lets a query
     attend its own cache row.)
 
-    ``sinks`` ``[H_q]`` (GPT-OSS): the masked scores gain a last column holding each head's sink,
-    the softmax runs over it, and the column is sliced off before ``·V`` (:func:`_with_sinks`).
+    ``sinks`` ``[H_q]`` (GPT-OSS): the masked scores gain a column holding each head's sink, the
+    softmax runs over it, and the column is sliced off before ``·V`` (:func:`_with_sinks`).
 
     GQA: the query heads are grouped per KV head (``[B, H_kv, G, S, D]``, a free reshape) and the
     cache gains a broadcast axis (``[B, H_kv, 1, S_max, D]``), so the cache is never copied per
@@ -177,15 +177,17 @@ def _with_sinks(op, scores, sinks, prefix: str = "attention"):
     """``Softmax`` of float32 ``scores`` ``[..., T]`` joined by one sink logit per row, without the
     sink's column: ``sinks`` broadcasts to ``scores[..., :1]`` (one value per head). Concat, Softmax
     and Slice, as transformers' eager attention of GPT-OSS computes it (the max it subtracts first
-    changes nothing but rounding; ``Softmax`` subtracts the row's max itself)."""
+    changes nothing but rounding; ``Softmax`` subtracts the row's max itself). The sink's column
+    comes first, not last as in transformers: every key keeps one column whatever ``T`` is, so the
+    ``exact`` lowering's sums do not depend on how many keys a call reads."""
     from onnxscript import ir
 
     column_shape = op.Concat(op.Shape(scores, start=0, end=-1), op.Constant(value_ints=[1]), axis=0)
     column = op.Expand(op.Cast(sinks, to=ir.DataType.FLOAT), column_shape)  # (..., 1)
-    joined = _named(op.Concat(scores, column, axis=-1), f"{prefix}/sinks/concat")  # (..., T + 1)
+    joined = _named(op.Concat(column, scores, axis=-1), f"{prefix}/sinks/concat")  # (..., 1 + T)
     probs = _named(op.Softmax(joined, axis=-1), f"{prefix}/softmax")
-    last = op.Constant(value_ints=[-1])
-    return _named(op.Slice(probs, op.Constant(value_ints=[0]), last, last), f"{prefix}/sinks/drop")  # (..., T)
+    first, end, last = op.Constant(value_ints=[1]), op.Constant(value_ints=[2**62]), op.Constant(value_ints=[-1])
+    return _named(op.Slice(probs, first, end, last), f"{prefix}/sinks/drop")  # (..., T)
 
 
 def _exact_attention(
@@ -265,7 +267,7 @@ def _gqa_schema():
 
     param, attr, kind = OpSchema.FormalParameter, OpSchema.Attribute, OpSchema.AttrType
     names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
-    # ORT's optional inputs up to head_sink (ORT >= 1.23: one extra softmax logit per query head)
+    # ORT's optional inputs up to head_sink (in ORT 1.32's schema: one extra softmax logit per query head)
     optional = {"cos_cache": "T", "sin_cache": "T", "position_ids": "I", "attention_bias": "T", "head_sink": "T"}
     maybe = OpSchema.FormalParameterOption.Optional
     return OpSchema(

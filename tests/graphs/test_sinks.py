@@ -133,3 +133,31 @@ def test_each_lowering_equals_transformers_gpt_oss_attention(lowering_name):
         mask = reference.attention_mask(write_indices, seq, CAPACITY, window)
         expected = _gpt_oss(query, expected_key, expected_value, mask, sinks)
         assert_close(output, expected, 1e-5, 1e-5, f"{lowering_name}: {seq} tokens at {start}")
+
+
+@pytest.mark.parametrize("kv_heads", [KV_HEADS, HEADS])  # grouped, and no grouping (the doubled query rows)
+def test_exact_lowering_with_sinks_gives_a_call_of_s_tokens_what_s_one_token_calls_give(kv_heads):
+    """The ``exact`` lowering's promise (speculative verify = plain decoding) holds with sinks: each
+    token of a 3-token call continuing two rows of different lengths equals, bit for bit, its
+    one-token call on the cache the earlier tokens left."""
+    import onnxruntime as ort
+
+    torch.manual_seed(1)
+    query = 3 * torch.randn(BATCH, HEADS, 3, DIM)
+    key, value = (torch.randn(BATCH, kv_heads, 3, DIM) for _ in range(2))
+    past_key, past_value = (torch.randn(BATCH, kv_heads, CAPACITY, DIM) for _ in range(2))
+    write_indices = torch.tensor([2, 7])
+    args = (query, key, value, past_key, past_value, write_indices)
+    model = _export(_OneLayer(2 * torch.randn(HEADS), 0), args, "exact")
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+
+    whole, _, _ = session.run(None, dict(zip(names, (a.numpy() for a in args))))
+    caches = (past_key.numpy(), past_value.numpy())
+    for s in range(3):
+        step = (query[:, :, s : s + 1], key[:, :, s : s + 1], value[:, :, s : s + 1])
+        feeds = [a.numpy() for a in step] + [*caches, (write_indices + s).numpy()]
+        out, *caches = session.run(None, dict(zip(names, feeds)))
+        assert np.array_equal(out[:, :, 0], whole[:, :, s]), (
+            f"token {s}: max diff {np.abs(out[:, :, 0] - whole[:, :, s]).max()}"
+        )
