@@ -230,7 +230,8 @@ def _rotary_attention_match(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value
     one Split's q and k and by its v, and nothing else reads the Split's outputs; else None."""
     if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
         return None
-    if node.attributes.get_int("do_rotary", 0) or len(node.inputs) > 7:
+    # inputs past total_sequence_length: only a head_sink (input 11, attention sinks) is carried over
+    if node.attributes.get_int("do_rotary", 0) or any(x is not None for x in node.inputs[7:11]):
         return None
     q, k, v = node.inputs[:3]
     if q is None or k is None or v is None:
@@ -344,7 +345,8 @@ def _producers(values: list[ir.Value]) -> set[ir.Node] | None:
 def _replace_attention(
     graph: ir.Graph, node: ir.Node, packed: ir.Value, cos_cache: ir.Value, sin_cache: ir.Value
 ) -> None:
-    inputs = [packed, None, None, *node.inputs[3:7], cos_cache, sin_cache]  # positions from the lengths
+    # positions from the lengths; a head_sink (attention sinks) stays input 11
+    inputs = [packed, None, None, *node.inputs[3:7], cos_cache, sin_cache, *node.inputs[9:]]
     attributes = [a for name, a in node.attributes.items() if name not in ("do_rotary", "rotary_interleaved")]
     attributes += [ir.AttrInt64("do_rotary", 1), ir.AttrInt64("rotary_interleaved", 0)]
     fused = ir.Node(

@@ -143,8 +143,12 @@ def probe_generic(model: torch.nn.Module, spec: ArchSpec, max_seq: int | None = 
     """The cache dimensions of a generic-path model, from what its layers hand the attention
     function (:func:`kvforge.compile.generic.probe_layers`) rather than from config attribute
     names (which some families define per layer). Layers with smaller key or value heads than the
-    largest are zero-padded to it by the attention function; layers that differ in KV heads, that
-    do not call the attention function once each, that use chunked attention past ``max_seq``
+    largest are zero-padded to it by the attention function; layers with fewer KV heads than the
+    most any layer has (MiMo-V2-Flash: its sliding layers have twice its full layers') have each
+    head repeated by the attention function, which is exact where the largest count divides the
+    query heads and is a multiple of every layer's (each query head still reads its own KV head's
+    copies; the cache of such a layer takes that many times the memory); layers whose KV heads
+    differ otherwise, that do not call the attention function once each, that use chunked attention past ``max_seq``
     (:func:`kvforge.compile.generic.chunked_attention_refusal`), or whose generation cache keeps
     fewer keys than their attention reads within ``max_seq`` tokens
     (:func:`kvforge.compile.generic.window_mismatch`; ``None``: any length) are refused here,
@@ -171,15 +175,16 @@ def probe_generic(model: torch.nn.Module, spec: ArchSpec, max_seq: int | None = 
     if mismatch:
         raise refuse(mismatch)
     kv_heads = sorted({s.kv_heads for s in layers})
-    if len(kv_heads) > 1:
+    if any(kv_heads[-1] % k or s.query_heads % kv_heads[-1] for k in kv_heads for s in layers):
         raise refuse(
             f"its layers differ in KV heads ({', '.join(map(str, kv_heads))}), and kvforge's cache has one "
-            "layout for all layers"
+            "layout for all layers (a layer's heads are repeated to the largest count only where it is a "
+            "multiple of every layer's and divides the query heads)"
         )
     return Dims(
         num_layers=len(layers),
         num_heads=max(s.query_heads for s in layers),
-        num_kv_heads=kv_heads[0],
+        num_kv_heads=kv_heads[-1],
         head_dim=max(max(s.key_dim, s.value_dim) for s in layers),
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,

@@ -103,6 +103,7 @@ def optimize_graphs(
             model = ir.load(out_dir / f"{name}.onnx")
             with without_unmatched_rules(), without_repeated_optimizer(), without_idle_iteration():
                 model, _ = ort_fusions.optimize_for_ort(model)
+            cast_norm_scales(model.graph)  # float32 norm weights in a float16 model (GPT-OSS)
             fuse_rotary(model)
             fuse_attention_glue(model)  # compile/fusions.py: no reshape/transpose glue, lengths once
             if max_positions is not None:
@@ -295,6 +296,35 @@ class RotateHalfRotary(pattern.RewriteRuleClassBase):
         starts, ends, last = (op.Constant(value_ints=[v]) for v in (0, x.shape[3] // 2, -1))
         cos_half, sin_half = (op.Slice(_unsqueezed_3d(angle), starts, ends, last) for angle in (cos, sin))
         return op.RotaryEmbedding(x, cos_half, sin_half, interleaved=0)
+
+
+_NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def cast_norm_scales(graph: ir.Graph) -> int:
+    """Cast the scale of every fused RMS norm whose input has another dtype to the input's dtype;
+    returns how many. A family that keeps its norm weights in float32 in a float16 model (GPT-OSS's
+    ``_keep_in_fp32_modules``: ``(weight * x.float()).to(float16)``) is fused by onnxscript into a
+    norm whose input is float16 and whose scale is float32, which ONNX Runtime refuses to load (one
+    type for input, skip and scale). With the scale cast, the norm computes in float32 inside and
+    returns the float16 the graph had after its cast (the weights rounded to float16: what
+    transformers' parity check then measures)."""
+    cast = 0
+    for node in list(graph):
+        if node.op_type not in _NORMS or len(node.inputs) < 2:
+            continue
+        x = node.inputs[0]
+        scale_index = 2 if node.op_type.startswith("Skip") else 1
+        scale = node.inputs[scale_index] if len(node.inputs) > scale_index else None
+        if x is None or scale is None or x.dtype is None or scale.dtype in (None, x.dtype):
+            continue
+        to = ir.node("Cast", [scale], attributes={"to": x.dtype}, name=f"{node.name}/scale_cast")
+        to.outputs[0].dtype, to.outputs[0].shape = x.dtype, scale.shape
+        graph.insert_before(node, to)
+        node.replace_input_with(scale_index, to.outputs[0])
+        node.outputs[0].dtype = x.dtype
+        cast += 1
+    return cast
 
 
 def fuse_rotary(model: ir.Model) -> int:

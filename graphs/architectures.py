@@ -99,6 +99,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             experts_implementation=_MOE,
             notes="LFM2's conv state beside attention layers; MoE experts exported with batched_mm",
         ),
+        ArchSpec(
+            "GptOssForCausalLM",
+            experts_implementation=_MOE,
+            notes="attention sinks (s_aux: one softmax logit per head), alternating sliding windows, "
+            "MoE experts (biased, clamped SwiGLU) exported with batched_mm",
+        ),
     )
 }
 

@@ -23,6 +23,11 @@ the op with the translation of the chosen lowering:
   query row per head (M = S); at M = 1 MLAS takes its matrix-vector kernel, whose float32 sums
   differ from the M > 1 kernel's in the last bits.
 
+Attention sinks (``s_aux``: GPT-OSS, Granite-SWA, MiMo-V2-Flash, Flint; one softmax logit per query
+head that attends no value, :func:`reference.attention`) reach the op as its ``sinks`` input. ``onnx``
+and ``exact`` spell such a layer out, concatenating the sink column before ``Softmax`` and slicing it
+off after (``Attention`` has no sinks); ``gqa`` passes them as ``GroupQueryAttention``'s ``head_sink``.
+
 The op is functional (it returns new present tensors, it never mutates its inputs) because the
 exporter requires it; "in place" is a property of the runtime binding (past and present share a
 buffer), not of the graph.
@@ -54,22 +59,24 @@ def cached_attention(
     scale: float,
     softcap: float,
     window: int,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's cache update and attention.
 
     query ``[B, H_q, S, D]``, key/value ``[B, H_kv, S, D]`` (post-RoPE), past_key/past_value
     ``[B, H_kv, S_max, D]``, write_indices ``[B]`` int64, mask ``[B, 1, S, S_max]`` bool (which
     already encodes ``window``, the sliding window in tokens or 0; the ``gqa`` lowering needs it as
-    a number). Returns ``(output [B, H_q, S, D], present_key, present_value)``.
+    a number), sinks ``[H_q]`` the layer's attention sinks or None (:func:`reference.attention`).
+    Returns ``(output [B, H_q, S, D], present_key, present_value)``.
     """
     present_key = reference.update(past_key, key, write_indices)
     present_value = reference.update(past_value, value, write_indices)
-    output = reference.attention(query, present_key, present_value, mask, scale, softcap)
+    output = reference.attention(query, present_key, present_value, mask, scale, softcap, sinks)
     return output, present_key, present_value
 
 
 @cached_attention.register_fake
-def _(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
+def _(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window, sinks=None):
     # Contiguous like the real op's outputs (empty_like would copy the strides of a transposed query)
     return query.new_empty(query.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
 
@@ -81,18 +88,21 @@ def _onnx_translation(exact: bool = False) -> Callable:
 
     op = values.Opset("", 24)
 
-    def cached_attention_onnx(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
+    def cached_attention_onnx(
+        query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window, sinks=None
+    ):
         present_key = op.TensorScatter(past_key, key, write_indices, axis=-2)
         present_value = op.TensorScatter(past_value, value, write_indices, axis=-2)
         if exact:
             kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
             output = _exact_attention(
-                op, query, present_key, present_value, write_indices, mask, scale, softcap, kv_heads
+                op, query, present_key, present_value, write_indices, mask, scale, softcap, kv_heads, sinks
             )
             return output, present_key, present_value
-        if softcap > 0.0:  # TensorRT's parser rejects Attention's softcap attribute: spell it out
+        # TensorRT's parser rejects Attention's softcap attribute, and Attention has no sinks: spell it out
+        if softcap > 0.0 or sinks is not None:
             kv_heads = past_key.shape[1]  # static (the TensorScatter outputs carry no shape yet)
-            output = _softcapped_attention(op, query, present_key, present_value, mask, scale, softcap, kv_heads)
+            output = _spelled_attention(op, query, present_key, present_value, mask, scale, softcap, kv_heads, sinks)
             return output, present_key, present_value
         # Attention returns (Y, present_key, present_value, qk_matmul_output); only Y is used.
         output = op.Attention(query, present_key, present_value, mask, scale=scale)
@@ -108,17 +118,22 @@ def _named(value, name: str):
     return value
 
 
-def _softcapped_attention(op, query, key, value, mask, scale: float, softcap: float, kv_heads: int):
-    """Soft-capped grouped-query attention in standard ONNX ops, for the ``onnx`` lowering.
+def _spelled_attention(op, query, key, value, mask, scale: float, softcap: float, kv_heads: int, sinks=None):
+    """Grouped-query attention with a soft-cap or attention sinks in standard ONNX ops, for the
+    ``onnx`` lowering.
 
     Same inputs and output as ``Attention(query, key, value, mask, scale=scale, softcap=softcap)``:
     query ``[B, H_q, S, D]``; key/value the present caches ``[B, H_kv, S_max, D]``, ``H_kv`` given
     as ``kv_heads``; mask ``[B, 1, S, S_max]`` bool, True = attend; output ``[B, H_q, S, D]`` in
     the model's dtype. Written in ops that TensorRT's ONNX parser takes, in the order and dtypes of
     transformers' eager attention of Gemma-2: ``(Q·Kᵀ)·scale`` and ``softcap·tanh(scores/softcap)``
-    in the model's dtype, then the mask, softmax in float32, cast back to the model's dtype, ``·V``.
-    Masked keys get ``-inf``, as ``Attention`` does for a boolean mask. (A fully masked row would
-    give NaN here and 0 there; the contract's mask always lets a query attend its own cache row.)
+    in the model's dtype (``softcap`` 0: none), then the mask, softmax in float32, cast back to the
+    model's dtype, ``·V``. Masked keys get ``-inf``, as ``Attention`` does for a boolean mask. (A
+    fully masked row would give NaN here and 0 there; the contract's mask always lets a query
+    attend its own cache row.)
+
+    ``sinks`` ``[H_q]`` (GPT-OSS): the masked scores gain a column holding each head's sink, the
+    softmax runs over it, and the column is sliced off before ``·V`` (:func:`_with_sinks`).
 
     GQA: the query heads are grouped per KV head (``[B, H_kv, G, S, D]``, a free reshape) and the
     cache gains a broadcast axis (``[B, H_kv, 1, S_max, D]``), so the cache is never copied per
@@ -137,27 +152,52 @@ def _softcapped_attention(op, query, key, value, mask, scale: float, softcap: fl
 
     scores = _named(op.MatMul(grouped, keys_t), "attention/qk")  # (B, H_kv, G, S, S_max)
     scores = _named(op.Mul(scores, op.CastLike(op.Constant(value_float=scale), query)), "attention/scale")
-    cap = op.CastLike(op.Constant(value_float=softcap), query)
-    capped = _named(op.Div(scores, cap), "attention/softcap/div")
-    capped = _named(op.Tanh(capped), "attention/softcap/tanh")
-    capped = _named(op.Mul(capped, cap), "attention/softcap/mul")
+    capped = scores
+    if softcap > 0.0:
+        cap = op.CastLike(op.Constant(value_float=softcap), query)
+        capped = _named(op.Div(scores, cap), "attention/softcap/div")
+        capped = _named(op.Tanh(capped), "attention/softcap/tanh")
+        capped = _named(op.Mul(capped, cap), "attention/softcap/mul")
     if model_dtype != ir.DataType.FLOAT:  # transformers' softmax upcasts to float32
         capped = _named(op.Cast(capped, to=ir.DataType.FLOAT), "attention/softmax/upcast")
     allowed = _named(op.Unsqueeze(mask, op.Constant(value_ints=[1])), "attention/mask_per_group")  # (B, 1, 1, S, S_max)
     masked = _named(op.Where(allowed, capped, op.Constant(value_float=float("-inf"))), "attention/mask")
-    probs = _named(op.Softmax(masked, axis=-1), "attention/softmax")
+    if sinks is not None:
+        column = op.Reshape(sinks, op.Constant(value_ints=[1, kv_heads, num_heads // kv_heads, 1, 1]))
+        probs = _with_sinks(op, masked, column)
+    else:
+        probs = _named(op.Softmax(masked, axis=-1), "attention/softmax")
     if model_dtype != ir.DataType.FLOAT:
         probs = _named(op.Cast(probs, to=model_dtype), "attention/softmax/downcast")
     output = _named(op.MatMul(probs, values), "attention/pv")  # (B, H_kv, G, S, D)
     return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
 
 
-def _exact_attention(op, query, key, value, write_indices, mask, scale: float, softcap: float, kv_heads: int):
+def _with_sinks(op, scores, sinks, prefix: str = "attention"):
+    """``Softmax`` of float32 ``scores`` ``[..., T]`` joined by one sink logit per row, without the
+    sink's column: ``sinks`` broadcasts to ``scores[..., :1]`` (one value per head). Concat, Softmax
+    and Slice, as transformers' eager attention of GPT-OSS computes it (the max it subtracts first
+    changes nothing but rounding; ``Softmax`` subtracts the row's max itself). The sink's column
+    comes first, not last as in transformers: every key keeps one column whatever ``T`` is, so the
+    ``exact`` lowering's sums do not depend on how many keys a call reads."""
+    from onnxscript import ir
+
+    column_shape = op.Concat(op.Shape(scores, start=0, end=-1), op.Constant(value_ints=[1]), axis=0)
+    column = op.Expand(op.Cast(sinks, to=ir.DataType.FLOAT), column_shape)  # (..., 1)
+    joined = _named(op.Concat(column, scores, axis=-1), f"{prefix}/sinks/concat")  # (..., 1 + T)
+    probs = _named(op.Softmax(joined, axis=-1), f"{prefix}/softmax")
+    first, end, last = op.Constant(value_ints=[1]), op.Constant(value_ints=[2**62]), op.Constant(value_ints=[-1])
+    return _named(op.Slice(probs, first, end, last), f"{prefix}/sinks/drop")  # (..., T)
+
+
+def _exact_attention(
+    op, query, key, value, write_indices, mask, scale: float, softcap: float, kv_heads: int, sinks=None
+):
     """Grouped-query attention whose result for each query token does not depend on how many
     tokens the call holds (the ``exact`` lowering).
 
-    Same inputs and output as :func:`_softcapped_attention` (``softcap`` 0: none), plus
-    ``write_indices``. Every query head of one KV head and every token of the call are the rows of
+    Same inputs and output as :func:`_spelled_attention` (``softcap`` 0: none; ``sinks`` None:
+    none), plus ``write_indices``. Every query head of one KV head and every token of the call are the rows of
     ONE matrix product per KV head, ``(B, H_kv, G·S, D) · (B, H_kv, D, T)`` over the filled cache
     rows ``T = max(write_indices) + S``: M = G·S is never 1 (a model without grouping, G = 1, has
     its query rows doubled), so MLAS never takes its M = 1 kernel; its M > 1 kernel computes each
@@ -193,7 +233,24 @@ def _exact_attention(op, query, key, value, write_indices, mask, scale: float, s
     # (B, 1, G·S, T): row g·S + s is token s's mask, as the query rows are
     allowed = _named(op.Tile(mask, op.Constant(value_ints=[1, 1, groups, 1])), "attention/exact/mask_rows")
     masked = _named(op.Where(allowed, scores, op.Constant(value_float=float("-inf"))), "attention/exact/mask")
-    probs = _named(op.Softmax(masked, axis=-1), "attention/exact/softmax")
+    if sinks is not None:  # row g·S + s is query head (kv head, g)'s: its sink, repeated over S
+        column = op.Reshape(sinks, op.Constant(value_ints=[1, kv_heads, num_heads // kv_heads, 1]))  # (1, H_kv, G, 1)
+        if groups != num_heads // kv_heads:  # the doubled rows: the sinks twice
+            column = op.Concat(column, column, axis=2)
+        column = op.Unsqueeze(column, op.Constant(value_ints=[3]))  # (1, H_kv, G, 1, 1)
+        column = op.Expand(
+            column,
+            op.Concat(
+                op.Constant(value_ints=[1, kv_heads, groups]),
+                op.Shape(query, start=2, end=3),
+                op.Constant(value_ints=[1]),
+                axis=0,
+            ),
+        )
+        column = op.Reshape(column, op.Constant(value_ints=[1, kv_heads, -1, 1]))  # (1, H_kv, G·S, 1)
+        probs = _with_sinks(op, masked, column, "attention/exact")
+    else:
+        probs = _named(op.Softmax(masked, axis=-1), "attention/exact/softmax")
     if model_dtype != ir.DataType.FLOAT:
         probs = _named(op.Cast(probs, to=model_dtype), "attention/exact/softmax/downcast")
     output = _named(op.MatMul(probs, value), "attention/exact/pv")  # (B, H_kv, G·S, D)
@@ -210,15 +267,20 @@ def _gqa_schema():
 
     param, attr, kind = OpSchema.FormalParameter, OpSchema.Attribute, OpSchema.AttrType
     names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+    # ORT's optional inputs up to head_sink (in ORT 1.32's schema: one extra softmax logit per query head)
+    optional = {"cos_cache": "T", "sin_cache": "T", "position_ids": "I", "attention_bias": "T", "head_sink": "T"}
+    maybe = OpSchema.FormalParameterOption.Optional
     return OpSchema(
         "GroupQueryAttention",
         "com.microsoft",
         1,
-        inputs=[param(n, "M" if n in ("seqlens_k", "total_sequence_length") else "T") for n in names],
+        inputs=[param(n, "M" if n in ("seqlens_k", "total_sequence_length") else "T") for n in names]
+        + [param(n, t, "", param_option=maybe) for n, t in optional.items()],
         outputs=[param(n, "T") for n in ("output", "present_key", "present_value")],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and cache"),
             ("M", ["tensor(int32)"], "lengths"),
+            ("I", ["tensor(int64)"], "positions"),
         ],
         attributes=[
             attr("num_heads", kind.INT, "query heads"),
@@ -237,7 +299,9 @@ def _gqa_translation() -> Callable:
     op = values.Opset("", 18)
     group_query_attention = values.Op(values.Opset("com.microsoft", 1), "GroupQueryAttention", _gqa_schema())
 
-    def cached_attention_gqa(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window):
+    def cached_attention_gqa(
+        query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window, sinks=None
+    ):
         num_heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]  # static ints
         # [B, H, S, D] -> GQA's [B, S, H * D] (Reshape's 0 copies a dimension: no shape arithmetic)
         seq = op.Shape(query, start=2, end=3)
@@ -248,6 +312,9 @@ def _gqa_translation() -> Callable:
         last = op.Sub(op.Add(write_indices, seq), op.Constant(value_ints=[1]))  # index of each row's last new token
         seqlens_k = op.Cast(last, to=6)  # int32
         total = op.Cast(op.Add(op.ReduceMax(last, keepdims=0), op.Constant(value_int=1)), to=6)
+        # head_sink: GroupQueryAttention adds exp(sink) to each head's softmax denominator (checked
+        # against transformers' GPT-OSS attention in tests/graphs/test_sinks.py)
+        head_sink = () if sinks is None else (None, None, None, None, op.CastLike(sinks, query))
         output, present_key, present_value = group_query_attention(
             q,
             k,
@@ -256,6 +323,7 @@ def _gqa_translation() -> Callable:
             past_value,
             seqlens_k,
             total,
+            *head_sink,
             num_heads=num_heads,
             kv_num_heads=kv_heads,
             scale=scale,
@@ -302,8 +370,8 @@ class LayerCaches:
 
 ATTN_IMPLEMENTATION = "kvforge"
 # Tensors transformers may pass to every attention function that kvforge's masks and positions
-# already account for; any other tensor argument (GPT-OSS's attention sinks ``s_aux``, ...) changes
-# the attention itself, and the shape probe refuses the family.
+# already account for; any other tensor argument besides the attention sinks (``s_aux``, which
+# the op takes) changes the attention itself, and the shape probe refuses the family.
 _IGNORED_TENSORS = frozenset({"position_ids", "cache_position"})
 
 # The caches (or the probe's records) of the forward in progress. A context, not a forward kwarg:
@@ -333,6 +401,7 @@ def kvforge_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     kvforge_caches: LayerCaches | None = None,
     kvforge_probe: dict | None = None,
     **kwargs,
@@ -341,11 +410,16 @@ def kvforge_attention(
 
     Receives post-RoPE ``query [B, H_q, S, D_k]``, ``key [B, H_kv, S, D_k]`` and
     ``value [B, H_kv, S, D_v]`` of layer ``module.layer_idx``, and the layer's ``sliding_window``
-    and ``softcap`` as transformers passes them to every attention implementation; returns
+    and ``softcap`` as transformers passes them to every attention implementation, and its
+    attention sinks ``s_aux [H_q]`` where the family has them (GPT-OSS, Granite-SWA, MiMo-V2's
+    sliding layers; None elsewhere: :func:`reference.attention`); returns
     ``([B, S, H_q, D_v], None)`` as transformers expects. The mask transformers built is ignored:
     the cache-aware mask comes from ``kvforge_caches``. Where the cache's head size ``D`` is larger
     than ``D_k`` or ``D_v`` (multi-head latent attention: ``D_v < D_k``), the heads are zero-padded
-    to ``D`` (zeros change no score) and the output is cut back to ``D_v``.
+    to ``D`` (zeros change no score) and the output is cut back to ``D_v``. Where the cache has more
+    KV heads than the layer (a multiple: MiMo-V2-Flash's full layers have half its sliding layers'),
+    each key and value head is repeated ``r`` times: query head ``h`` (``G`` per KV head) then reads
+    copy ``h // (G / r)``, a copy of its own head ``h // G``.
 
     The caches come from :func:`active` (or the ``kvforge_caches`` kwarg). A dict there instead
     (or as ``kvforge_probe``): record each layer's shapes under its
@@ -356,7 +430,7 @@ def kvforge_attention(
     if isinstance(state, dict):
         extra = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORED_TENSORS)
         state.setdefault("unhandled", set()).update(extra)
-        return _probe(module, query, key, value, scaling, sliding_window, softcap, state)
+        return _probe(module, query, key, value, scaling, sliding_window, softcap, s_aux, state)
     if state is None:
         raise RuntimeError("the kvforge attention runs only inside a kvforge export wrapper")
     kvforge_caches = state
@@ -364,6 +438,9 @@ def kvforge_attention(
     past_key, past_value = kvforge_caches.past[layer]
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     value_dim, width = value.shape[-1], past_key.shape[-1]
+    repeats = past_key.shape[1] // key.shape[1]
+    if repeats > 1:  # fewer KV heads than the cache's: each head repeated (query head h still reads its own)
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     output, present_key, present_value = cached_attention(
         _pad_heads(query, width),
         _pad_heads(key.to(past_key.dtype), width),
@@ -375,6 +452,7 @@ def kvforge_attention(
         scale,
         float(softcap or 0.0),
         int(sliding_window or 0),
+        s_aux,
     )
     kvforge_caches.present[layer] = (present_key, present_value)
     if value_dim != width:
@@ -388,7 +466,9 @@ def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
-def _probe(module, query, key, value, scaling, sliding_window, softcap, records: dict) -> tuple[torch.Tensor, None]:
+def _probe(
+    module, query, key, value, scaling, sliding_window, softcap, sinks, records: dict
+) -> tuple[torch.Tensor, None]:
     """Record ``(kv_heads, key_dim, value_dim, query_heads, sliding_window or None)`` under the
     layer's index and compute plain causal attention (no cache) so that the forward goes on."""
     layer = getattr(module, "layer_idx", None)
@@ -398,9 +478,8 @@ def _probe(module, query, key, value, scaling, sliding_window, softcap, records:
     width = max(key.shape[-1], value.shape[-1])
     mask = reference.attention_mask(torch.zeros(query.shape[0], dtype=torch.int64), seq, seq, sliding_window or None)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-    output = reference.attention(
-        _pad_heads(query, width), _pad_heads(key, width), _pad_heads(value, width), mask, scale, float(softcap or 0.0)
-    )
+    padded = (_pad_heads(query, width), _pad_heads(key, width), _pad_heads(value, width))
+    output = reference.attention(*padded, mask, scale, float(softcap or 0.0), sinks)
     return output[..., : value.shape[-1]].transpose(1, 2).contiguous(), None
 
 

@@ -51,11 +51,17 @@ def attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked grouped-query attention (ONNX ``Attention`` with a boolean mask).
 
     query ``[B, H_q, S, D]``; key, value ``[B, H_kv, S_max, D]`` (``H_q`` a multiple of ``H_kv``);
     mask ``[B, 1, S, S_max]`` bool. Returns ``[B, H_q, S, D]``. Scores are computed in float32.
+
+    ``sinks`` ``[H_q]`` (attention sinks, GPT-OSS's ``s_aux``): one extra logit per head that
+    joins every query's softmax and attends no value: the scores gain a last column holding the
+    head's sink, the softmax runs over ``S_max + 1`` columns, and the sink's column is dropped
+    (transformers' eager attention of GPT-OSS). The probabilities of a row then sum to less than 1.
     """
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)  # (B, H_q, S_max, D)
@@ -64,7 +70,11 @@ def attention(
     if softcap > 0.0:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H_q, S, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, value.float()).to(query.dtype)
 
 

@@ -130,6 +130,28 @@ CASES: list[tuple[str, str, str, dict]] = [
             "moe_intermediate_size": 64,
         },
     ),
+    (
+        "gpt-oss-sinks-window",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        {
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            # YaRN as gpt-oss ships it, scaled to the tiny context (its default expects 4096 tokens)
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+    ),
 ]
 
 # Keys some config classes do not take (GPT-2 names its sizes n_*).

@@ -5,19 +5,22 @@ multiply not taken for a scale, a head module before the output embeddings, comp
 arithmetic) and the refusals it gives before export (multimodal, encoder-decoder, encoder,
 recurrent layers, no AttentionInterface dispatch, attention classes from a table keyed by
 attn_implementation, chunked attention past one chunk, expert loops transformers cannot batch,
-layers that call attention twice or pass it attention sinks, a generation cache that keeps fewer
+layers that call attention twice or pass it a tensor it does not implement, a generation cache that keeps fewer
 keys than the attention reads within max_seq) are checked on the real transformers classes,
 without exporting."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
+import torch
 import transformers
 
 from kvforge.compile import compile_model, generic
 from kvforge.compile.load import load_model, resolve_spec
+from kvforge.graphs import lowering
 from kvforge.graphs.architectures import UnsupportedArchitectureError
 from kvforge.runtime import Engine
 from tests import families
@@ -195,13 +198,6 @@ def test_moe_families_export_experts_with_batched_mm():
         # DiffLlama's differential attention calls the attention function twice per layer (two value
         # halves): two caches per layer, which the KV contract has no place for.
         ("DiffLlamaForCausalLM", "DiffLlamaConfig", {}, r"layers \[0, 1\] call the attention function more than once"),
-        # GPT-OSS hands its attention sinks (s_aux) to the attention function.
-        (
-            "GptOssForCausalLM",
-            "GptOssConfig",
-            {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8},
-            r"its layers pass s_aux to the attention function",
-        ),
     ],
 )
 def test_the_shape_probe_refuses_before_export(tmp_path, architecture, config_class, overrides, message):
@@ -210,6 +206,20 @@ def test_the_shape_probe_refuses_before_export(tmp_path, architecture, config_cl
     with pytest.raises(UnsupportedArchitectureError, match=message):
         compile_model(model, tmp_path / "out", max_batch=1, max_seq=32, progress=messages.append)
     assert not any("exporting" in m for m in messages)  # refused at load, before export
+
+
+def test_the_shape_probe_names_tensors_the_attention_does_not_implement():
+    # Attention sinks (s_aux: GPT-OSS, Granite-SWA, MiMo-V2-Flash, Flint) are the op's; any other
+    # tensor a family hands the attention function would change the attention: the probe names it.
+    records: dict = {}
+    module = types.SimpleNamespace(layer_idx=0)
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    out, _ = lowering.kvforge_attention(
+        module, q, k, k, None, s_aux=torch.zeros(4), position_ids=torch.arange(3)[None], kvforge_probe=records
+    )
+    assert records["unhandled"] == set() and out.shape == (1, 3, 4, 8)
+    lowering.kvforge_attention(module, q, k, k, None, bias_table=torch.zeros(4), kvforge_probe=records)
+    assert records["unhandled"] == {"bias_table"}
 
 
 def test_a_head_before_the_output_embeddings_is_read_from_the_forward_source():
