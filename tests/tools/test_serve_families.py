@@ -200,10 +200,11 @@ def test_forced_calls_are_written_in_the_familys_format(request, think_artifact,
         if special:  # the markers are the special tokens themselves, not their text spelled out
             r = client.chat.completions.create(tool_choice="required", logprobs=True, **common)
             tokens = [t.token for t in r.choices[0].logprobs.content]
-            marks = [t for t in tokens if t in (*MARKERS, *ENDS)]
-            assert marks == (
-                ["[TOOL_CALLS]", "[ARGS]"] if family == "mistral" else ["<|channel|>", "<|constrain|>", "<|message|>"]
-            ) + (["<|call|>"] if family == "harmony" else []), tokens
+            expected = {
+                "mistral": ["[TOOL_CALLS]", "[ARGS]"],
+                "harmony": ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"],
+            }[family]
+            assert [t for t in tokens if t in (*MARKERS, *ENDS)] == expected, tokens
         streamed, pieces = ["", ""], 0
         for chunk in client.chat.completions.create(
             tool_choice="required", parallel_tool_calls=False, stream=True, **common
@@ -223,10 +224,8 @@ def test_a_tokenizer_without_the_markers_refuses_forced_calls(think_artifact, fa
         body = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": "required"}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-        assert (
-            f"({family}), which is written with special tokens that this model's tokenizer does not have"
-            in (r.json()["error"]["message"])
-        )
+        message = r.json()["error"]["message"]
+        assert f"({family}), which is written with special tokens that this model's tokenizer does not have" in message
 
 
 def test_cli_flags_override_the_manifest(think_artifact):
