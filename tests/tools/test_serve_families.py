@@ -6,10 +6,11 @@ Proves: with the ``think`` reasoning parser, the reasoning goes to ``message.rea
 ``<think>`` or the chat template did; ``chat_template_kwargs`` (``enable_thinking``) and
 ``reasoning_effort`` reach the template and change where the output starts; forced tool calls
 (``tool_choice`` named or required) are written in the family's own format through its grammar
-(Qwen3-Coder XML, Llama 3 JSON) and come back as valid OpenAI calls, streamed equal to whole with
-the arguments in pieces; a family without a grammar (Mistral) refuses a forced call with a 400
-before anything runs. The model's output is forced by a ``grammar`` response format, so every
-expected string is exact.
+(Qwen3-Coder XML, Llama 3 JSON; Mistral v11 and gpt-oss harmony, whose markers are special tokens
+forced as such, on a tiny model whose tokenizer has them) and come back as valid OpenAI calls,
+streamed equal to whole with the arguments in pieces; a Mistral or harmony parser on a model whose
+tokenizer lacks those markers refuses a forced call with a 400 before anything runs. The model's
+output is forced by a ``grammar`` response format, so every expected string is exact.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import KEY
+from tests.helpers import KEY, make_llama, save_tokenizer
 from tests.tools.test_serve import MODEL, running
 
 pytest.importorskip("llguidance")
@@ -59,6 +60,52 @@ def think_artifact(tiny_artifact, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-think") / "artifact"
     shutil.copytree(tiny_artifact, out)
     (out / "chat_template.jinja").write_text(THINK_TEMPLATE, encoding="utf-8")
+    return out
+
+
+# The markers of Mistral's and harmony's calls, special tokens of the tiny model below.
+MARKERS = ["[TOOL_CALLS]", "[ARGS]", "<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>"]
+ENDS = ["<|call|>", "<|return|>"]  # harmony's end-of-sequence tokens
+# gpt-oss's shape: the generation prompt is <|start|>assistant, the model writes from <|channel|> on. Both
+# templates read tools (their names only: the tiny tokenizer spends a token per byte or two).
+HARMONY_TEMPLATE = (
+    "{% if tools %}{{ '<|start|>developer<|message|>functions:' }}{% for t in tools %}{{ ' ' + t['function']['name'] }}"
+    "{% endfor %}{{ '<|end|>' }}{% endif %}"
+    "{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{% if tools %}{{ '[AVAILABLE_TOOLS]' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}{% endfor %}"
+    "{{ '[/AVAILABLE_TOOLS]' }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] + '<|endoftext|>' }}"
+    "{% else %}{{ '[INST]' + m['content'] + '[/INST]' }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def marker_artifacts(tmp_path_factory):
+    """A tiny random Llama (384 ids) whose tokenizer has the markers as special tokens (after its
+    BPE vocabulary), ``<|call|>`` and ``<|return|>`` among its eos ids; compiled with each family's
+    chat template: {"mistral": artifact, "harmony": artifact}."""
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig
+
+    from kvforge.compile import compile_model
+
+    model = make_llama(tmp_path_factory.mktemp("markers") / "model", max_position_embeddings=512)
+    save_tokenizer(model, 320)  # room below the model's 384 ids for the markers
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.add_special_tokens([*MARKERS, *ENDS])
+    tok.save(str(model / "tokenizer.json"))
+    eos = [0, *(tok.token_to_id(t) for t in ENDS)]
+    assert max(eos) < 384
+    GenerationConfig(eos_token_id=eos, bos_token_id=0, pad_token_id=0).save_pretrained(model)
+    out = {}
+    for family, template in (("mistral", MISTRAL_TEMPLATE), ("harmony", HARMONY_TEMPLATE)):
+        config = {"chat_template": template, "eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        out[family] = tmp_path_factory.mktemp("artifacts") / f"markers-{family}"
+        compile_model(model, out[family], max_batch=2, max_seq=512, score_graph=False, progress=None)
     return out
 
 
@@ -136,16 +183,28 @@ def test_reserved_template_variables_are_400(served):
     assert "may not set messages" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_coder", "llama3_json"])
-def test_forced_calls_are_written_in_the_familys_format(think_artifact, family):
-    with running(think_artifact, tool_parser=family, reasoning_parser="none") as (url, server):
+@pytest.mark.parametrize("family", ["qwen3_coder", "llama3_json", "mistral", "harmony"])
+def test_forced_calls_are_written_in_the_familys_format(request, think_artifact, family):
+    special = family in ("mistral", "harmony")
+    artifact = request.getfixturevalue("marker_artifacts")[family] if special else think_artifact
+    with running(artifact, tool_parser=family, reasoning_parser="none") as (url, server):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-        common = dict(model=MODEL, messages=MESSAGES, tools=[TOOL], max_tokens=80, temperature=0)
+        # The tiny tokenizer writes harmony's header in ~30 tokens, and a random model takes the blanks JSON allows.
+        common = dict(model=MODEL, messages=MESSAGES, tools=[TOOL], max_tokens=240 if special else 80, temperature=0)
         for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
             r = client.chat.completions.create(tool_choice=choice, parallel_tool_calls=False, **common)
             [call] = r.choices[0].message.tool_calls
             assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
             jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+            assert r.choices[0].message.content is None
+        if special:  # the markers are the special tokens themselves, not their text spelled out
+            r = client.chat.completions.create(tool_choice="required", logprobs=True, **common)
+            tokens = [t.token for t in r.choices[0].logprobs.content]
+            expected = {
+                "mistral": ["[TOOL_CALLS]", "[ARGS]"],
+                "harmony": ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"],
+            }[family]
+            assert [t for t in tokens if t in (*MARKERS, *ENDS)] == expected, tokens
         streamed, pieces = ["", ""], 0
         for chunk in client.chat.completions.create(
             tool_choice="required", parallel_tool_calls=False, stream=True, **common
@@ -158,12 +217,15 @@ def test_forced_calls_are_written_in_the_familys_format(think_artifact, family):
         assert server.chat_format.tool_parser == family
 
 
-def test_a_family_without_a_grammar_refuses_forced_calls(think_artifact):
-    with running(think_artifact, tool_parser="mistral") as (url, _):
+@pytest.mark.parametrize("family", ["mistral", "harmony"])
+def test_a_tokenizer_without_the_markers_refuses_forced_calls(think_artifact, family):
+    # The bundled model's tokenizer has no [TOOL_CALLS] nor <|channel|> token: no grammar of those formats.
+    with running(think_artifact, tool_parser=family) as (url, _):
         body = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": "required"}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-        assert "(mistral), which kvforge does not build yet" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert f"({family}), which is written with special tokens that this model's tokenizer does not have" in message
 
 
 def test_cli_flags_override_the_manifest(think_artifact):

@@ -304,3 +304,46 @@ def test_what_a_parser_writes_it_reads_back(family):
     calls = [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]
     text = tool.separator.join(tool.write(name, args) for name, args in calls)
     check(ChatFormat(family).output([WEATHER_TOOL], parse_calls=True), text, None, None, calls)
+
+
+MARKERS = ["[TOOL_CALLS]", "[ARGS]", "<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"]
+
+
+@pytest.mark.parametrize("family", ["mistral", "harmony"])
+def test_the_forced_grammar_of_special_token_markup_writes_the_markers_as_tokens(tmp_path, family):
+    """Mistral's and harmony's grammars force each marker as its token id: the tokens of what
+    ``write`` writes (harmony: after the prompt's ``<|start|>assistant``) are accepted one by one and
+    end the grammar; the marker spelled out in plain text is refused; without a tokenizer that has
+    the markers as tokens there is no grammar."""
+    llg = pytest.importorskip("llguidance")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvforge.runtime.constraints import compile_checked
+    from kvforge.runtime.tokenizer import Tokenizer
+    from kvforge.tools.serve import structured
+    from tests.conftest import BUNDLED_MODEL
+
+    hf = HFTokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    hf.add_special_tokens(MARKERS)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    schemas = {"get_weather": WEATHER_TOOL["function"]["parameters"], "get_time": {"type": "object"}}
+    parser = ChatFormat(family).tool([WEATHER_TOOL], tok.token_to_id)
+    grammar = structured._calls_grammar(schemas, ["get_weather", "get_time"], False, parser, close=True)
+    lltok = llg.LLTokenizer(hf.to_str(), n_vocab=tok.vocab_size, eos_token=[0])
+
+    def matcher():
+        return llg.LLMatcher(lltok, compile_checked("grammar", grammar), log_level=0)
+
+    written = parser.write("get_weather", '{"city": "Paris", "days": 3}').removeprefix("<|start|>assistant")
+    ids = tok.encode(written, add_special_tokens=False)
+    assert {tok.token_to_id(m) for m in MARKERS} & set(ids), "the markers are tokens of what is written"
+    m = matcher()
+    for i in ids:
+        assert m.consume_token(i), (tok.decode([i], skip_special_tokens=False), m.get_error())
+    assert m.is_stopped()
+    spelled = HFTokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json")).encode(written).ids  # markers as text
+    assert matcher().validate_tokens(spelled) < len(spelled)
+    assert ChatFormat(family).tool([WEATHER_TOOL]).grammar(schemas, ["get_time"], False) is None
+    plain = Tokenizer(BUNDLED_MODEL / "tokenizer.json")
+    assert ChatFormat(family).tool([WEATHER_TOOL], plain.token_to_id).grammar(schemas, ["get_time"], False) is None

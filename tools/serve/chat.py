@@ -82,7 +82,8 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     server.check_model(req.model)
     fields.check_refused(req)
     chat_format = _chat_format(server)
-    tool_parser = chat_format.tool(req.tools)
+    tokenizer = getattr(server, "tokenizer", None)
+    tool_parser = chat_format.tool(req.tools, tokenizer.token_to_id if tokenizer is not None else None)
     plan = structured.plan(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
     if not req.messages:
         raise ServingError("messages is empty; send at least one message", param="messages")

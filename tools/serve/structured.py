@@ -21,11 +21,11 @@ one block per call (parallel calls: blocks separated by a newline). The tools re
 its chat template (``tools=`` as transformers passes them) when the template reads ``tools``; a
 template that ignores them (SmolLM2's) gets them in a system message that lists the tools and the
 Hermes format. ``required`` and a named function constrain the output to calls in the family's
-format (the parser's ``grammar``; a family without one is a 400) whose arguments follow the tool's
-``parameters`` schema (a named function: exactly one call of it; ``required``: one call, or one or
-more when ``parallel_tool_calls`` is true); ``auto`` leaves the output free (with a
-``json_schema`` response format: the schema's JSON or calls, where the family has a grammar) and
-parses what comes; ``none`` renders no tools and parses nothing. A response with calls has
+format (the parser's ``grammar``; a 400 where the tokenizer lacks the family's special tokens) whose
+arguments follow the tool's ``parameters`` schema (a named function: exactly one call of it;
+``required``: one call, or one or more when ``parallel_tool_calls`` is true); ``auto`` leaves the
+output free (with a ``json_schema`` response format: the schema's JSON or calls, where the family
+has a grammar) and parses what comes; ``none`` renders no tools and parses nothing. A response with calls has
 ``finish_reason: "tool_calls"`` and the text outside the calls as ``content`` (None when blank).
 
 Grammar rules of forced calls (docs/serving.md, "Tool calls"):
@@ -165,7 +165,8 @@ def _calls_grammar(
 ) -> str:
     """A Lark grammar (llguidance's) of one, or one or more, calls of ``names`` in the format of
     ``parser`` (a :class:`~kvforge.tools.serve.parsers.ToolParser`; Hermes ``<tool_call>`` blocks
-    when None); a family whose grammar kvforge does not build is a 400 naming it. ``close``:
+    when None); a family whose grammar cannot be built (its special tokens are not single tokens of the
+    served tokenizer: Mistral's, harmony's) is a 400 naming it. ``close``:
     argument objects closed (:func:`closed_objects`), as for forced calls."""
     parser = parser if parser is not None else HermesParser()
     if close:
@@ -174,9 +175,9 @@ def _calls_grammar(
     if grammar is None:
         raise ServingError(
             f"tool_choice 'required' or a named function needs a grammar of this model's tool-call format "
-            f"({parser.name}), which kvforge does not build yet (it does for hermes, llama3_json and qwen3_coder); "
-            "send tool_choice 'auto' and let the model call, or serve with --tool-parser naming a format the model "
-            "also writes",
+            f"({parser.name}), which is written with special tokens that this model's tokenizer does not have as "
+            "single tokens; send tool_choice 'auto' and let the model call, or serve with --tool-parser naming a "
+            "format the model also writes",
             param="tool_choice",
             code="unsupported",
         )

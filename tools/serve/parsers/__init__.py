@@ -23,6 +23,7 @@ from kvforge.tools.serve.parsers.base import (
     Parsed,
     ReasoningParser,
     Stream,
+    TokenId,
     ToolParser,
     call_dicts,
 )
@@ -92,8 +93,11 @@ class ChatFormat:
         reasoning = REASONING_PARSERS.get(self.reasoning_parser or "")
         return tool.needs_special_tokens or bool(reasoning and reasoning.needs_special_tokens)
 
-    def tool(self, tools: Sequence[Mapping] | None = None) -> ToolParser:
-        return TOOL_PARSERS[self.tool_parser](tools)
+    def tool(self, tools: Sequence[Mapping] | None = None, token_id: TokenId | None = None) -> ToolParser:
+        """The tool parser of one request; ``token_id`` (the served tokenizer's lookup) reaches a
+        family whose markup is special tokens: its grammar of forced calls names them by id."""
+        parser = TOOL_PARSERS[self.tool_parser]
+        return parser(tools, token_id=token_id) if parser.needs_special_tokens else parser(tools)
 
     def reasoning(self, prompt: str = "", answer_only: bool = False) -> ReasoningParser | None:
         if self.reasoning_parser is None:

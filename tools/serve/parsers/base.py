@@ -19,9 +19,11 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
+
+from kvforge.runtime.constraints import JSON_WHITESPACE
 
 
 @dataclass
@@ -37,8 +39,13 @@ class Call:
 Segment = str | Call  # a parser's output: content text and calls, in the order written
 
 
+TokenId = Callable[[str], int | None]  # the served tokenizer's id of a token's text (None: not one token)
+
+
 class ToolParser(Protocol):
-    """One model family's tool-call format. Built per request with the request's tools."""
+    """One model family's tool-call format. Built per request with the request's tools; a family
+    whose markup is special tokens (``needs_special_tokens``) also with the served tokenizer's
+    :data:`TokenId` lookup, as its grammar forces those tokens by id."""
 
     name: ClassVar[str]
     needs_special_tokens: ClassVar[bool]  # its markup is special tokens ([TOOL_CALLS], <|channel|>)
@@ -76,6 +83,23 @@ class ReasoningParser(Protocol):
 
 
 # --------------------------------------------------------------------------------- helpers
+
+
+def marker_ids(token_id: TokenId | None, markers: Sequence[str]) -> list[int] | None:
+    """The ids of ``markers`` in the served tokenizer (``token_id``: its lookup), for a grammar to
+    force each as one token (llguidance's ``<[id]>``; Mistral's ``[ARGS]`` cannot be named in its
+    ``<name>`` syntax); None without a tokenizer or where one of them is not a single token."""
+    if token_id is None:
+        return None
+    ids = [token_id(m) for m in markers]
+    return None if any(i is None for i in ids) else [int(i) for i in ids]
+
+
+def json_rule(schema: Any) -> str:
+    """The body of a Lark rule (llguidance's ``%json``) of one tool's arguments: JSON of ``schema``
+    with kvforge's whitespace rule (:data:`~kvforge.runtime.constraints.JSON_WHITESPACE`)."""
+    body = dict(schema) if isinstance(schema, Mapping) else {"anyOf": [schema]}
+    return f"%json {json.dumps({**body, 'x-guidance': {'whitespace_pattern': JSON_WHITESPACE}})}"
 
 
 def openai_call_id() -> str:

@@ -13,19 +13,34 @@ such as ``browser.search``, which the client did not declare) is dropped, as vLL
 ``<|return|>`` and ``<|call|>`` are end-of-sequence tokens, so an output usually ends without
 them. The markers are special tokens: the server decodes this family's output with special tokens
 kept. An output without harmony markup is content.
+
+The grammar of forced calls writes what the model writes after the template's generation prompt
+(``<|start|>assistant``, which the prompt already ends with): ``<|channel|>commentary
+to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>``, the markers forced as their token ids.
+It is one call even when parallel calls are allowed: ``<|call|>`` ends the turn (an end-of-sequence
+token), and gpt-oss calls one function per turn.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvforge.tools.serve.parsers.base import Call, Segment, openai_call_id, partial_marker
+from kvforge.tools.serve.parsers.base import (
+    Call,
+    Segment,
+    TokenId,
+    json_rule,
+    marker_ids,
+    openai_call_id,
+    partial_marker,
+)
 
-START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-ENDS = ("<|end|>", "<|call|>", "<|return|>")
+START, CHANNEL, MESSAGE, CONSTRAIN, CALL = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"
+ENDS = ("<|end|>", CALL, "<|return|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
@@ -106,8 +121,9 @@ class HarmonyParser:
     separator: ClassVar[str] = ""  # between two calls written by :meth:`write`
     structural: ClassVar[bool] = True
 
-    def __init__(self, tools: Sequence[Mapping] | None = None) -> None:
+    def __init__(self, tools: Sequence[Mapping] | None = None, token_id: TokenId | None = None) -> None:
         self.tools = tools
+        self.token_id = token_id
 
     def split(self, text: str, final: bool) -> list[Segment]:
         found = messages(text, final)
@@ -125,12 +141,24 @@ class HarmonyParser:
                 out.append(m.body)
         return out
 
-    def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> None:
-        return None  # the markers are special tokens: not built for this family yet
+    def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> str | None:
+        """One call message of ``names`` after the prompt's ``<|start|>assistant`` (``many`` changes
+        nothing: see the module docstring); None where the tokenizer lacks one of the markers as
+        one token."""
+        ids = marker_ids(self.token_id, (CHANNEL, CONSTRAIN, MESSAGE, CALL))
+        if ids is None:
+            return None
+        channel, constrain, message, call = (f"<[{i}]>" for i in ids)
+        rules = []
+        for k, n in enumerate(names):
+            header = json.dumps(f"commentary to=functions.{n} ")
+            rules.append(f'f{k}: {channel} {header} {constrain} "json" {message} a{k} {call}')
+            rules.append(f"a{k}: {json_rule(schemas[n])}")
+        return "\n".join(["start: call", "call: " + " | ".join(f"f{k}" for k in range(len(names))), *rules]) + "\n"
 
     def write(self, name: str, arguments: str) -> str:
         """One call as this family writes it (``arguments``: JSON text)."""
-        return f"{START}assistant{CHANNEL}commentary to=functions.{name} <|constrain|>json{MESSAGE}{arguments}<|call|>"
+        return f"{START}assistant{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}{arguments}{CALL}"
 
     def call_id(self) -> str:
         return openai_call_id()

@@ -11,16 +11,29 @@ name, optionally ``[CALL_ID]`` and an id, then ``[ARGS]`` and the arguments obje
 
 Text before the first ``[TOOL_CALLS]`` is content. Call ids are nine letters and digits, the only
 form Mistral's chat templates accept back. The markers are special tokens: the server decodes this
-family's output with special tokens kept.
+family's output with special tokens kept, and the grammar of forced calls writes the v11 form with
+each marker forced as its token id (``<[id]>``: llguidance's ``<name>`` syntax cannot name
+``[ARGS]``), so a tokenizer without them as single tokens gets no grammar.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from kvforge.tools.serve.parsers.base import Call, Segment, alnum_id, json_call, json_end, partial_marker
+from kvforge.tools.serve.parsers.base import (
+    Call,
+    Segment,
+    TokenId,
+    alnum_id,
+    json_call,
+    json_end,
+    json_rule,
+    marker_ids,
+    partial_marker,
+)
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)")
@@ -32,8 +45,9 @@ class MistralParser:
     separator: ClassVar[str] = ""  # between two calls written by :meth:`write`
     structural: ClassVar[bool] = False
 
-    def __init__(self, tools: Sequence[Mapping] | None = None) -> None:
+    def __init__(self, tools: Sequence[Mapping] | None = None, token_id: TokenId | None = None) -> None:
         self.tools = tools
+        self.token_id = token_id
 
     def split(self, text: str, final: bool) -> list[Segment]:
         i = text.find(TOOL_CALLS)
@@ -98,8 +112,19 @@ class MistralParser:
                 return [*out, nxt[: len(nxt) - held]]
         return out
 
-    def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> None:
-        return None  # [TOOL_CALLS] is a special token: not built for this family yet
+    def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> str | None:
+        """``[TOOL_CALLS]NAME[ARGS]ARGS`` (v11 form), one call or (``many``) one or more written one
+        after the other; None where the tokenizer lacks ``[TOOL_CALLS]`` or ``[ARGS]`` as one token."""
+        ids = marker_ids(self.token_id, (TOOL_CALLS, ARGS))
+        if ids is None:
+            return None
+        calls, args = ids
+        rules = []
+        for k, n in enumerate(names):
+            rules.append(f"f{k}: <[{calls}]> {json.dumps(n)} <[{args}]> a{k}")
+            rules.append(f"a{k}: {json_rule(schemas[n])}")
+        start = "start: call call*" if many else "start: call"
+        return "\n".join([start, "call: " + " | ".join(f"f{k}" for k in range(len(names))), *rules]) + "\n"
 
     def write(self, name: str, arguments: str) -> str:
         """One call as this family writes it, v11 form (``arguments``: JSON text)."""
