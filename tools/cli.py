@@ -99,6 +99,14 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         "perplexity, a slower step on a small model: benchmarks/quality.py)",
     )
     p.add_argument(
+        "--lm-head",
+        choices=["int4", "int8", "float"],
+        default=None,
+        help="--quantize: the lm_head's own precision (default: the --quantize scheme's); int8 beside an "
+        "int4 body is what OpenVINO's int4 export does; float keeps it in --dtype, as --no-quantize-lm-head "
+        "(benchmarks/README.md weighs each one's perplexity against its decode step)",
+    )
+    p.add_argument(
         "--no-optimize",
         dest="optimize",
         action="store_false",
@@ -162,6 +170,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         revision=args.revision,
         symmetric=args.symmetric,
         quantize_lm_head=args.quantize_lm_head,
+        lm_head=args.lm_head,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity
