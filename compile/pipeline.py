@@ -170,7 +170,7 @@ def compile_model(
     ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only),
     with symmetric blocks unless ``symmetric=False`` (a zero point per block), the lm_head included
     unless ``quantize_lm_head=False``; ``lm_head`` ("int4" | "int8" | "float") gives the lm_head its
-    own precision (default: the scheme's; benchmarks/README.md's lm_head table measures each).
+    own precision (default int8, under int4 too: quantize.DEFAULT_LM_HEAD; docs/performance.md measures each).
     ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs (CPU target only).
     ``target`` ("cpu" | "cuda" | "tensorrt") sets the defaults of ``dtype`` and ``lowering``
     (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
