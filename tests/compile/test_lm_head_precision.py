@@ -89,6 +89,13 @@ def test_int8_lm_head_gives_the_dequantized_weights_logits():
     assert errors["int8"] < errors["int4"] / 4, errors  # 8 bits: ~16x finer steps than 4
 
 
+@pytest.mark.parametrize(("scheme", "head", "bits"), [("int8", "int4", 4), ("int8", None, 8), ("int4", None, 8)])
+def test_lm_head_bits_under_either_scheme(scheme, head, bits):
+    model = quantize({"g": _head_graph()}, scheme, BLOCK, lm_head=head)["g"]
+    [node] = [n for n in model.graph if n.op_type == "MatMulNBits"]
+    assert node.attributes["bits"].value == bits
+
+
 @pytest.mark.parametrize("head", ["int4", "int8", "float"])
 def test_compiled_with_each_lm_head(llama_dir, tmp_path, head):
     out = tmp_path / head
