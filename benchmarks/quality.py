@@ -17,9 +17,12 @@ default non-overlapping), each window from an empty cache:
 
 kvforge rows (compiled here at compile's defaults, max_batch 4, max_seq 512, unless cached in
 ``--work-dir``): fp32, fp16, int8, int4 at block sizes 16/32/64/128 (symmetric), int4 block 32
-asymmetric, int4 block 32 with the lm_head left fp32. Each row also gets an indicative decode
-step (batch 1, after a 128-token prompt; median of ``--steps`` steps, this process, this machine's
-load) and the MiB of weights a decode step reads, to weigh quality against speed.
+asymmetric, int4 block 32 with the lm_head in int4 or left fp32 (compile's default: int8). Each row
+also gets an indicative decode step (batch 1, after a 128-token prompt; median of ``--steps``
+steps, this process, this machine's load) and the MiB of weights a decode step reads, to weigh
+quality against speed. On a loaded machine ``--ab-rounds N`` times the kvforge rows' decode steps
+again, taking turns in one process (each round: ``--steps`` steps of each artifact), so load drifts
+hit every row alike; the column then gives the median of the rounds' medians.
 
     python benchmarks/quality.py --json quality.json --markdown quality.md
 """
@@ -50,10 +53,11 @@ KVFORGE_ROWS: dict[str, list[str]] = {
     "kvforge fp16": ["--dtype", "float16"],
     "kvforge int8 b32": ["--quantize", "int8"],
     "kvforge int4 b16 sym": ["--quantize", "int4", "--block-size", "16"],
-    "kvforge int4 b32 sym": ["--quantize", "int4"],
+    "kvforge int4 b32 sym": ["--quantize", "int4"],  # the lm_head in int8 (compile's default)
     "kvforge int4 b64 sym": ["--quantize", "int4", "--block-size", "64"],
     "kvforge int4 b128 sym": ["--quantize", "int4", "--block-size", "128"],
     "kvforge int4 b32 asym": ["--quantize", "int4", "--asymmetric"],
+    "kvforge int4 b32 sym, lm_head int4": ["--quantize", "int4", "--lm-head", "int4"],
     "kvforge int4 b32 sym, lm_head fp32": ["--quantize", "int4", "--no-quantize-lm-head"],
     # compiled from the GGUF file itself: its Q4_1/Q8_0 blocks kept as MatMulNBits (no second rounding)
     GGUF_ROW: [],
@@ -112,6 +116,32 @@ def kvforge_row(artifact: Path, ids: list[int], plan, threads: int, steps: int) 
     }
 
 
+def decode_ab(artifacts: dict[str, Path], ids: list[int], threads: int, steps: int, rounds: int) -> dict[str, float]:
+    """Decode ms/step of each artifact (batch 1, after a 128-token prompt), the artifacts taking
+    turns within each of ``rounds`` rounds; the median over rounds of each round's median."""
+    import numpy as np
+
+    from kvforge.runtime import Engine
+
+    engines = {name: Engine.load(path, threads=threads) for name, path in artifacts.items()}
+    per_round: dict[str, list[float]] = {name: [] for name in engines}
+    next_ids = np.zeros(1, dtype=np.int64)
+    try:
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                np.argmax(engine.prefill([ids[:128]]), axis=-1, out=next_ids)
+                times = []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    np.argmax(engine.decode(next_ids), axis=-1, out=next_ids)
+                    times.append(time.perf_counter() - t)
+                per_round[name].append(1e3 * statistics.median(times))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {name: statistics.median(ms) for name, ms in per_round.items()}
+
+
 def transformers_row(model_dir: Path, ids: list[int], plan, threads: int) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -155,12 +185,14 @@ def llamacpp_row(gguf: Path, ids: list[int], plan, window: int, threads: int, ve
 def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     base = report["rows"].get("transformers fp32", {}).get("perplexity")
+    ab = cfg.get("ab_rounds")
+    step_kind = f"taking turns, median of {ab} rounds" if ab else "indicative"
     lines = [
         f"{report['text']['description']}: {cfg['tokens']} tokens, {report['windows']} windows of {cfg['window']} "
         f"(stride {cfg['stride']}), {report['scored']} scored; threads {cfg['threads']}; commit {report['commit']}; "
         f"load {report['loadavg_before']} -> {report['loadavg_after']}",
         "",
-        "| row | perplexity | vs transformers fp32 | MiB read per decode step | decode ms/step (b1, indicative) |",
+        f"| row | perplexity | vs transformers fp32 | MiB read per decode step | decode ms/step (b1, {step_kind}) |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for name, r in report["rows"].items():
@@ -169,7 +201,8 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         rel = f"{100 * (r['perplexity'] / base - 1):+.1f}%" if base else "-"
         mib = f"{r['weight_bytes_per_step'] / 2**20:.0f}" if r.get("weight_bytes_per_step") else "-"
-        step = f"{r['decode_ms_step']:.2f}" if r.get("decode_ms_step") else "-"
+        ms = r.get("decode_ms_step_ab") or r.get("decode_ms_step")
+        step = f"{ms:.2f}" if ms else "-"
         lines.append(f"| {name} | {r['perplexity']:.3f} | {rel} | {mib} | {step} |")
     return "\n".join(lines)
 
@@ -184,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stride", type=int, default=None, help="default: --window (non-overlapping windows)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=32, help="decode steps of each kvforge row's speed column")
+    p.add_argument("--ab-rounds", type=int, default=0, help="time the kvforge rows' decode again, taking turns")
     p.add_argument("--rows", nargs="+", default=None, help=f"a subset of: {', '.join([*PEER_ROWS, *KVFORGE_ROWS])}")
     p.add_argument("--work-dir", type=Path, default=CACHE / "work")
     p.add_argument("--llama-venv", type=Path, default=peers.CACHE / "llamacpp-venv")
@@ -202,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = tokenize(args.model, load_text(args.text), args.tokens)
     plan = ppl.windows(len(ids), args.window, args.stride)
     rows: dict[str, dict[str, Any]] = {}
+    artifacts: dict[str, Path] = {}
     for name in names:
         pg.say(f"{name}: {len(plan)} windows")
         try:
@@ -217,10 +252,16 @@ def main(argv: list[str] | None = None) -> None:
                     rows[name] = {"error": f"compile refused it: {artifact}"}
                     continue
                 rows[name] = kvforge_row(artifact, ids, plan, args.threads, args.steps)
+                artifacts[name] = artifact
         except (pg.StepFailed, RuntimeError, OSError) as e:
             rows[name] = {"error": str(e).splitlines()[-1]}
         pg.say(f"{name}: {rows[name]}")
         write_report(args, ids, plan, rows, load_before)  # after every row: a long run keeps what it measured
+    if args.ab_rounds and artifacts:
+        pg.say(f"decode A/B: {args.ab_rounds} rounds of {len(artifacts)} artifacts")
+        for name, ms in decode_ab(artifacts, ids, args.threads, args.steps, args.ab_rounds).items():
+            rows[name]["decode_ms_step_ab"] = ms
+        write_report(args, ids, plan, rows, load_before)
 
 
 def write_report(args: argparse.Namespace, ids: list[int], plan, rows: dict[str, Any], load_before) -> None:

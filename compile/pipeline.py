@@ -84,6 +84,11 @@ class CompileOptions:
     pack_tied_lm_head: bool = True  # ORT graphs: the tied lm_head packed by ORT (False: read in place, slower)
     symmetric: bool = True  # quantize: symmetric blocks (False: a zero point per block)
     quantize_lm_head: bool = True  # quantize: the lm_head too (False: it stays in the model's dtype)
+    lm_head: str | None = None  # quantize: "int4" | "int8" | "float"; None: the scheme's (quantize.DEFAULT_LM_HEAD)
+
+    def lm_head_precision(self) -> str:
+        """--quantize's lm_head: "int4" | "int8" | "float" (--no-quantize-lm-head: "float")."""
+        return quantize_stage.lm_head_precision(self.quantize, "float" if not self.quantize_lm_head else self.lm_head)
 
     def check(self) -> None:
         if self.target not in TARGETS:
@@ -110,6 +115,8 @@ class CompileOptions:
             raise ValueError(
                 f"unknown quantization {self.quantize!r}; choose one of {', '.join(quantize_stage.QUANTIZE_BITS)}"
             )
+        if self.lm_head is not None:
+            quantize_stage.check_lm_head(self.lm_head, self.quantize, self.quantize_lm_head)
 
 
 class OutputDirError(ValueError):
@@ -145,6 +152,7 @@ def compile_model(
     revision: str | None = None,
     symmetric: bool = True,
     quantize_lm_head: bool = True,
+    lm_head: str | None = None,
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -161,7 +169,8 @@ def compile_model(
     every position, for perplexity and comparisons; it shares the weights file). ``quantize``
     ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only),
     with symmetric blocks unless ``symmetric=False`` (a zero point per block), the lm_head included
-    unless ``quantize_lm_head=False`` (benchmarks/quality.py measures each setting's perplexity).
+    unless ``quantize_lm_head=False``; ``lm_head`` ("int4" | "int8" | "float") gives the lm_head its
+    own precision (default int8, under int4 too: quantize.DEFAULT_LM_HEAD; docs/performance.md measures each).
     ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs (CPU target only).
     ``target`` ("cpu" | "cuda" | "tensorrt") sets the defaults of ``dtype`` and ``lowering``
     (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
@@ -222,6 +231,7 @@ def compile_model(
         pack_tied_lm_head=pack_tied_lm_head,
         symmetric=symmetric,
         quantize_lm_head=quantize_lm_head,
+        lm_head=lm_head,
     )
     options.check()  # before a Hub download or a GGUF conversion
     with source_stage.resolve(model_dir, revision, scratch, say) as source:
@@ -402,7 +412,7 @@ def _compile_into(
             options.block_size,
             exclude,
             symmetric=options.symmetric,
-            lm_head=options.quantize_lm_head,
+            lm_head=options.lm_head_precision(),
         )[GENERAL]
         stages.start("write", "writing one shared weights file and deriving the graphs")
     else:
@@ -624,7 +634,7 @@ def _quantization(options: CompileOptions, source: source_stage.Source, kept) ->
             "op": "com.microsoft.MatMulNBits",
             "symmetric": options.symmetric,
             "accuracy_level": 4,
-            "lm_head": "quantized" if options.quantize_lm_head else options.dtype,
+            "lm_head": options.dtype if options.lm_head_precision() == "float" else options.lm_head_precision(),
             "embedding": options.dtype,
         }
     if kept and kept.nodes:

@@ -6,8 +6,10 @@ ONNX Runtime's own ``MatMulNBitsQuantizer`` (blocked, symmetric, ``accuracy_leve
 activations inside the kernel, ORT's fast CPU path). Activations, norms, the KV cache and the
 embedding table stay in the model's dtype:
 
-* the **lm_head** is a MatMul like the others and is quantized: on a small model it is the
-  largest matrix read per decode step (SmolLM-135M: 28M of 135M parameters);
+* the **lm_head** is a MatMul like the others and is quantized, to 8 bits by default, also under
+  int4 (``lm_head``: "int4", "int8" or "float", kept a Gemm in the model's dtype): on a small model
+  it is the largest matrix read per decode step (SmolLM-135M: 28M of 135M parameters), and the one
+  whose rounding costs the most perplexity (:data:`DEFAULT_LM_HEAD` says what chose int8);
 * the **embedding table** is not: a decode step reads one row of it, so quantizing it saves
   memory but no time, and a tied lm_head is a separate (transposed) tensor in the graph anyway.
 
@@ -24,6 +26,29 @@ import onnx_ir as ir
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
 DEFAULT_BLOCK_SIZE = 32
+LM_HEADS = ("int4", "int8", "float")  # "float": a Gemm in the model's dtype
+# --quantize scheme -> its lm_head unless --lm-head says. int4's lm_head is int8 (OpenVINO's int4
+# layout too): on SmolLM2, Genesis, perplexity 10.19 against 10.99 with an int4 lm_head (an fp32 one:
+# 10.18), for +14 MiB read per step (80 -> 94) and ~0.8 ms (benchmarks/README.md, the lm_head table).
+DEFAULT_LM_HEAD = {"int4": "int8", "int8": "int8"}
+
+
+def check_lm_head(lm_head: str, scheme: str | None, quantize_lm_head: bool = True) -> None:
+    """Refuse a ``lm_head`` choice that is not one, or that the other options contradict."""
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"unknown lm_head precision {lm_head!r}; choose one of {', '.join(LM_HEADS)}")
+    if scheme is None:
+        raise ValueError(
+            f"--lm-head {lm_head} sets the lm_head's precision under --quantize, and there is none; "
+            "add --quantize int4 (or int8), or drop --lm-head"
+        )
+    if not quantize_lm_head and lm_head != "float":
+        raise ValueError(f"--no-quantize-lm-head keeps the lm_head float, but --lm-head is {lm_head}; drop one of them")
+
+
+def lm_head_precision(scheme: str, lm_head: str | None) -> str:
+    """The lm_head's precision under ``scheme``: ``lm_head`` when given, else the scheme's default."""
+    return lm_head or DEFAULT_LM_HEAD[scheme]
 
 
 def quantize(
@@ -33,32 +58,49 @@ def quantize(
     exclude: list[str] | None = None,
     *,
     symmetric: bool = True,
-    lm_head: bool = True,
+    lm_head: str | None = None,
 ) -> dict[str, ir.Model]:
     """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8"), except the
     nodes named in ``exclude`` (a GGUF Q4_1 projection's block-minimum MatMul: already exact):
-    symmetric blocks (``symmetric=False``: a zero point per block, ORT's asymmetric MatMulNBits),
-    the lm_head included (``lm_head=False``: it stays a Gemm in the model's dtype)."""
+    symmetric blocks (``symmetric=False``: a zero point per block, ORT's asymmetric MatMulNBits).
+    The lm_head (the Gemm kvforge exports it as) to ``lm_head``: "int4" or "int8" (a MatMulNBits
+    of those bits, same blocks), "float" (it stays a Gemm in the model's dtype), None: the scheme's
+    own (:data:`DEFAULT_LM_HEAD`)."""
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_BITS)}")
+    if lm_head is not None:
+        check_lm_head(lm_head, scheme)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
-    MatMulNBitsQuantizer = _import_quantizer()
+    head = lm_head_precision(scheme, lm_head)
     out = {}
     for name, model in models.items():
-        if lm_head:
-            _lm_head_as_matmul(model)
-        quantizer = MatMulNBitsQuantizer(
-            ir.serde.serialize_model(model),
-            bits=QUANTIZE_BITS[scheme],
-            block_size=block_size,
-            is_symmetric=symmetric,
-            accuracy_level=4,
-            nodes_to_exclude=list(exclude or []),
-        )
-        quantizer.process()
-        out[name] = ir.serde.deserialize_model(quantizer.model.model)
+        heads = [] if head == "float" else _lm_head_as_matmul(model)
+        if head == "float" or head == scheme:
+            model = _quantize_matmuls(model, QUANTIZE_BITS[scheme], block_size, symmetric, exclude or [])
+        else:
+            # Two passes of ORT's quantizer: the body without the lm_head, then the lm_head alone
+            # (the only float MatMul on a constant weight left) at its own bits.
+            model = _quantize_matmuls(model, QUANTIZE_BITS[scheme], block_size, symmetric, [*(exclude or []), *heads])
+            model = _quantize_matmuls(model, QUANTIZE_BITS[head], block_size, symmetric, exclude or [])
+        out[name] = model
     return out
+
+
+def _quantize_matmuls(model: ir.Model, bits: int, block_size: int, symmetric: bool, exclude: list[str]) -> ir.Model:
+    """Every ``MatMul`` on a constant weight but the nodes named in ``exclude`` -> ``MatMulNBits``
+    of ``bits`` (ORT's ``MatMulNBitsQuantizer``, ``accuracy_level=4``)."""
+    MatMulNBitsQuantizer = _import_quantizer()
+    quantizer = MatMulNBitsQuantizer(
+        ir.serde.serialize_model(model),
+        bits=bits,
+        block_size=block_size,
+        is_symmetric=symmetric,
+        accuracy_level=4,
+        nodes_to_exclude=list(exclude),
+    )
+    quantizer.process()
+    return ir.serde.deserialize_model(quantizer.model.model)
 
 
 def _import_quantizer():
@@ -74,12 +116,14 @@ def _import_quantizer():
     return MatMulNBitsQuantizer
 
 
-def _lm_head_as_matmul(model: ir.Model) -> None:
+def _lm_head_as_matmul(model: ir.Model) -> list[str]:
     """Rewrite ``Gemm(x, W, transB=1)`` with a constant ``W [V, H]`` (how kvforge exports the
     lm_head, to avoid a transposed copy) into ``MatMul(x, W^T)``, which ORT's quantizer turns into
-    ``MatMulNBits``. The fp32 ``W`` stays only where another node (a tied embedding) reads it."""
+    ``MatMulNBits``. The fp32 ``W`` stays only where another node (a tied embedding) reads it.
+    Returns the names of the MatMul nodes made."""
     import numpy as np
 
+    made = []
     for node in list(model.graph):
         if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
             continue
@@ -98,3 +142,5 @@ def _lm_head_as_matmul(model: ir.Model) -> None:
         model.graph.insert_before(node, matmul)
         node.outputs[0].replace_all_uses_with(matmul.outputs[0], replace_graph_outputs=True)
         model.graph.remove(node, safe=True)
+        made.append(matmul.name)
+    return made

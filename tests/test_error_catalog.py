@@ -333,6 +333,22 @@ def _(c):
     return raised(lambda: compile_model(c.model_dir, c.tmp / "out", max_batch=2.5, progress=None), TypeError)
 
 
+@trigger("lm-head-needs-quantize")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", lm_head="int8", progress=None))
+
+
+@trigger("lm-head-conflict")
+def _(c):
+    options = dict(quantize="int4", quantize_lm_head=False, lm_head="int8", progress=None)
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", **options))
+
+
+@trigger("lm-head-unknown")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", quantize="int4", lm_head="bf16", progress=None))
+
+
 @trigger("max-prompt-range")
 def _(c):
     return raised(lambda: compile_model(c.model_dir, c.tmp / "out", max_seq=96, max_prompt=200, progress=None))

@@ -82,7 +82,7 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         "--quantize",
         choices=["int4", "int8"],
         default=None,
-        help="weight-only quantization of every MatMul (lm_head included) to MatMulNBits; ORT only",
+        help="weight-only quantization of every MatMul (the lm_head in int8 unless --lm-head) to MatMulNBits; ORT only",
     )
     p.add_argument("--block-size", type=int, default=32, help="quantization block size (default 32)")
     p.add_argument(
@@ -97,6 +97,14 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="--quantize: the lm_head too (default); --no-quantize-lm-head leaves it in --dtype (better "
         "perplexity, a slower step on a small model: benchmarks/quality.py)",
+    )
+    p.add_argument(
+        "--lm-head",
+        choices=["int4", "int8", "float"],
+        default=None,
+        help="--quantize: the lm_head's own precision (default int8, under int4 too: OpenVINO's int4 layout; "
+        "int4 reads ~14 MiB less a step on SmolLM2 at +8%% perplexity); float keeps it in --dtype, as "
+        "--no-quantize-lm-head (docs/performance.md weighs each one's perplexity against its decode step)",
     )
     p.add_argument(
         "--no-optimize",
@@ -162,6 +170,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         revision=args.revision,
         symmetric=args.symmetric,
         quantize_lm_head=args.quantize_lm_head,
+        lm_head=args.lm_head,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity
