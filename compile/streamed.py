@@ -4,9 +4,10 @@ Compile traces :data:`kvforge.compile.replicate.TRACED` layers and copies the la
 for the others, so the torch model needs real weights only for those layers, the embedding, the
 final norm and the lm_head. :func:`load` builds such a model: transformers' ``from_pretrained``
 with the config cut to the traced layers (so transformers itself applies the dtype, tied weights
-and buffers), then the stack filled up to its full length with copies of the last traced layer
-whose parameters are on the ``meta`` device (no memory). The weights of those layers stay in the
-checkpoint's safetensors files:
+and buffers), then the stack filled up to its full length with the other layers of the same
+model built on the ``meta`` device (no memory; built from the config, so each has its own index
+and attributes, checked to be one computation as :func:`kvforge.compile.replicate.plan` checks).
+The weights of those layers stay in the checkpoint's safetensors files:
 
 * the graph's copies of them are :class:`onnx_ir.LazyTensor` s (:meth:`StreamedLayers.tensor`)
   that read and convert one tensor when the weights file (or the per-tensor quantizer) takes it;
@@ -23,7 +24,6 @@ tensor names or shapes are not the model's own (a family transformers renames wh
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,9 +32,7 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
-from kvforge.compile import replicate
-
-_LAYER_INDEX_ATTRIBUTES = ("layer_idx", "layer_index", "layer_id")
+from kvforge.compile import quiet, replicate
 
 
 @dataclass
@@ -202,41 +200,70 @@ def load(
     files = checkpoint_index(weight_files)
     if files is None:
         return None
+    skeleton = _skeleton(model_dir, dtype, total)
+    if skeleton is None:
+        return None
     config, full = _truncated_config(model_dir, keep, total, False)
-    model, info = from_pretrained(config=config)
+    with quiet.quiet_logger("transformers.modeling_utils"):  # its report lists the layers left out
+        model, info = from_pretrained(config=config)
     stack = replicate.find_stack(model, keep)
-    if isinstance(stack, str):
+    if isinstance(stack, str) or stack.path != skeleton.path:
         return None
     unexpected = set(info.get("unexpected_keys") or [])
     streamed_keys = {k for k in files if k.startswith(f"{stack.path}.") and _layer_of(k, stack.path) >= keep}
     if unexpected - streamed_keys or info.get("missing_keys") or info.get("mismatched_keys"):
         return None  # transformers renamed or rebuilt something: the full load decides
-    last = stack.layers[keep - 1]
-    names = [name for name, _ in last.named_parameters(remove_duplicate=False)]
-    params = dict(last.named_parameters(remove_duplicate=False))
-    wanted = [f"{stack.path}.{i}.{n}" for i in range(keep, total) for n in names]
-    if any(key not in files for key in wanted) or len(wanted) != len(streamed_keys):
-        return None
-    shapes = _shapes(files, wanted)
-    if any(shapes[f"{stack.path}.{i}.{n}"] != tuple(params[n].shape) for i in range(keep, total) for n in names):
+    names = [name for name, _ in stack.layers[keep - 1].named_parameters(remove_duplicate=False)]
+    clones = skeleton.layers[keep:]
+    wanted = {f"{stack.path}.{i}.{n}": p for i, c in enumerate(clones, keep) for n, p in c.named_parameters()}
+    if set(wanted) != streamed_keys or any(b.device.type == "meta" for c in clones for b in c.buffers()):
+        return None  # other tensors than the model's, or a layer buffer that only a real load makes
+    shapes = _shapes(files, list(wanted))
+    if any(shapes[key] != tuple(p.shape) for key, p in wanted.items()):
         return None
     for key, value in full.items():
         setattr(model.config, key, value)
-    # The copies share the layer's config objects (an attention switch on the model's config must
-    # reach them, DESIGN.md), everything else of their own.
-    shared = {id(v): v for m in last.modules() for v in vars(m).values() if _is_config(v)}
-    template = copy.deepcopy(last, memo=dict(shared))
-    _to_meta(template)
-    layers = list(stack.layers)
-    for index in range(keep, total):
-        clone = copy.deepcopy(template, memo=dict(shared))
-        for module in clone.modules():
-            for attribute in _LAYER_INDEX_ATTRIBUTES:
-                if isinstance(getattr(module, attribute, None), int):
-                    setattr(module, attribute, index)
-        layers.append(clone)
-    setattr(stack.parent, stack.attribute, torch.nn.ModuleList(layers))
+    _share_config(clones, skeleton.config, model.config)
+    setattr(stack.parent, stack.attribute, torch.nn.ModuleList([*stack.layers, *clones]))
     return model, StreamedLayers(stack.path, keep, total, dtype, files, names)
+
+
+def _skeleton(model_dir: Path, dtype: torch.dtype, total: int):
+    """The whole model on the ``meta`` device (no memory), its stack (a :class:`replicate.LayerStack`
+    whose ``config`` is the skeleton's), or None when its layers are not all one computation
+    (:func:`replicate.plan`'s checks: the full load and full trace handle those)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()  # no dropout
+    stack = replicate.find_stack(model, total)
+    if isinstance(stack, str) or replicate._config_difference(model, total):
+        return None
+    if replicate._layer_difference(stack.layers):
+        return None
+    return _Skeleton(stack.path, stack.layers, model.config)
+
+
+@dataclass
+class _Skeleton:
+    path: str
+    layers: tuple
+    config: object
+
+
+def _share_config(layers, old, new) -> None:
+    """Point the layers' config attributes (and sub-configs) from the skeleton's config at the
+    loaded model's: an attention switch on the model's config must reach every layer (DESIGN.md)."""
+    mapping = {id(old): new}
+    for key, value in vars(old).items():
+        if _is_config(value) and _is_config(getattr(new, key, None)):
+            mapping[id(value)] = getattr(new, key)
+    for layer in layers:
+        for module in layer.modules():
+            for key, value in list(vars(module).items()):
+                if id(value) in mapping:
+                    setattr(module, key, mapping[id(value)])
 
 
 def _is_config(value: object) -> bool:
