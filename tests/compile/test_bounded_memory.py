@@ -135,3 +135,24 @@ def test_compile_peak_rss_is_bounded_at_half_a_billion(tmp_path):
     out = tmp_path / "out"
     result = compile_in_child(tmp_path / "model", out, quantize="int4")
     _check_bound(result, checkpoint, out)
+
+
+@pytest.mark.parametrize("case_id", ["gpt2", "qwen2-bias-tied"])
+def test_streamed_layers_keep_parity(tmp_path, case_id):
+    """4 layers: the 4th stays in the checkpoint, built on meta from the config (in eval mode: GPT-2's
+    dropout would make transformers' reference random) and tied embeddings read from the
+    checkpoint's one table; the compile's parity check runs on the whole model and matches."""
+    from kvforge.compile import compile_model
+    from tests import families
+
+    [case] = [c for c in families.CASES if c[0] == case_id]
+    overrides = dict(case[3])
+    overrides["n_layer" if case[2] == "GPT2Config" else "num_hidden_layers"] = 4
+    model_dir = families.build(tmp_path / "model", case[1], case[2], overrides)
+    lines: list[str] = []
+    manifest = compile_model(
+        model_dir, tmp_path / "out", max_batch=2, max_seq=48, score_graph=False, progress=lines.append
+    )
+    assert any("layers 3..3 stay in the checkpoint" in line for line in lines), lines
+    assert manifest.parity["greedy_match"] is True
+    assert manifest.parity["prefill_max_abs_diff"] < 1e-4
