@@ -41,7 +41,8 @@ def quantize(
     """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8"), except the
     nodes named in ``exclude`` (a GGUF Q4_1 projection's block-minimum MatMul: already exact):
     symmetric blocks (``symmetric=False``: a zero point per block, ORT's asymmetric MatMulNBits),
-    the lm_head included (``lm_head=False``: it stays a Gemm in the model's dtype)."""
+    the lm_head included (``lm_head=False``: it stays a Gemm in the model's dtype). In place:
+    returns the same models, each MatMul node replaced as it is quantized."""
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_BITS)}")
     if block_size < 16 or block_size & (block_size - 1):
