@@ -284,6 +284,11 @@ def _name_nodes(model) -> None:
         value.metadata_props.clear()
 
 
+class StreamedLayersError(RuntimeError):
+    """The general graph needs a full trace, but the model was loaded with layers left in the
+    checkpoint (:mod:`kvforge.compile.streamed`): load it whole and export again."""
+
+
 def export_general(
     loaded: LoadedModel,
     lowering_name: str,
@@ -309,16 +314,18 @@ def export_general(
     if plan.stack is not None:
         with replicate.truncated(loaded.model, plan.stack, plan.traced):
             model = _trace_general(module, loaded, plan.traced, lowering_name, max_batch, max_seq, times)
-        model, optimized = _copy_layers(model, plan, times)
+        model, optimized = _copy_layers(model, plan, times, loaded.streamed)
     else:
         times.trace = f"traced all {n} layers: {plan.reason}"
+    if model is None and loaded.streamed is not None:
+        raise StreamedLayersError(f"the layers could not be copied ({times.trace}), and some are not loaded")
     if model is None:
         model = _trace_general(module, loaded, n, lowering_name, max_batch, max_seq, times)
     _finish(model, module, times, optimized)
     return model
 
 
-def _copy_layers(short, plan: replicate.TracePlan, times: ExportTimes):
+def _copy_layers(short, plan: replicate.TracePlan, times: ExportTimes, streamed=None):
     """``(model, optimized)``: the graph of every layer from ``short``, the raw trace of the first
     ``plan.traced``; or ``(None, False)`` when the traced layers do not prove the copies right
     (``times.trace`` says why). Tried first on ``short`` after onnxscript's optimizer (a pass over
@@ -336,7 +343,7 @@ def _copy_layers(short, plan: replicate.TracePlan, times: ExportTimes):
     started = time.perf_counter()
     copied = f"traced {plan.traced} of {n} layers, copied the other {n - plan.traced} in the graph"
     try:
-        replicate.replicate(short, scope, plan.stack.layers, plan.traced, transposed, independent)
+        replicate.replicate(short, scope, plan.stack.layers, plan.traced, transposed, independent, streamed)
         # What the optimizer's last passes would do on the whole graph: equal small weights of
         # the copies merged into one initializer, as in the traced layers.
         common_passes.DeduplicateInitializersPass()(short)
@@ -348,7 +355,7 @@ def _copy_layers(short, plan: replicate.TracePlan, times: ExportTimes):
         after_optimizer = str(e)
     del short
     try:
-        replicate.replicate(raw, scope, plan.stack.layers, plan.traced, transposed)
+        replicate.replicate(raw, scope, plan.stack.layers, plan.traced, transposed, streamed=streamed)
         times.trace = f"{copied} before the optimizer (after it: {after_optimizer})"
         return raw, False
     except replicate.NotReplicable as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,9 @@ class LoadedModel:
     @property
     def state_layout(self) -> Layout:
         return self.layout if self.layout is not None else Layout.all_attention(self.dims.num_layers)
+
+    # layers whose weights stay in the checkpoint (kvforge.compile.streamed); None: all in memory
+    streamed: Any = None
 
 
 def read_config(model_dir: str | Path) -> tuple[dict, list[Path]]:
@@ -220,6 +224,13 @@ def check_loading_info(info: dict, model_dir: str | Path) -> None:
 
 def _from_pretrained(model_dir: str | Path, dtype: str, attention: str, trust_remote_code: bool, **extra):
     """``AutoModelForCausalLM.from_pretrained`` in eval mode, refusing mismatched weights."""
+    model, info = _from_pretrained_info(model_dir, dtype, attention, trust_remote_code, **extra)
+    check_loading_info(info, model_dir)
+    return model
+
+
+def _from_pretrained_info(model_dir: str | Path, dtype: str, attention: str, trust_remote_code: bool, **extra):
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode and its loading report, unchecked."""
     from transformers import AutoModelForCausalLM
 
     with quiet.no_loading_bar():  # compile reports its own progress
@@ -232,18 +243,23 @@ def _from_pretrained(model_dir: str | Path, dtype: str, attention: str, trust_re
             ignore_mismatched_sizes=True,  # report mismatches (check_loading_info) rather than raise mid-load
             **extra,
         )
-    check_loading_info(info, model_dir)
-    return model.eval()
+    return model.eval(), info
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "float32", trust_remote_code: bool = False, max_seq: int | None = None
+    model_dir: str | Path,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    max_seq: int | None = None,
+    stream: bool = False,
 ) -> LoadedModel:
     """Load the model for export. Checks the directory and the architecture before any weights, and
     the weights against the config (:func:`check_loading_info`). ``trust_remote_code`` lets a family
     that needs its own modeling code (config.json's ``auto_map``) run that code. ``max_seq``: the
     capacity the artifact will have (a generic family whose transformers forward and generate
-    disagree past some length is refused only when ``max_seq`` goes past it; None: any length)."""
+    disagree past some length is refused only when ``max_seq`` goes past it; None: any length).
+    ``stream``: where :mod:`kvforge.compile.streamed` applies (a verified family in safetensors),
+    only the traced layers are loaded and the others stay in the checkpoint (``LoadedModel.streamed``)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     config, weights = read_config(model_dir)
@@ -251,6 +267,10 @@ def load_model(
 
     lowering.register()
     extra = {"experts_implementation": spec.experts_implementation} if spec.experts_implementation else {}
+    if stream and spec.verified and spec.state is None and not needs_remote_code(config):  # hybrids: traced whole
+        streamed = _load_streamed(Path(model_dir), config, weights, dtype, spec, extra)
+        if streamed is not None:
+            return streamed
     try:
         model = _from_pretrained(model_dir, dtype, lowering.ATTN_IMPLEMENTATION, trust_remote_code, **extra)
     except ModelDirError:
@@ -260,6 +280,30 @@ def load_model(
     dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, max_seq)
     layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
     return LoadedModel(model, spec, dims, config, weights, layout)
+
+
+def _load_streamed(model_dir: Path, config: dict, weights: list[Path], dtype: str, spec: ArchSpec, extra: dict):
+    """:func:`kvforge.compile.streamed.load`, or None where it does not apply."""
+    from transformers import AutoConfig
+
+    from kvforge.compile import streamed
+
+    try:
+        total = AutoConfig.from_pretrained(str(model_dir)).num_hidden_layers
+        loaded = streamed.load(
+            model_dir,
+            config,
+            weights,
+            DTYPES[dtype],
+            total,
+            lambda **kw: _from_pretrained_info(model_dir, dtype, lowering.ATTN_IMPLEMENTATION, False, **extra, **kw),
+        )
+    except Exception:  # a boundary: the full load below reports the directory's problem, if any
+        return None
+    if loaded is None:
+        return None
+    model, layers = loaded
+    return LoadedModel(model, spec, Dims.from_config(model.config), config, weights, layers)
 
 
 def load_reference(

@@ -7,9 +7,15 @@ it into place only when everything succeeded, so an interrupted or
 failed compile never leaves a directory that loads as an artifact. Progress goes to ``progress``
 (stderr by default): a line when each stage starts and one with its time when it ends.
 
-Memory: the torch model lives until the export ends (the transformers reference runs on it
-first, so no second model is loaded); the weights then stream to ``weights.data`` one tensor at a
-time; the ORT optimizer and the parity session map ``weights.data`` and do not prepack.
+Memory: a safetensors checkpoint of a verified family is loaded in part
+(:mod:`kvforge.compile.streamed`): the traced layers, embedding, norm and lm_head; the other
+layers stay in the checkpoint. The transformers reference runs on that model, loading each other
+layer as it runs. After the export every weight of the graph is read from the checkpoint when the
+quantizer (one MatMul at a time) or the weights file takes it, so the float model is never whole
+in memory (peak RSS about the libraries plus the quantized weights; tests/compile/test_bounded_memory.py).
+Otherwise the torch model lives until the export ends and the weights stream from it to
+``weights.data`` one tensor at a time. The ORT optimizer and the parity session map
+``weights.data`` and do not prepack.
 
 Output layout (see docs/manifest.md)::
 
@@ -20,6 +26,7 @@ Output layout (see docs/manifest.md)::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -371,9 +378,16 @@ def _compile_into(
     names = [g for g in contract.GRAPHS if g != "score" or options.score_graph]
 
     heap.freeze_survivors()  # the libraries imported so far: loading's collections skip them
+    heap.map_large_allocations()  # freed weights go back to the system (bounded peak RSS)
     stages.start("load", f"loading {model_dir} ({options.dtype})")
-    loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
+    stream = not options.full_trace and source.gguf is None
+    loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq, stream)
     dims, loaded_spec, layout = loaded.dims, loaded.spec, loaded.state_layout
+    if loaded.streamed is not None:
+        say(
+            f"layers {loaded.streamed.keep}..{loaded.streamed.total - 1} stay in the checkpoint: read one "
+            "tensor at a time (bounded memory)"
+        )
     stages.start("reference", "running transformers (eager) on the parity prompt, on the loaded model")
     reference = _reference(model_dir, loaded, options.dtype, options.trust_remote_code)
     heap.freeze_survivors()  # the libraries and the model: the trace's collections skip them
@@ -384,9 +398,20 @@ def _compile_into(
             f"graph, from which the {', '.join(names)} graphs are derived",
         )
         times = export_stage.ExportTimes()
-        general = export_stage.export_general(
-            loaded, options.lowering, options.max_batch, options.max_seq, times, options.full_trace
-        )
+        try:
+            general = export_stage.export_general(
+                loaded, options.lowering, options.max_batch, options.max_seq, times, options.full_trace
+            )
+        except export_stage.StreamedLayersError as e:
+            say(f"{e}: loading the whole model")
+            del loaded
+            heap.unfreeze()
+            gc.collect()
+            loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
+            times = export_stage.ExportTimes()
+            general = export_stage.export_general(
+                loaded, options.lowering, options.max_batch, options.max_seq, times, options.full_trace
+            )
     except Exception as e:
         if loaded_spec.verified:
             raise
@@ -396,7 +421,9 @@ def _compile_into(
             f"({type(e).__name__}: {first_line}); kvforge verifies: {supported()}"
         ) from e
     # The torch model goes now: the graph holds views of the parameters it needs, released one by
-    # one as the weights file takes them.
+    # one as the weights file takes them; or, streamed, reads them from the checkpoint instead.
+    if loaded.streamed is not None:
+        loaded.streamed.rebind(general, loaded.model)
     del loaded
     heap.unfreeze()  # the model's cycles must be collectable again
     gc.collect()
@@ -421,6 +448,7 @@ def _compile_into(
     weights = SharedWeights(tmp)
     weights.externalize(general)
     gc.collect()
+    heap.trim()
     heap.freeze_survivors()  # the torch model and the weights are gone: later collections skip the rest
     for name in names:
         weights.save(derive_stage.derive(general, name), name)
@@ -497,8 +525,12 @@ def _reference(
     where ORT's CPU provider cannot run the graphs (bfloat16): parity is then skipped."""
     if not parity_stage.ort_dtype_ok(load_stage.DTYPES[dtype]):
         return None
+    streamed = loaded.streamed.materialized(loaded.model) if loaded.streamed else contextlib.nullcontext()
     try:
-        with parity_stage.as_transformers_eager(loaded.model, bool(loaded.spec.experts_implementation)) as model:
+        with (
+            streamed,
+            parity_stage.as_transformers_eager(loaded.model, bool(loaded.spec.experts_implementation)) as model,
+        ):
             return parity_stage.reference(model, loaded.dims)
     except parity_stage.ReferenceSwitchError:
         pass

@@ -13,15 +13,18 @@ embedding table stay in the model's dtype:
 * the **embedding table** is not: a decode step reads one row of it, so quantizing it saves
   memory but no time, and a tied lm_head is a separate (transposed) tensor in the graph anyway.
 
-The quantizer is deterministic, so the same weight quantizes to the same bytes in every graph and
-the shared weights file still stores it once. ``MatMulNBits`` is an ORT contrib op: quantized
-artifacts run on ONNX Runtime, not TensorRT.
+ORT's quantizer runs on one MatMul at a time (a model of that node alone, spliced back), so only
+one float weight is in memory at a time; it quantizes each node on its own, so the bytes are the
+ones a run over the whole graph gives. The quantizer is deterministic, so the same weight
+quantizes to the same bytes in every graph and the shared weights file still stores it once.
+``MatMulNBits`` is an ORT contrib op: quantized artifacts run on ONNX Runtime, not TensorRT.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx_ir as ir
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
@@ -65,7 +68,8 @@ def quantize(
     symmetric blocks (``symmetric=False``: a zero point per block, ORT's asymmetric MatMulNBits).
     The lm_head (the Gemm kvforge exports it as) to ``lm_head``: "int4" or "int8" (a MatMulNBits
     of those bits, same blocks), "float" (it stays a Gemm in the model's dtype), None: the scheme's
-    own (:data:`DEFAULT_LM_HEAD`)."""
+    own (:data:`DEFAULT_LM_HEAD`). In place: returns the same models, each MatMul node replaced as
+    it is quantized (one node at a time, each at its own bits)."""
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_BITS)}")
     if lm_head is not None:
@@ -73,34 +77,70 @@ def quantize(
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
     head = lm_head_precision(scheme, lm_head)
-    out = {}
-    for name, model in models.items():
-        heads = [] if head == "float" else _lm_head_as_matmul(model)
-        if head == "float" or head == scheme:
-            model = _quantize_matmuls(model, QUANTIZE_BITS[scheme], block_size, symmetric, exclude or [])
-        else:
-            # Two passes of ORT's quantizer: the body without the lm_head, then the lm_head alone
-            # (the only float MatMul on a constant weight left) at its own bits.
-            model = _quantize_matmuls(model, QUANTIZE_BITS[scheme], block_size, symmetric, [*(exclude or []), *heads])
-            model = _quantize_matmuls(model, QUANTIZE_BITS[head], block_size, symmetric, exclude or [])
-        out[name] = model
-    return out
-
-
-def _quantize_matmuls(model: ir.Model, bits: int, block_size: int, symmetric: bool, exclude: list[str]) -> ir.Model:
-    """Every ``MatMul`` on a constant weight but the nodes named in ``exclude`` -> ``MatMulNBits``
-    of ``bits`` (ORT's ``MatMulNBitsQuantizer``, ``accuracy_level=4``)."""
     MatMulNBitsQuantizer = _import_quantizer()
-    quantizer = MatMulNBitsQuantizer(
-        ir.serde.serialize_model(model),
-        bits=bits,
-        block_size=block_size,
-        is_symmetric=symmetric,
-        accuracy_level=4,
-        nodes_to_exclude=list(exclude),
-    )
+    skipped = set(exclude or [])
+    for model in models.values():
+        heads = set() if head == "float" else set(_lm_head_as_matmul(model))
+        for node in list(model.graph):
+            if node.name in skipped or not _constant_matmul(node):
+                continue
+            bits = QUANTIZE_BITS[head if node.name in heads else scheme]
+            settings = dict(bits=bits, block_size=block_size, is_symmetric=symmetric, accuracy_level=4)
+            _quantize_node(model, node, MatMulNBitsQuantizer, settings)
+    return dict(models)
+
+
+def _constant_matmul(node: ir.Node) -> bool:
+    weight = node.inputs[1] if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
+    return weight is not None and weight.const_value is not None and len(weight.const_value.shape) == 2
+
+
+def _quantize_node(model: ir.Model, node: ir.Node, quantizer_class, settings: dict) -> None:
+    """ORT's quantizer on a model of this one MatMul, spliced back in place of the node: one
+    float weight in memory at a time (a lazy weight is read here, its quantized bytes kept), never
+    the whole float model serialized. The same bytes as the quantizer run on the whole graph: it
+    quantizes each MatMul on its own."""
+    x, weight = node.inputs[0], node.inputs[1]
+    y = node.outputs[0]
+    x_in = ir.Value(name=x.name, type=x.type, shape=x.shape)
+    w_init = ir.Value(name=weight.name, type=weight.type, shape=weight.shape, const_value=weight.const_value)
+    single = ir.Node("", "MatMul", [x_in, w_init], name=node.name, num_outputs=1)
+    y_out = single.outputs[0]
+    y_out.name, y_out.type, y_out.shape = y.name, y.type, y.shape
+    graph = ir.Graph([x_in], [y_out], nodes=[single], initializers=[w_init], opset_imports=model.opset_imports)
+    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=model.ir_version))
+    del graph, single, w_init
+    quantizer = quantizer_class(proto, **settings)
     quantizer.process()
-    return ir.serde.deserialize_model(quantizer.model.model)
+    quantized = ir.serde.deserialize_model(quantizer.model.model)
+    del proto, quantizer
+    [new] = list(quantized.graph)
+    if new.op_type == "MatMul":
+        return  # the quantizer left it (a shape it does not quantize)
+    inputs = []
+    for value in new.inputs:
+        if value is None:
+            inputs.append(None)
+        elif value.name == x.name:
+            inputs.append(x)
+        else:
+            # a copy of its own: the deserialized tensor would keep the quantizer's whole proto alive
+            data = ir.Tensor(np.array(value.const_value.numpy()), dtype=value.const_value.dtype, name=value.name)
+            own = ir.Value(name=value.name, type=value.type, shape=value.shape, const_value=data)
+            model.graph.register_initializer(own)
+            inputs.append(own)
+    for domain, version in quantized.opset_imports.items():
+        model.opset_imports.setdefault(domain, version)
+    attributes = [ir.Attr(a.name, a.type, a.value) for a in new.attributes.values()]
+    replacement = ir.Node(new.domain, new.op_type, inputs, attributes, name=new.name, num_outputs=1)
+    replacement.outputs[0].name, replacement.outputs[0].type = y.name + "_q", y.type
+    replacement.outputs[0].shape = y.shape
+    model.graph.insert_before(node, replacement)
+    y.replace_all_uses_with(replacement.outputs[0], replace_graph_outputs=True)
+    model.graph.remove(node, safe=True)
+    replacement.outputs[0].name = y.name
+    if not weight.uses() and not weight.is_graph_output():
+        model.graph.initializers.pop(weight.name, None)
 
 
 def _import_quantizer():
@@ -133,10 +173,14 @@ def _lm_head_as_matmul(model: ir.Model) -> list[str]:
             continue
         if weight is None or weight.const_value is None:
             continue
-        transposed = ir.Value(
-            name=f"{weight.name}.T",
-            const_value=ir.Tensor(np.ascontiguousarray(weight.const_value.numpy().T), name=f"{weight.name}.T"),
+        source, name = weight.const_value, f"{weight.name}.T"
+        lazy = ir.LazyTensor(
+            lambda source=source, name=name: ir.Tensor(np.ascontiguousarray(source.numpy().T), name=name),
+            dtype=source.dtype,
+            shape=ir.Shape([source.shape[1], source.shape[0]]),
+            name=name,
         )
+        transposed = ir.Value(name=name, shape=lazy.shape, type=weight.type, const_value=lazy)
         model.graph.register_initializer(transposed)
         matmul = ir.node("MatMul", inputs=[node.inputs[0], transposed], name=f"{node.name}/as_matmul")
         model.graph.insert_before(node, matmul)

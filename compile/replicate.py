@@ -302,7 +302,9 @@ def transposed_lazily(source: ir.TensorProtocol, name: str) -> ir.LazyTensor:
     def transposed() -> ir.Tensor:
         return ir.Tensor(np.ascontiguousarray(source.numpy().T), name=name)
 
-    return ir.LazyTensor(transposed, dtype=source.dtype, shape=shape, name=name)
+    lazy = ir.LazyTensor(transposed, dtype=source.dtype, shape=shape, name=name)
+    lazy.kvforge_source = source  # what it transposes (kvforge.compile.streamed rebinds it)
+    return lazy
 
 
 def _weight_of(value: ir.Value, pattern: re.Pattern, transposed: Mapping[str, str]) -> tuple[int, str, bool] | None:
@@ -341,6 +343,7 @@ def replicate(
     traced: int,
     transposed: Mapping[str, str] | None = None,
     independent: set[str] | None = None,
+    streamed=None,
 ) -> int:
     """Add layers ``traced .. len(layers) - 1`` to ``model`` (traced with its first ``traced``
     layers), each a copy of layer ``traced - 1`` bound to its own weights and cache; in place.
@@ -353,7 +356,9 @@ def replicate(
     :func:`layer_independent_names`, says which of the optimizer's constants the layers may share:
     any other is taken as made from a layer's weights). Returns the nodes added. Raises
     :class:`NotReplicable`, with the model untouched, when the traced layers do not show that the
-    copies compute what the layers would."""
+    copies compute what the layers would. ``streamed`` (:class:`kvforge.compile.streamed.StreamedLayers`):
+    the layers whose parameters are on ``meta`` and stay in the checkpoint; their copies bind
+    tensors read from it when the weights file takes them."""
     from torch.onnx._internal.exporter._core import TorchTensor  # how the exporter binds weights
 
     transposed = transposed or {}
@@ -475,7 +480,10 @@ def replicate(
         own = {}
         for value, (name, flip, _) in params.items():
             full = f"{value.name}__{i}" if flip else f"{scope}.{i}.{name}"
-            tensor = TorchTensor(weights[i][name], name=f"{scope}.{i}.{name}")
+            if streamed is not None and streamed.streams(i):
+                tensor = streamed.tensor(i, name, tuple(weights[i][name].shape))
+            else:
+                tensor = TorchTensor(weights[i][name], name=f"{scope}.{i}.{name}")
             own[value] = ir.Value(
                 name=full,
                 shape=_copy_shape(value.shape),
