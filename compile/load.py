@@ -279,7 +279,7 @@ def load_model(
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
     dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, max_seq)
     layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
-    return LoadedModel(model, spec, dims, config, weights, layout)
+    return LoadedModel(model, spec, dims, config, weights, layout=layout)
 
 
 def _load_streamed(model_dir: Path, config: dict, weights: list[Path], dtype: str, spec: ArchSpec, extra: dict):
@@ -303,7 +303,7 @@ def _load_streamed(model_dir: Path, config: dict, weights: list[Path], dtype: st
     if loaded is None:
         return None
     model, layers = loaded
-    return LoadedModel(model, spec, Dims.from_config(model.config), config, weights, layers)
+    return LoadedModel(model, spec, Dims.from_config(model.config), config, weights, streamed=layers)
 
 
 def load_reference(
