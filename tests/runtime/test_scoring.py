@@ -80,5 +80,7 @@ def test_a_score_job_takes_the_first_freed_row_before_queued_requests(engine):
         queued = [sched.submit([3, 4, i], max_new_tokens=40, sampling=GREEDY) for i in range(rows)]
         future = sched.score([PROMPTS[0]], top=1)  # every row is busy: it waits for one to free
         future.result(timeout=120)
-        assert all(h.done for h in running)
-        assert not any(h.done for h in queued)  # they were admitted after the score turn
+        # The score took a freed row before any queued request got one: none of them has finished.
+        # (The running requests finish on the same step, but their handles may be marked done a
+        # moment after the score turn that follows that step: not checked here.)
+        assert not any(h.done for h in queued)
