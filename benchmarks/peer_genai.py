@@ -414,10 +414,15 @@ WORKERS = {
 }
 
 
-def worker_main(name: str, job_file: str) -> None:
+def answer_job(workers: dict, name: str, job_file: str) -> None:
+    """A worker process of any peer script: run ``workers[name]`` on the job file's job and write
+    its JSON result where the job says."""
     job = json.loads(Path(job_file).read_text())
-    result = WORKERS[name](job)
-    Path(job["result_file"]).write_text(json.dumps(result))
+    Path(job["result_file"]).write_text(json.dumps(workers[name](job)))
+
+
+def worker_main(name: str, job_file: str) -> None:
+    answer_job(WORKERS, name, job_file)
 
 
 # ---------------------------------------------------------------------------- parent: build, run, report

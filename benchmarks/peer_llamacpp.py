@@ -309,8 +309,7 @@ WORKERS = {
 
 
 def worker_main(name: str, job_file: str) -> None:
-    job = json.loads(Path(job_file).read_text())
-    Path(job["result_file"]).write_text(json.dumps(WORKERS[name](job)))
+    pg.answer_job(WORKERS, name, job_file)
 
 
 # ---------------------------------------------------------------------------- parent: build, run, report

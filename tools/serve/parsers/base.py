@@ -102,6 +102,21 @@ def json_rule(schema: Any) -> str:
     return f"%json {json.dumps({**body, 'x-guidance': {'whitespace_pattern': JSON_WHITESPACE}})}"
 
 
+def named_calls_rule(schemas: Mapping[str, dict], names: Sequence[str], arguments_key: str) -> str:
+    """:func:`json_rule` of one call object ``{"name": NAME, ARGUMENTS_KEY: ARGS}`` of any of
+    ``names``, its arguments following that tool's schema (Hermes: "arguments", Llama 3: "parameters")."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": n}, arguments_key: schemas[n]},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for n in names
+    ]
+    return json_rule({"anyOf": calls})
+
+
 def openai_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 

@@ -17,8 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from kvforge.runtime.constraints import JSON_WHITESPACE
-from kvforge.tools.serve.parsers.base import Segment, json_call, openai_call_id, partial_marker
+from kvforge.tools.serve.parsers.base import Segment, json_call, named_calls_rule, openai_call_id, partial_marker
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -60,20 +59,8 @@ class HermesParser:
 
     def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> str:
         """``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`` blocks, newline-separated."""
-        body = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": n}, "arguments": schemas[n]},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for n in names
-            ],
-            "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
-        }
         start = 'start: call ("\\n" call)*' if many else "start: call"
-        return f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(body)}\n'
+        return f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: {named_calls_rule(schemas, names, "arguments")}\n'
 
     def write(self, name: str, arguments: str) -> str:
         """One call as this family writes it (``arguments``: JSON text)."""

@@ -18,8 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from kvforge.runtime.constraints import JSON_WHITESPACE
-from kvforge.tools.serve.parsers.base import Segment, json_call, json_end, openai_call_id
+from kvforge.tools.serve.parsers.base import Segment, json_call, json_end, named_calls_rule, openai_call_id
 
 TAG = "<|python_tag|>"
 
@@ -62,20 +61,8 @@ class Llama3JsonParser:
 
     def grammar(self, schemas: Mapping[str, dict], names: Sequence[str], many: bool) -> str:
         """``{"name": NAME, "parameters": ARGS}`` objects, ``; ``-separated."""
-        body = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": n}, "parameters": schemas[n]},
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-                for n in names
-            ],
-            "x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
-        }
         start = 'start: call ("; " call)*' if many else "start: call"
-        return f"{start}\ncall: %json {json.dumps(body)}\n"
+        return f"{start}\ncall: {named_calls_rule(schemas, names, 'parameters')}\n"
 
     def write(self, name: str, arguments: str) -> str:
         """One call as this family writes it (``arguments``: JSON text)."""
