@@ -39,6 +39,8 @@ REQUESTS = {
         None,
     ),
     "stop": ("The import system", 20, GREEDY, ["."]),
+    # vLLM's min_tokens and ignore_eos: no stop string matched (and no eos) before 6 tokens
+    "min_tokens": ("The import system", 12, SamplingParams(temperature=0.0, min_tokens=6, ignore_eos=True), [" "]),
     "predicted": ("The while loop", 16, None, None),  # sampling filled in below: the plain answer as prediction
 }
 
@@ -92,6 +94,8 @@ def test_all_batch_loop_features_at_once_give_each_requests_solo_answer(request,
 
     assert re.fullmatch(r"[a-z]+( [a-z]+){1,5}\.", solo["regex"].text), solo["regex"].text
     assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "."
+    held = solo["min_tokens"]  # the stop string " " held back for 6 tokens, then matched
+    assert held.finish_reason == "stop" and held.stop_string == " " and len(held.token_ids) > 6, held
 
     lend = lowering == "gqa"
     with Engine.load(tiny_artifact, speculative="ngram", threads=1, kv_shared=lend) as engine:
