@@ -26,7 +26,30 @@ The conv lowers to standard ONNX: ``Concat`` of the past state and the chunk, a 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
+
+_ACTIVE: contextvars.ContextVar[ExportStateCache | None] = contextvars.ContextVar("kvforge_state_cache", default=None)
+
+
+@contextlib.contextmanager
+def active(cache: ExportStateCache) -> Iterator[ExportStateCache]:
+    """Make ``cache`` the one :func:`current` returns while a wrapper traces the decoder: how a
+    family's recurrent kernel (swapped in for transformers' at export) reads each row's
+    ``lengths`` and whether it continues a sequence, which transformers' kernels are not passed."""
+    token = _ACTIVE.set(cache)
+    try:
+        yield cache
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current() -> ExportStateCache | None:
+    """The :class:`ExportStateCache` of the trace in progress (None outside one)."""
+    return _ACTIVE.get()
 
 
 class ExportStateCache:
@@ -83,3 +106,21 @@ class ExportStateCache:
         index = self.lengths.view(-1, 1, 1) + torch.arange(width, device=full.device).view(1, 1, -1)  # (B, 1, K-1)
         self.present[(layer_idx, "conv")] = torch.gather(full, -1, index.expand(-1, full.shape[1], -1))
         return full
+
+    # ---------------------------------------------------------------- recurrent state
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self._past(layer_idx, "recurrent")
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # no intermediate states: the graph writes the state after each row's last real token
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **_
+    ) -> torch.Tensor:
+        """Records the layer's new recurrent state. The kernel that computed it must already have
+        stopped each row at its last real token (``lengths``, via :func:`current`): padding after
+        it must leave the state unchanged."""
+        past = self._past(layer_idx, "recurrent")
+        self.present[(layer_idx, "recurrent")] = recurrent_states.to(past.dtype)
+        return recurrent_states

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.graphs import lowering
+from kvforge.graphs import lowering, state
 from kvforge.graphs.architectures import ArchSpec
 from kvforge.graphs.contract import Layout
 from kvforge.graphs.lowering import LayerCaches
@@ -108,7 +108,7 @@ class _CausalLMGraph(torch.nn.Module):
         types = list(config.layer_types[: config.num_hidden_layers])
         mask = caches.mask(None) if layout.attention else None
         masks = {t: None for t in types} | {types[i]: mask for i in range(len(types)) if i not in stateful}
-        with lowering.active(caches):
+        with lowering.active(caches), state.active(states):
             out = decoder_of(self.model)(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=masks, cache=states, use_cache=False
             )
