@@ -26,7 +26,11 @@ the rest of the prompt, at least its last token, is prefilled. Such a request is
 (the ``filling`` path, ``start > 0``: ORT's GroupQueryAttention continues one row at a time), a
 request without a hit joins the ragged group as before. When a request finishes, the positions its
 row holds (prompt and generated tokens fed back, not the last sampled one) are offered to the
-pool before the row is reused or overwritten by compaction.
+pool before the row is reused or overwritten by compaction. On an artifact whose layers keep a
+state (``pool.needs_state``), a prefix resumes only where a state snapshot ends: each offer keeps
+one at the row's length (the block after the last whole block, carrying the row's state), and a
+row also offers its prompt right after its prefill, before decoding moves the state on (the
+snapshot at the end of the prompt); the import writes the snapshot's state into the row.
 
 Compaction. The decoding requests always sit in the contiguous rows ``[first, first + n)`` (request
 ``i`` in row ``first + i``), the one being filled right after them. A decode step runs on exactly
@@ -253,8 +257,9 @@ class BatchLoop:
             return
         hit = self.pool.acquire(gen.prompt_ids, limit=len(gen.prompt_ids) - 1)
         try:
-            for block in hit.blocks:
-                self.engine.import_kv(block, row)
+            last = len(hit.blocks) - 1  # with states, the snapshot: it carries the row's state at hit.tokens
+            for i, block in enumerate(hit.blocks):
+                self.engine.import_kv(block, row, state_follows=i < last)
         finally:
             self.pool.release(hit)
         gen.prefilled = gen.cached_tokens = hit.tokens
@@ -265,8 +270,31 @@ class BatchLoop:
         if self.pool is None or gen.error is not None:
             return
         ids = [*gen.prompt_ids, *gen.token_ids]
-        ids = ids[: min(int(self.engine.lengths[row]), len(ids) - 1)]
-        self.pool.offer(ids, lambda start, stop: self.engine.export_kv(row, ids[start:stop], start=start))
+        self._offer_row(ids[: min(int(self.engine.lengths[row]), len(ids) - 1)], row)
+
+    def _offer_prompt(self, gens: list[Generation], row0: int) -> None:
+        """With states (``pool.needs_state``): offer each just-prefilled prompt of ``gens`` (in rows
+        ``row0, row0 + 1, ...``) with the snapshot of its end, before decoding moves the state on."""
+        if self.pool is None or not self.pool.needs_state:
+            return
+        for j, g in enumerate(gens):
+            if g.error is None and g.prefilled == len(g.prompt_ids):
+                self._offer_row(g.prompt_ids, row0 + j)
+
+    def _offer_row(self, ids: list[int], row: int) -> None:
+        """Offer positions ``[0, len(ids))`` of ``row`` (which hold ``ids``) to the prefix pool;
+        with states, the snapshot at ``len(ids)`` too when the row's state is there."""
+        engine = self.engine
+
+        def export(start: int, stop: int):
+            return engine.export_kv(row, ids[start:stop], start=start, with_state=False)
+
+        def snapshot(start: int):
+            if int(engine.lengths[row]) != len(ids):
+                return None  # the row's state is not at the end of ids
+            return engine.export_kv(row, ids[start:], start=start, with_state=True)
+
+        self.pool.offer(ids, export, snapshot if self.pool.needs_state else None)
 
     def _prefill_group(self, group: list[Generation]) -> None:
         first = self.first + len(self.decoding)
@@ -279,6 +307,7 @@ class BatchLoop:
             return
         for g in group:
             g.prefilled = len(g.prompt_ids)
+        self._offer_prompt(group, first)
         self.decoding.extend(group)
         self._pick(logits, group, len(self.decoding) - len(group))
 
@@ -294,6 +323,7 @@ class BatchLoop:
             return
         gen.prefilled += len(piece)
         if gen.remaining_prompt == 0:
+            self._offer_prompt([gen], row)
             self.filling = None
             self.decoding.append(gen)
             self._pick(logits, [gen], len(self.decoding) - 1)

@@ -300,7 +300,7 @@ class StepEngine(KVTransfer):
         lazy = tuple(name for name in graph_files if name != step)
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
         engine = cls(root, manifest, backend, decode_graph=step if one_session else "decode", kv_shared=kv_shared)
-        engine.prefix_pool = PrefixPool(budget) if budget else None
+        engine.prefix_pool = PrefixPool(budget, needs_state=manifest.layout.has_state) if budget else None
         if spec is not None:
             try:
                 drafter = None
@@ -769,7 +769,7 @@ def state_summary(manifest: mf.Manifest) -> str:
 
 def _check_state_options(manifest: mf.Manifest, prefix_cache, budget: int, spec, device: str, kv_shared: bool) -> int:
     """Refuse, before anything is allocated, the load options an artifact with state layers
-    cannot run yet; returns the prefix cache budget (0: a default budget is turned off, not refused)."""
+    cannot run yet; returns the prefix cache budget (the prefix pool keeps state snapshots)."""
     what = f"this artifact's {state_summary(manifest)} beside the KV cache"
     if device != "cpu":
         raise ValueError(
@@ -782,12 +782,7 @@ def _check_state_options(manifest: mf.Manifest, prefix_cache, budget: int, spec,
             f"speculative decoding: {what}, and verification would leave each row's state after its last drafted "
             "token, not after the accepted ones; load it without speculative"
         )
-    if prefix_cache is not None and budget:
-        raise ValueError(
-            f"prefix_cache={prefix_cache!r}: {what}, which a cached prefix cannot restore (KV blocks carry no "
-            "state yet); load it with prefix_cache=0"
-        )
-    return 0
+    return budget
 
 
 def _load_tokenizer(artifact_dir: Path) -> Tokenizer:

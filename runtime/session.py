@@ -31,7 +31,9 @@ Layers that keep a state (a hybrid artifact, manifest schema 3). A state is vali
 exactly ``cached`` tokens: it cannot be rewound, and a token cannot be fed twice. So on such an
 artifact a rewind below ``cached`` (``rewind``, ``sync`` to a diverging conversation, a turn whose
 kept tokens end before what it fed) drops the whole row (``cached = 0``) and the next turn
-prefills the conversation again from its first token; saving and restoring (KV blocks) is refused.
+prefills the conversation again from its first token. A saved session's block carries the row's
+state at ``cached`` (the block format's state entries, checksummed with the KV), which restore
+writes back; a file whose state belongs to another layout is refused like a foreign block.
 
 Prefix cache. A session's first turn imports the longest cached prefix of its prompt from the
 engine's prefix pool (e.g. a shared system prompt); each turn offers the row's new whole blocks
@@ -194,10 +196,11 @@ class Session:
         """Write the conversation to ``path``: the KV of its cached tokens and every token (see the
         module docstring). Returns the path."""
         self._check_open()
+        with_state = True if self._has_state and self._cached else None  # the row's state at `cached`
         with self.engine._lock:
-            block = self.engine.export_kv(self.row, self._tokens[: self._cached])
+            block = self.engine.export_kv(self.row, self._tokens[: self._cached], with_state=with_state)
         meta = {"kind": SESSION_KIND, "pending_tokens": self._tokens[self._cached :]}
-        return KVBlock(block.fingerprint, 0, block.token_ids, block.data, meta).save(path)
+        return KVBlock(block.fingerprint, 0, block.token_ids, block.data, meta, block.state).save(path)
 
     def restore(self, path: str | Path) -> None:
         """Replace the conversation with the one :meth:`save` wrote to ``path`` (its KV imported

@@ -10,18 +10,30 @@ row picked and positions ``[start, start + n)`` kept: one strided copy from the 
 Keys are stored after RoPE, so a block is only valid at the positions it came from: ``start`` is
 part of the block and import writes it there.
 
+Layers that keep a state (a hybrid artifact, manifest schema 3). ``L`` is then the layers that
+attend (``manifest.layout.attention``), and a block may carry ``state``: the row's state tensors
+at the block's end position ``stop`` (by past-input name, ``past_state.{l}.{part}``, each the
+row's ``[*shape]`` in its own dtype), since a state is valid at exactly one position. A block
+without ``state`` restores KV only: on a hybrid it can only be followed by one that carries the
+state at the row's end (the prefix pool's chain of whole blocks, then a snapshot).
+
 Header. ``fingerprint`` (:func:`fingerprint`: the source model's config and weights hashes, the
-dtype, layers, KV heads, head size and attention lowering: what makes two artifacts' KV
-interchangeable), ``start``, ``n``, the ``token_ids`` those positions hold, and ``meta`` (a small
-JSON dict for the caller; a saved session keeps its not-yet-cached tokens there).
+dtype, layers, KV heads, head size and attention lowering, and on a hybrid its layout: which
+layers attend and each state tensor's layer, kind, shape and dtype: what makes two artifacts'
+KV and state interchangeable), ``start``, ``n``, the ``token_ids`` those positions hold, and
+``meta`` (a small JSON dict for the caller; a saved session keeps its not-yet-cached tokens
+there); version 2 adds ``state``: each state tensor's name, shape and dtype, in data order.
 
 File (``save``/``load``)::
 
-    b"KVFBLOCK"  u32 version (1)  u64 header length  header (UTF-8 JSON)  data (n·L·2·H_kv·D values)
+    b"KVFBLOCK"  u32 version  u64 header length  header (UTF-8 JSON)  data (n·L·2·H_kv·D values)
+    [version 2: each state tensor's values, in the header's order]
     sha256 of everything before it (32 bytes)
 
-``load`` refuses a file whose magic, version, lengths or checksum are wrong (truncated or
-corrupted) with :class:`KVBlockError`, before any of it is used.
+A block without state is written as version 1 (readable by a kvforge without state support),
+one with state as version 2; ``load`` reads both. It refuses a file whose magic, version,
+lengths or checksum are wrong (truncated or corrupted: the checksum covers the state too) with
+:class:`KVBlockError`, before any of it is used.
 """
 
 from __future__ import annotations
@@ -36,10 +48,12 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.graphs.contract import past_state_name
 from kvforge.graphs.manifest import Manifest
 
 MAGIC = b"KVFBLOCK"
-VERSION = 1
+VERSION = 2  # 2: a block may carry its row's state (a hybrid); a block without state is written as 1
+VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
 _DIGEST = 32  # sha256
 DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -54,7 +68,7 @@ def fingerprint(manifest: Manifest) -> dict[str, Any]:
     """What two artifacts must share for one's KV to be valid in the other's cache: the source
     model (config and compiled weights hashes), dtype, cache dims and attention lowering."""
     m = manifest.model
-    return {
+    found = {
         "config_sha256": manifest.source.get("config_sha256"),
         "weights_sha256": manifest.weights.sha256,
         "dtype": manifest.dtype,
@@ -63,19 +77,35 @@ def fingerprint(manifest: Manifest) -> dict[str, Any]:
         "head_dim": m.head_dim,
         "lowering": manifest.lowering,
     }
+    layout = manifest.layout
+    if layout.has_state:  # a hybrid: which layers' KV a block holds, and the state it carries
+        found["attention_layers"] = list(layout.attention)
+        found["state"] = [entry.to_dict() for entry in layout.states]
+    return found
+
+
+def state_specs(manifest: Manifest) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each state tensor of one row, by past-input name: its shape and dtype (empty for an
+    artifact whose every layer attends); the order of a block's state."""
+    return {
+        past_state_name(entry.layer, t.part): (tuple(t.shape), np.dtype(DTYPES[t.dtype]))
+        for entry, t in manifest.layout.state_tensors()
+    }
 
 
 @dataclass(frozen=True)
 class KVBlock:
     """Positions ``[start, start + n)`` of one sequence's KV (see the module docstring). ``data``
     ``[L, 2, H_kv, n, D]`` is owned by the block (or a view of another block's, from :meth:`slice`);
-    treat it as read-only."""
+    treat it as read-only. ``state`` (a hybrid's): the row's state tensors at position ``stop``,
+    by past-input name, each ``[*shape]``; None: KV only."""
 
     fingerprint: dict[str, Any]
     start: int
     token_ids: tuple[int, ...]
     data: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         if self.data.ndim != 5 or self.data.shape[1] != 2 or self.data.shape[3] != len(self.token_ids):
@@ -95,15 +125,36 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        """Bytes of KV data and state."""
+        return self.data.nbytes + self.state_nbytes
+
+    @property
+    def state_nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state.values()) if self.state else 0
 
     def slice(self, start: int, stop: int) -> KVBlock:
         """Positions ``[start, stop)`` (absolute positions inside this block) as a block whose data
-        is a view of this one's (no copy)."""
+        is a view of this one's (no copy); it keeps the state only when it ends where this one does
+        (a state is valid at one position)."""
         if not self.start <= start < stop <= self.stop:
             raise ValueError(f"positions [{start}, {stop}) are not inside this block's [{self.start}, {self.stop})")
         a, b = start - self.start, stop - self.start
-        return KVBlock(self.fingerprint, start, self.token_ids[a:b], self.data[:, :, :, a:b], dict(self.meta))
+        state = self.state if stop == self.stop else None
+        return KVBlock(self.fingerprint, start, self.token_ids[a:b], self.data[:, :, :, a:b], dict(self.meta), state)
+
+    def check_state(self, expected: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        """Refuse (KVBlockError) a block whose state tensors are not ``expected`` (the engine's
+        :func:`state_specs`): other names, shapes or dtypes, or a state where the artifact keeps none."""
+        if self.state is None:
+            return
+        got = {name: (tuple(a.shape), a.dtype) for name, a in self.state.items()}
+        if got != dict(expected):
+            want = {name: (list(shape), dtype.name) for name, (shape, dtype) in expected.items()}
+            have = {name: (list(shape), dtype.name) for name, (shape, dtype) in got.items()}
+            raise KVBlockError(
+                f"this KV block carries the state of another layout ({have or 'none'}); this artifact's rows keep "
+                f"{want or 'no state'}: use a block exported by an engine of the same compiled model"
+            )
 
     def check_compatible(self, expected: Mapping[str, Any]) -> None:
         """Refuse (KVBlockError) a block whose fingerprint differs from ``expected`` (the engine's),
@@ -113,6 +164,7 @@ class KVBlock:
             for k in expected
             if self.fingerprint.get(k) != expected.get(k)
         ]
+        diff += [f"{k}: block {self.fingerprint[k]!r}, engine none" for k in self.fingerprint if k not in expected]
         if diff:
             raise KVBlockError(
                 "this KV block comes from another artifact and cannot be imported ("
@@ -133,12 +185,19 @@ class KVBlock:
             "token_ids": [int(t) for t in self.token_ids],
             "meta": self.meta,
         }
+        states = []
+        if self.state is not None:
+            header["state"] = [
+                {"name": k, "shape": list(a.shape), "dtype": a.dtype.name} for k, a in self.state.items()
+            ]
+            states = [memoryview(np.ascontiguousarray(a)).cast("B") for a in self.state.values()]
+        version = VERSION if self.state is not None else 1
         head = json.dumps(header, separators=(",", ":")).encode()
         data = np.ascontiguousarray(self.data)
         digest = hashlib.sha256()
         path = Path(path)
         with path.open("wb") as f:
-            for part in (_PREFIX.pack(MAGIC, VERSION, len(head)), head, memoryview(data).cast("B")):
+            for part in (_PREFIX.pack(MAGIC, version, len(head)), head, memoryview(data).cast("B"), *states):
                 digest.update(part)
                 f.write(part)
             f.write(digest.digest())
@@ -156,8 +215,8 @@ class KVBlock:
         if len(raw) < _PREFIX.size + _DIGEST or raw[:8] != MAGIC:
             raise KVBlockError(f"{where}: it does not start with {MAGIC!r} (not written by KVBlock.save, or truncated)")
         _, version, head_len = _PREFIX.unpack_from(raw)
-        if version != VERSION:
-            raise KVBlockError(f"{where}: format version {version}; this kvforge reads version {VERSION}")
+        if version not in VERSIONS:
+            raise KVBlockError(f"{where}: format version {version}; this kvforge reads versions {VERSIONS}")
         body = len(raw) - _DIGEST
         if _PREFIX.size + head_len > body:
             raise KVBlockError(f"{where}: it is truncated ({len(raw)} bytes, the header alone says more)")
@@ -169,10 +228,21 @@ class KVBlock:
         dtype = np.dtype(DTYPES.get(header["dtype"], header["dtype"]))
         shape = tuple(header["shape"])
         payload = memoryview(raw)[_PREFIX.size + head_len : body]
-        if len(payload) != int(np.prod(shape)) * dtype.itemsize:
-            raise KVBlockError(f"{where}: {len(payload)} bytes of KV data, the header's shape {shape} needs more")
-        data = np.frombuffer(payload, dtype=dtype).reshape(shape)
-        return cls(header["fingerprint"], int(header["start"]), tuple(header["token_ids"]), data, header["meta"])
+        specs = [(s["name"], tuple(s["shape"]), np.dtype(DTYPES[s["dtype"]])) for s in header.get("state", [])]
+        kv_bytes = int(np.prod(shape)) * dtype.itemsize
+        sizes = [int(np.prod(s)) * d.itemsize for _, s, d in specs]
+        if len(payload) != kv_bytes + sum(sizes):
+            raise KVBlockError(
+                f"{where}: {len(payload)} bytes of KV data and state, the header's shapes need {kv_bytes + sum(sizes)}"
+            )
+        data = np.frombuffer(payload[:kv_bytes], dtype=dtype).reshape(shape)
+        state, at = None, kv_bytes
+        if "state" in header:
+            state = {}
+            for (name, s, d), size in zip(specs, sizes):
+                state[name] = np.frombuffer(payload[at : at + size], dtype=d).reshape(s)
+                at += size
+        return cls(header["fingerprint"], int(header["start"]), tuple(header["token_ids"]), data, header["meta"], state)
 
 
 def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:

@@ -9,12 +9,16 @@ What a decode worker needs to continue exactly as the colocated scheduler would:
 request's parameters (``sampling``: the resolved :class:`SamplingParams` as a JSON-able dict),
 the first token with its logprob entry, the sampler's RNG state after its first draw, the prefix
 cache hits of the prefill side, and the KV of positions ``[0, len(prompt_ids))`` as a
-:class:`KVBlock` (the first token is not in it: the decode side feeds it at its first step).
+:class:`KVBlock` (the first token is not in it: the decode side feeds it at its first step). On a
+hybrid artifact the block carries the row's state at ``len(prompt_ids)`` too (its ``state``), and
+the checksum covers the state after the KV.
 
 Transport. :meth:`Handoff.header` is everything but the block's data, JSON-able (small: the
-prompt ids and the fingerprint); :meth:`Handoff.from_parts` rebuilds a hand-off from a header and
-an array ``[L, 2, H_kv, n, D]`` (e.g. a view on shared memory, :mod:`kvforge.runtime.kv.shm`, or
-an object in Ray's store). Neither copies the data.
+prompt ids and the fingerprint; on a hybrid each state tensor's name, shape and dtype);
+:meth:`Handoff.from_parts` rebuilds a hand-off from a header, an array ``[L, 2, H_kv, n, D]`` (e.g.
+a view on shared memory, :mod:`kvforge.runtime.kv.shm`, or an object in Ray's store) and the state
+arrays the header names (:func:`split_state` cuts them from the bytes after the KV). Neither
+copies the data.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class Handoff:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of KV data (what a transport moves)."""
+        """Bytes of KV data and state (what a transport moves)."""
         return self.block.nbytes
 
     def header(self) -> dict[str, Any]:
@@ -85,14 +89,19 @@ class Handoff:
                 "shape": list(self.block.data.shape),
                 "dtype": self.block.data.dtype.name,
                 "meta": self.block.meta,
+                "state": None
+                if self.block.state is None
+                else [{"name": k, "shape": list(a.shape), "dtype": a.dtype.name} for k, a in self.block.state.items()],
             },
         }
 
     @classmethod
-    def from_parts(cls, header: Mapping[str, Any], data: np.ndarray) -> Handoff:
-        """The hand-off of ``header`` (from :meth:`header`) with ``data`` as its block's data (kept
-        as is: a view stays a view). KVBlockError when the header is not one this kvforge reads or
-        ``data`` is not the array it describes."""
+    def from_parts(
+        cls, header: Mapping[str, Any], data: np.ndarray, state: Mapping[str, np.ndarray] | None = None
+    ) -> Handoff:
+        """The hand-off of ``header`` (from :meth:`header`) with ``data`` as its block's data and
+        ``state`` as its state (kept as is: a view stays a view). KVBlockError when the header is
+        not one this kvforge reads, or ``data`` or ``state`` are not the arrays it describes."""
         if not isinstance(header, Mapping) or header.get("version") != HEADER_VERSION:
             got = header.get("version") if isinstance(header, Mapping) else type(header).__name__
             raise KVBlockError(
@@ -106,9 +115,17 @@ class Handoff:
                 f"the hand-off's KV data is {data.dtype} {tuple(data.shape)}, its header says {dtype} "
                 f"{tuple(b['shape'])}: the data does not belong to this header"
             )
+        specs = state_layout(header)
+        got = None if state is None else [(k, list(a.shape), a.dtype.name) for k, a in state.items()]
+        if got != (None if specs is None else [(k, list(s), d.name) for k, s, d in specs]):
+            raise KVBlockError(
+                f"the hand-off's state is {got}, its header says {b.get('state')}: the state does not belong to "
+                "this header"
+            )
         prompt = [int(t) for t in header["prompt_ids"]]
         start = int(b["start"])
-        block = KVBlock(b["fingerprint"], start, tuple(prompt[start : start + data.shape[3]]), data, dict(b["meta"]))
+        ids = tuple(prompt[start : start + data.shape[3]])
+        block = KVBlock(b["fingerprint"], start, ids, data, dict(b["meta"]), None if state is None else dict(state))
         lp = header["first_logprobs"]
         first_lp = (
             None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), [(int(t), float(v)) for t, v in lp[2]])
@@ -124,6 +141,30 @@ class Handoff:
             block=block,
             cached_tokens=int(header.get("cached_tokens", 0)),
         )
+
+
+def state_layout(header: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], np.dtype]] | None:
+    """The state tensors a hand-off header names (name, shape, dtype), in data order; None: KV only."""
+    specs = header["block"].get("state")
+    if specs is None:
+        return None
+    return [(str(s["name"]), tuple(s["shape"]), np.dtype(DTYPES.get(s["dtype"], s["dtype"]))) for s in specs]
+
+
+def split_state(header: Mapping[str, Any], raw: np.ndarray) -> dict[str, np.ndarray] | None:
+    """The state arrays of ``header`` as views of ``raw`` (uint8, the bytes after the KV data, in
+    the header's order); KVBlockError when ``raw`` is shorter. None for a KV-only hand-off."""
+    specs = state_layout(header)
+    if specs is None:
+        return None
+    state, at = {}, 0
+    for name, shape, dtype in specs:
+        size = int(np.prod(shape)) * dtype.itemsize
+        if at + size > raw.nbytes:
+            raise KVBlockError(f"the hand-off's memory ends inside its state ({raw.nbytes} bytes after the KV data)")
+        state[name] = raw[at : at + size].view(dtype).reshape(shape)
+        at += size
+    return state
 
 
 def params_dict(params: SamplingParams) -> dict[str, Any]:

@@ -21,6 +21,18 @@ it evicts the least recently used block that is a leaf (no cached block continue
 middle block would strand its descendants) and is not pinned. ``acquire`` pins what it returns
 until ``release``, so a block being imported is never evicted by another thread's offer.
 
+State snapshots (``needs_state``: a hybrid artifact, whose layers keep a state valid at one
+position only). KV blocks alone cannot resume such a row: a prefix is found only where a
+*snapshot* ends, a block of the positions after the last whole block (fewer than
+``block_tokens``, maybe none) that carries the row's state at its end, hung under that whole
+block (as SGLang's mamba radix cache keeps states at chosen nodes of the same tree). The batch
+loop offers one at the end of each prompt and at the end of each finished row
+(``offer(..., snapshot=...)``), where reuse is likely (a chat's next turn continues the last
+one's prompt and answer); a lookup returns the whole blocks up to the longest matching snapshot
+and the snapshot, whose state the import writes into the row. A snapshot's bytes (its positions
+and its state) count against the budget like a block's; a whole block with snapshots or blocks
+under it is not evicted, and a leaf block without a snapshot (useless here) goes first.
+
 Statistics (:meth:`PrefixPool.stats`), named as vLLM's: ``queries`` (prompt tokens looked up),
 ``hits`` (of those, found in the pool); per request ``requests``/``hit_requests``; ``evictions``,
 ``blocks``, ``bytes``, ``budget``. The pool is thread-safe (one lock) and knows nothing of the
@@ -83,7 +95,8 @@ class _Entry:
     tokens: tuple[int, ...]
     block: KVBlock
     pins: int = 0
-    children: int = 0
+    children: int = 0  # entries (blocks, snapshots) under this one
+    snapshot: bool = False  # a state snapshot: < block_tokens positions and the row's state at their end
 
 
 @dataclass(frozen=True)
@@ -107,7 +120,7 @@ class PrefixPoolStats:
     requests: int  # lookups
     hit_requests: int  # lookups that found at least one block
     evictions: int  # blocks evicted to make room
-    blocks: int  # blocks held
+    blocks: int  # blocks held (state snapshots included)
     bytes: int  # bytes held
     budget: int  # budget_bytes
     block_tokens: int
@@ -119,15 +132,18 @@ class PrefixPoolStats:
 
 
 class PrefixPool:
-    """See the module docstring. ``budget_bytes`` > 0; ``block_tokens``: tokens per block."""
+    """See the module docstring. ``budget_bytes`` > 0; ``block_tokens``: tokens per block;
+    ``needs_state``: a prefix is found only where a state snapshot ends (a hybrid artifact)."""
 
-    def __init__(self, budget_bytes: int, block_tokens: int = BLOCK_TOKENS) -> None:
+    def __init__(self, budget_bytes: int, block_tokens: int = BLOCK_TOKENS, needs_state: bool = False) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"a prefix pool needs a budget > 0 bytes, got {budget_bytes} (0 means: no pool)")
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.budget = int(budget_bytes)
         self.block_tokens = int(block_tokens)
+        self.needs_state = bool(needs_state)
+        self._snapshots: dict[int | None, set[int]] = {}  # parent block key -> its snapshots' keys
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._lock = threading.Lock()
@@ -143,27 +159,54 @@ class PrefixPool:
                 break
             tokens = tuple(int(t) for t in token_ids[start : start + bt])
             entry = self._entries.get(hash((parent, tokens)))
-            if entry is None or entry.parent != parent or entry.tokens != tokens:
+            if entry is None or entry.snapshot or entry.parent != parent or entry.tokens != tokens:
                 break
             found.append(entry)
             parent = entry.key
         return found
 
+    def _snapshot_chain(self, token_ids: Sequence[int], limit: int) -> tuple[list[_Entry], int]:
+        """The whole blocks and the snapshot of the longest prefix of ``token_ids`` (at most
+        ``limit`` tokens) that ends at a state snapshot, and its length; ``([], 0)`` when none."""
+        bt, chain = self.block_tokens, self._chain(token_ids, limit)
+        for depth in range(len(chain), -1, -1):
+            base = depth * bt
+            if base > limit:
+                continue
+            parent = chain[depth - 1].key if depth else None
+            best = None
+            for key in self._snapshots.get(parent, ()):
+                snap = self._entries[key]
+                n = len(snap.tokens)
+                longer = base + n <= limit and (best is None or n > len(best.tokens))
+                if longer and tuple(int(t) for t in token_ids[base : base + n]) == snap.tokens:
+                    best = snap
+            if best is not None:
+                return [*chain[:depth], best], base + len(best.tokens)
+        return [], 0
+
+    def _find(self, token_ids: Sequence[int], limit: int) -> tuple[list[_Entry], int]:
+        """The entries of the longest usable prefix (at most ``limit`` tokens) and its length."""
+        if self.needs_state:
+            return self._snapshot_chain(token_ids, limit)
+        chain = self._chain(token_ids, limit)
+        return chain, min(len(chain) * self.block_tokens, limit)
+
     def match_length(self, token_ids: Sequence[int], limit: int | None = None) -> int:
-        """How many leading tokens of ``token_ids`` (at most ``limit``) the pool holds now; a peek
-        (no pin, no statistics)."""
+        """How many leading tokens of ``token_ids`` (at most ``limit``) the pool holds now (with
+        ``needs_state``: up to the longest matching snapshot); a peek (no pin, no statistics)."""
         limit = len(token_ids) if limit is None else limit
         with self._lock:
-            return min(len(self._chain(token_ids, limit)) * self.block_tokens, limit)
+            return self._find(token_ids, limit)[1]
 
     def acquire(self, token_ids: Sequence[int], limit: int | None = None) -> PrefixHit:
         """The longest cached prefix of ``token_ids``, at most ``limit`` tokens (a request passes
         ``len(prompt) - 1``: its last token must be prefilled), pinned until :meth:`release`;
-        counted in the statistics."""
+        counted in the statistics. With ``needs_state`` the last block is the snapshot, which
+        carries the state at ``tokens``."""
         limit = len(token_ids) if limit is None else limit
         with self._lock:
-            chain = self._chain(token_ids, limit)
-            tokens = min(len(chain) * self.block_tokens, limit)
+            chain, tokens = self._find(token_ids, limit)
             self._requests += 1
             self._queries += limit
             self._hits += tokens
@@ -186,20 +229,32 @@ class PrefixPool:
 
     # ------------------------------------------------------------------ offers
 
-    def offer(self, token_ids: Sequence[int], export: Callable[[int, int], KVBlock]) -> int:
+    def offer(
+        self,
+        token_ids: Sequence[int],
+        export: Callable[[int, int], KVBlock],
+        snapshot: Callable[[int], KVBlock | None] | None = None,
+    ) -> int:
         """Keep the KV of ``token_ids`` (the positions ``[0, len)`` of a sequence): for each whole
         block not yet in the pool, ``export(start, stop)`` is called for that block's KV (one copy)
         and stored, evicting least recently used blocks to stay within the budget. Stops at the
-        first block that does not fit. Returns how many blocks were added."""
+        first block that does not fit. ``snapshot(start)`` (with ``needs_state``; without it the
+        pool keeps nothing): the positions ``[start, len)`` after the last whole block as a block
+        carrying the row's state at ``len`` (None when the row's state is not valid there), kept
+        as a snapshot unless one is there already; the blocks this offer added are dropped again
+        when the snapshot does not fit. Returns how many blocks (and snapshots) were added."""
+        if self.needs_state and snapshot is None:
+            return 0
         bt, added, parent = self.block_tokens, 0, None
         with self._lock:
+            new: list[_Entry] = []
             touched = []
             for start in range(0, len(token_ids) - bt + 1, bt):
                 tokens = tuple(int(t) for t in token_ids[start : start + bt])
                 key = hash((parent, tokens))
                 entry = self._entries.get(key)
                 if entry is not None:
-                    if entry.parent != parent or entry.tokens != tokens:
+                    if entry.snapshot or entry.parent != parent or entry.tokens != tokens:
                         break  # a hash collision with another prefix: keep what is there
                     touched.append(entry)
                     parent = key
@@ -207,16 +262,55 @@ class PrefixPool:
                 block = export(start, start + bt)
                 if not self._make_room(block.nbytes, protect=parent):
                     break
-                entry = self._entries[key] = _Entry(key, parent, tokens, block)
-                self._bytes += block.nbytes
-                if parent is not None:
-                    self._entries[parent].children += 1
+                entry = self._add(_Entry(key, parent, tokens, block))
+                new.append(entry)
                 touched.append(entry)
                 added += 1
                 parent = key
+            else:  # every whole block is in the pool: the state snapshot after them
+                if self.needs_state:
+                    snap, fresh = self._offer_snapshot(token_ids, parent, snapshot)
+                    if snap is None:  # no state kept: the blocks this offer added cannot be found
+                        for entry in reversed(new):
+                            if entry.children == 0 and entry.pins == 0:
+                                self._drop(entry)
+                        return 0
+                    touched.append(snap)
+                    added += fresh
             for entry in reversed(touched):  # leaves least recent, the root most recent
-                self._entries.move_to_end(entry.key)
+                if entry.key in self._entries:
+                    self._entries.move_to_end(entry.key)
         return added
+
+    def _offer_snapshot(self, token_ids: Sequence[int], parent: int | None, snapshot) -> tuple[_Entry | None, bool]:
+        """The snapshot of ``token_ids`` under its last whole block ``parent`` (None: the root):
+        the one there or a new one (``snapshot(start)``'s), and whether it is new; ``(None,
+        False)`` when none can be kept (no state there, or no room)."""
+        bt = self.block_tokens
+        start = len(token_ids) // bt * bt
+        if len(token_ids) == 0:
+            return None, False
+        tokens = tuple(int(t) for t in token_ids[start:])
+        key = hash(("state", parent, tokens))
+        entry = self._entries.get(key)
+        if entry is not None:
+            ok = entry.snapshot and entry.parent == parent and entry.tokens == tokens
+            return (entry if ok else None), False  # not ok: a hash collision, keep what is there
+        block = snapshot(start)
+        if block is None or block.state is None or block.start != start or block.stop != len(token_ids):
+            return None, False
+        if not self._make_room(block.nbytes, protect=parent):
+            return None, False
+        entry = self._add(_Entry(key, parent, tokens, block, snapshot=True))
+        self._snapshots.setdefault(parent, set()).add(key)
+        return entry, True
+
+    def _add(self, entry: _Entry) -> _Entry:
+        self._entries[entry.key] = entry
+        self._bytes += entry.block.nbytes
+        if entry.parent is not None:
+            self._entries[entry.parent].children += 1
+        return entry
 
     def _make_room(self, nbytes: int, protect: int | None) -> bool:
         """Evict LRU unpinned leaves until ``nbytes`` more fit (never ``protect``, the parent of
@@ -224,9 +318,10 @@ class PrefixPool:
         if nbytes > self.budget:
             return False
         while self._bytes + nbytes > self.budget:
-            victim = next(
-                (e for e in self._entries.values() if e.pins == 0 and e.children == 0 and e.key != protect), None
-            )
+            leaves = [e for e in self._entries.values() if e.pins == 0 and e.children == 0 and e.key != protect]
+            # With states, a leaf block without a snapshot can never be found: it goes first.
+            victim = next((e for e in leaves if self.needs_state and not e.snapshot), None)
+            victim = victim or next(iter(leaves), None)
             if victim is None:
                 return False
             self._drop(victim)
@@ -236,6 +331,11 @@ class PrefixPool:
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.key]
         self._bytes -= entry.block.nbytes
+        if entry.snapshot:
+            keys = self._snapshots[entry.parent]
+            keys.discard(entry.key)
+            if not keys:
+                del self._snapshots[entry.parent]
         if entry.parent is not None:
             self._entries[entry.parent].children -= 1
 

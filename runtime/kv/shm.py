@@ -66,7 +66,7 @@ import numpy as np
 
 from kvforge.runtime.kv.block import DTYPES, KVBlockError
 from kvforge.runtime.kv.digest import Digest, algorithm_of, checksum
-from kvforge.runtime.kv.handoff import Handoff
+from kvforge.runtime.kv.handoff import Handoff, split_state
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvforge-"
@@ -201,20 +201,29 @@ class SegmentAllocator:
         """The ref of ``handoff``: its data where it is when it was exported into this allocator's
         memory (no copy), else copied into new memory of it. Its checksum is ``handoff.checksum``
         (the scheduler's export computes it as it copies), else the data is hashed here."""
-        data = handoff.block.data
+        block = handoff.block
+        data, nbytes = block.data, handoff.nbytes  # a hybrid's state follows the KV data in the memory
         with self._lock:
             where = self._open.pop(data.ctypes.data, None) if data.flags.c_contiguous else None
+        if where is not None and block.state and not _follows(data, block.state):
+            with self._lock:  # exported elsewhere, then cut apart: copied below, like any other
+                self._open[data.ctypes.data] = where
+            where = None
         if where is None:
-            buf = self(data.nbytes)
-            np.copyto(buf.view(data.dtype).reshape(data.shape), data)
+            buf = self(nbytes)
+            np.copyto(buf[: data.nbytes].view(data.dtype).reshape(data.shape), data)
+            at = data.nbytes
+            for value in (block.state or {}).values():
+                np.copyto(buf[at : at + value.nbytes].view(value.dtype).reshape(value.shape), value)
+                at += value.nbytes
             with self._lock:
                 where = self._open.pop(buf.ctypes.data)
         name, slot = where
-        digest = handoff.checksum or checksum(data)  # the export's, hashed as it copied (the scheduler's)
+        digest = handoff.checksum or block_checksum(block)  # the export's, hashed as it copied (the scheduler's)
         if slot is None:
-            return ShmRef(name, data.nbytes, digest, handoff.header())
+            return ShmRef(name, nbytes, digest, handoff.header())
         slot_id = int(self._state(slot)[0])
-        return ShmRef(name, data.nbytes, digest, handoff.header(), slot + SLOT_HEADER, slot, slot_id)
+        return ShmRef(name, nbytes, digest, handoff.header(), slot + SLOT_HEADER, slot, slot_id)
 
     def close(self) -> None:
         """Unlink the arena (views taken stay valid until dropped) and the segments allocated and
@@ -224,6 +233,26 @@ class SegmentAllocator:
             self._open, self._slots = {}, {}
         for name in [*names, *([self.arena_name] if self.arena_name else [])]:
             unlink(name)
+
+
+def _follows(data: np.ndarray, state: dict[str, np.ndarray]) -> bool:
+    """Whether ``state``'s arrays lie right after ``data`` in memory, in order (an export into
+    one buffer: the KV data, then each state tensor)."""
+    at = data.ctypes.data + data.nbytes
+    for value in state.values():
+        if value.ctypes.data != at or not value.flags.c_contiguous:
+            return False
+        at += value.nbytes
+    return True
+
+
+def block_checksum(block) -> str:
+    """The checksum of a hand-off block's bytes: its KV data, then its state (a hybrid's)."""
+    digest = Digest()
+    digest.update(block.data)
+    for value in (block.state or {}).values():
+        digest.update(value)
+    return digest.value()
 
 
 _segments = SegmentAllocator(arena_bytes=0)
@@ -344,8 +373,18 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
     try:
         b = ref.header["block"]
         dtype = np.dtype(DTYPES.get(b["dtype"], b["dtype"]))
-        data = raw if ref.cache is not None else raw.view(dtype).reshape(b["shape"])
-        handoff = Handoff.from_parts(ref.header, data)  # reads no data
+        row_state = None  # a hybrid's state tensors, after the KV data
+        if ref.cache is not None:
+            data = raw
+        else:
+            kv = int(np.prod(b["shape"])) * dtype.itemsize
+            if kv > raw.nbytes:
+                raise KVBlockError(
+                    f"this KV hand-off's {raw.nbytes} bytes cannot hold its KV data of {kv}: the ref is corrupted"
+                )
+            data = raw[:kv].view(dtype).reshape(b["shape"])
+            row_state = split_state(ref.header, raw[kv:])
+        handoff = Handoff.from_parts(ref.header, data, row_state)  # reads no data
         if fingerprint is not None:
             handoff.block.check_compatible(fingerprint)
         algorithm = algorithm_of(ref.checksum)

@@ -7,9 +7,10 @@ batching with more requests than rows (rows finish at different steps, survivors
 a chunked prefill is moved) gives every request its solo result; every batch-loop feature a
 hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string, a
 cancellation, chunked prefills) on at once gives each request its solo answer; a session
-continues a row's state turn by turn and re-prefills after a rewind; every feature that would
-need a state snapshot refuses up front, naming the state layers (prefix cache, KV export/import
-and saved sessions, speculative decoding, shared KV, the GPU backends, a ragged score call); the
+continues a row's state turn by turn and re-prefills after a rewind; the features a state still
+keeps out refuse up front, naming the state layers (speculative decoding, shared KV, the GPU
+backends, a ragged score call; the prefix cache, KV blocks, saved sessions and the hand-off carry
+the state: tests/runtime/test_state_blocks.py); the
 memory plan counts KV for the attention layer only and the state bytes beside it; inspect
 reports the state; the OpenAI server completes on it (no default drafting); compare finds it
 exact (prefill, decode, perplexity, padded batches)."""
@@ -38,7 +39,7 @@ def reference(lfm2_dir):
 
 @pytest.fixture(scope="module")
 def engine(lfm2_artifact):
-    with Engine.load(lfm2_artifact) as engine:  # the default prefix cache is off for a hybrid, not refused
+    with Engine.load(lfm2_artifact) as engine:  # the default prefix cache, with state snapshots
         yield engine
 
 
@@ -110,13 +111,12 @@ def test_score_of_equal_rows_runs_and_ragged_rows_are_refused(engine, reference)
 
 
 REFUSALS = [
-    (dict(prefix_cache="64MiB"), r"prefix_cache='64MiB': this artifact's layers \[0, 2, 3\] keep a conv state"),
     (dict(speculative="ngram"), "speculative decoding: .*verification would leave each row's state"),
     (dict(kv_shared=True), "kv_shared=True: .*which lent KV rows do not carry"),
 ]
 
 
-@pytest.mark.parametrize(("options", "message"), REFUSALS, ids=["prefix-cache", "speculative", "kv-shared"])
+@pytest.mark.parametrize(("options", "message"), REFUSALS, ids=["speculative", "kv-shared"])
 def test_features_without_state_snapshots_refuse_at_load(lfm2_artifact, options, message):
     with pytest.raises(ValueError, match=message):
         Engine.load(lfm2_artifact, **options)
@@ -137,14 +137,6 @@ def test_a_session_continues_its_state_and_re_prefills_after_a_rewind(engine, re
         rewound = session.tokens
         third = session.generate(max_new_tokens=6, sampling=greedy)
         assert third.token_ids == hf_greedy(reference, rewound, 6)
-        with pytest.raises(ValueError, match=r"export_kv: .*do not carry states yet"):
-            session.save(engine.artifact_dir.parent / "session.kvb")
-
-
-def test_kv_blocks_refuse(engine):
-    engine.prefill([PROMPTS[1]])
-    with pytest.raises(ValueError, match=r"export_kv: .*KV blocks .* do not carry states yet"):
-        engine.export_kv(0, PROMPTS[1])
 
 
 def test_memory_plan_counts_kv_of_attention_layers_and_the_state(lfm2_artifact):
@@ -214,7 +206,7 @@ def test_inspect_and_the_openai_server_run_on_a_hybrid(lfm2_artifact, engine):
     assert "state (conv) of layers [0, 2, 3]" in format_report(report)
 
     [expected] = engine.generate(["The for statement"], max_new_tokens=8, sampling=SamplingParams(temperature=0.0))
-    server = ModelServer.load(lfm2_artifact, threads=1, model_name="lfm2")  # the default prefix cache: off
+    server = ModelServer.load(lfm2_artifact, threads=1, model_name="lfm2")  # the default prefix cache: on
     with TestClient(build_app(server)) as client:
         body = {"model": "lfm2", "prompt": "The for statement", "max_tokens": 8, "temperature": 0}
         answer = client.post("/v1/completions", json=body)

@@ -7,8 +7,8 @@ The roles are those of the worker processes (:mod:`.worker`), as Ray Serve deplo
 
 - :class:`PrefillRole`: an engine and a scheduler; ``run(seq, request)`` streams the events of one
   sequence (:class:`~.workers.WorkerEvent`: the first chunk, then "done" or "handoff"). A hand-off's
-  KV goes into Ray's object store (``ray.put`` of the block's one numpy array: the header travels as
-  plain data, the array is never pickled row by row).
+  KV goes into Ray's object store (``ray.put`` of the block's numpy array and, on a hybrid, its state arrays:
+  the header travels as plain data, the arrays are never pickled row by row).
 - :class:`DecodeRole`: ``run(seq, ref)`` gets the block (``await`` of its ObjectRef: a zero-copy
   read-only view when the object is on this node, one transfer by Ray's object manager when it is
   not), resumes the sequence and streams "resumed", chunks, "done". Its prefix cache holds the
@@ -60,7 +60,7 @@ class RayRef:
 
     name: str
     header: dict[str, Any]
-    block: Any  # ray.ObjectRef of the block's [L, 2, H_kv, n, D] array
+    block: Any  # ray.ObjectRef of (the block's [L, 2, H_kv, n, D] array, its state dict or None)
     nbytes: int
     slot: None = None
 
@@ -118,7 +118,8 @@ class _Role:
                 return
             started = time.perf_counter()
             handoff = result.handoff
-            block = ray.put(handoff.block.data)  # one numpy array into the object store
+            # the numpy arrays into the object store: the KV, and a hybrid's state (None: KV only)
+            block = ray.put((handoff.block.data, handoff.block.state))
             ref = RayRef(f"ray-{secrets.token_hex(6)}", handoff.header(), block, handoff.nbytes)
             payload = {"ref": ref, "nbytes": ref.nbytes, "export_s": time.perf_counter() - started}
             yield WorkerEvent(HANDOFF, seq, payload)
@@ -165,9 +166,9 @@ class DecodeRole(_Role):
             return
         try:
             started = time.perf_counter()
-            data = await ref.block  # read-only; zero-copy from this node's object store
-            handle = self.scheduler.resume(Handoff.from_parts(ref.header, data))  # KVBlockError: foreign
-            del data
+            data, state = await ref.block  # read-only; zero-copy from this node's object store
+            handle = self.scheduler.resume(Handoff.from_parts(ref.header, data, state))  # KVBlockError: foreign
+            del data, state
             yield WorkerEvent("resumed", seq, {"import_s": time.perf_counter() - started})
             async for event in self._chunks(seq, handle):
                 yield event

@@ -45,13 +45,16 @@ HANDOFF = "handoff"  # the finish_reason of a sequence a prefill worker handed o
 def main(conn, spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # where a hung worker is stuck
+    from kvforge.graphs.manifest import read as read_manifest
     from kvforge.runtime import Engine
     from kvforge.runtime.kv import shm
 
     try:
         # A decode worker's prefix cache holds the rows it finished (a chat's previous turn), which the
         # router may send the next turn to directly (the prefill of its short rest runs there).
-        lend = spec.role == PREFILL and spec.lend_rows  # the cache in shared memory: hand-offs lend their rows
+        # The cache in shared memory: hand-offs lend their rows; not for a hybrid artifact (a lent row
+        # carries KV only, its state is exported with the KV into the arena instead).
+        lend = spec.role == PREFILL and spec.lend_rows and not read_manifest(spec.artifact_dir).layout.has_state
         engine = Engine.load(spec.artifact_dir, threads=spec.threads, prefix_cache=spec.prefix_cache, kv_shared=lend)
     except Exception as e:
         conn.send(WorkerEvent("failed", None, f"{type(e).__name__}: {e}"))
