@@ -27,7 +27,8 @@ in its own dtype, by past-input name. :meth:`views` gives both; the engine binds
 and its present output to the same view, so the graph updates a state in place, and
 :meth:`copy_row` moves a row's states with its KV (in-flight batching's compaction). A state is
 valid at its row's length only: the KV block paths (:meth:`read_positions` and co.) carry KV,
-and the engine refuses them for an artifact with state.
+and the engine's export adds a row's ``states`` to a block that ends at the row's length
+(:mod:`kvforge.runtime.kv.transfer`).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ The calls users make (``generate``, ``stream``, ``chat``, ``session()``, ``sched
 
 KV blocks. ``export_kv`` copies a row's positions out as a :class:`~kvforge.runtime.kv.KVBlock`
 and ``import_kv`` copies one in (one strided copy each way); they are
-:class:`~kvforge.runtime.kv.transfer.KVTransfer`'s, which ``StepEngine`` inherits. The prefix pool
+:class:`~kvforge.runtime.kv.transfer.KVTransfer`'s, which ``StepEngine`` inherits (on a hybrid
+artifact a block at its row's length carries the row's state too). The prefix pool
 (``prefix_pool``, made by ``load(prefix_cache=...)``) is held here for the batch loop, which
 imports cached prefixes at admission and offers finished rows; the engine never calls it.
 

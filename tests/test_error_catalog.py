@@ -976,11 +976,6 @@ def _(c):
 # ------------------------------------------------------------------------------------------ state layers
 
 
-@trigger("state-prefix-cache")
-def _(c, lfm2):
-    return raised(lambda: Engine.load(lfm2, prefix_cache="64MiB"))
-
-
 @trigger("state-speculative")
 def _(c, lfm2):
     return raised(lambda: Engine.load(lfm2, speculative="ngram"))
@@ -996,11 +991,29 @@ def _(c, lfm2):
     return raised(lambda: Engine.load(lfm2, device="cuda"))
 
 
-@trigger("state-kv-blocks")
+@trigger("state-block-foreign")
 def _(c, lfm2):
     with Engine.load(lfm2, threads=1) as engine:
         engine.prefill([[1, 2, 3]])
-        return raised(lambda: engine.export_kv(0, [1, 2, 3]))
+        block = engine.export_kv(0, [1, 2, 3])
+        other = {name: value[:32] for name, value in block.state.items()}  # another conv width
+        foreign = KVBlock(block.fingerprint, 0, block.token_ids, block.data, state=other)
+        return raised(lambda: engine.import_kv(foreign, 1), KVBlockError)
+
+
+@trigger("state-block-missing")
+def _(c, lfm2):
+    with Engine.load(lfm2, threads=1) as engine:
+        engine.prefill([[1, 2, 3]])
+        block = engine.export_kv(0, [1, 2, 3], with_state=False)
+        return raised(lambda: engine.import_kv(block, 1), KVBlockError)
+
+
+@trigger("state-block-position")
+def _(c, lfm2):
+    with Engine.load(lfm2, threads=1) as engine:
+        engine.prefill([[1, 2, 3]])
+        return raised(lambda: engine.export_kv(0, [1, 2], with_state=True))
 
 
 @trigger("state-score-ragged")

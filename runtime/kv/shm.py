@@ -43,6 +43,12 @@ with ``verify=False`` and its scheduler's import checks the digest as it copies 
 hashed as its cache holds it, right after the copy; no pass of its own on the decode side): a
 foreign or corrupted block (a lent row overwritten too) is a :class:`KVBlockError`, never imported.
 
+State (a hybrid artifact). A hand-off's block also carries its row's state: the export writes it
+into the same memory right after the KV data (``Engine.kv_nbytes`` counts it), the ref's
+``nbytes`` and checksum cover both, and :func:`take` cuts the state's arrays from the bytes after
+the KV (:func:`~kvforge.runtime.kv.handoff.split_state`). Such rows are never lent (a lent row is
+KV only): a hybrid's prefill worker exports into its arena.
+
 Names. ``kvforge-<pid>-...`` after the creating process, in ``/dev/shm`` (Linux's POSIX shared
 memory: what ``shm_open`` and ``multiprocessing.shared_memory`` use). Opened with ``os.open``
 rather than ``SharedMemory``: Python 3.11's resource tracker would unlink a segment when its
