@@ -258,3 +258,26 @@ def _corrupt_last_byte(ref: shm.ShmRef) -> None:
     pages = shm.map_segment(ref.name, writable=True)
     pages[ref.offset + ref.nbytes - 1] ^= 0xFF
     pages.close()
+
+
+def test_the_disaggregated_server_hands_a_hybrid_row_from_its_prefill_to_its_decode_worker(lfm2_artifact, plain):
+    import httpx
+
+    from kvforge.tools.serve.disagg.router import DisaggServer
+    from tests.helpers import KEY
+    from tests.tools.test_serve import metric, serving
+
+    prompts = ["The for statement iterates", "A list is a mutable"]
+    expected = plain.generate(prompts, max_new_tokens=10, sampling=GREEDY)
+    # lend_rows defaults to on: the prefill worker of a hybrid exports into its arena instead
+    server = DisaggServer.load(
+        lfm2_artifact, threads_per_worker=1, model_name="lfm2", prefill_workers=1, decode_workers=1
+    )
+    with serving(server) as url:
+        headers = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "lfm2", "prompt": prompts, "max_tokens": 10, "temperature": 0}
+        answer = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert [c["text"] for c in answer.json()["choices"]] == [e.text for e in expected]
+        metrics = httpx.get(url + "/metrics", headers=headers).text
+    assert metric(metrics, "kvforge_handoffs_total") >= 1

@@ -6,12 +6,12 @@ both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length prom
 batching with more requests than rows (rows finish at different steps, survivors are compacted,
 a chunked prefill is moved) gives every request its solo result; every batch-loop feature a
 hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string, a
-cancellation, chunked prefills) on at once gives each request its solo answer; a session
-continues a row's state turn by turn and re-prefills after a rewind; the features a state still
-keeps out refuse up front, naming the state layers (speculative decoding, shared KV, the GPU
-backends, a ragged score call; the prefix cache, KV blocks, saved sessions and the hand-off carry
-the state: tests/runtime/test_state_blocks.py); the
-memory plan counts KV for the attention layer only and the state bytes beside it; inspect
+cancellation, chunked prefills, a prefix-cache hit on a state snapshot) on at once gives each
+request its solo answer; a session continues a row's state turn by turn and re-prefills after a
+rewind; the features a state still keeps out refuse up front, naming the state layers
+(speculative decoding, shared KV, the GPU backends, a ragged score call; the prefix cache, KV
+blocks, saved sessions and the hand-off carry the state: tests/runtime/test_state_blocks.py);
+the memory plan counts KV for the attention layer only and the state bytes beside it; inspect
 reports the state; the OpenAI server completes on it (no default drafting); compare finds it
 exact (prefill, decode, perplexity, padded batches)."""
 
@@ -157,6 +157,8 @@ FEATURES = {
     "regex": ("A list is a mutable", 12, SamplingParams(temperature=0.0, regex=r"[a-z]+( [a-z]+){1,4}\."), None),
     "sampled": ("Exceptions are", 10, SamplingParams(temperature=0.8, top_p=0.9, seed=7, logit_bias={5: -100}), None),
     "stop": ("The while loop repeats", 16, SamplingParams(temperature=0.0), ["e"]),
+    # extends "greedy"'s prompt: a prefix hit on the state snapshot at that prompt's end
+    "prefix": ("The for statement iterates over the items", 8, SamplingParams(temperature=0.0), None),
 }
 
 
@@ -192,6 +194,7 @@ def test_every_batch_loop_feature_at_once_gives_each_request_its_solo_answer(eng
             want.stop_string,
         ), name
     assert together["cancelled"].finish_reason == "cancelled"
+    assert together["prefix"].cached_tokens == solo["prefix"].cached_tokens == 6  # "The for statement iterates"
 
 
 def test_inspect_and_the_openai_server_run_on_a_hybrid(lfm2_artifact, engine):
