@@ -318,15 +318,23 @@ class PrefixPool:
         if nbytes > self.budget:
             return False
         while self._bytes + nbytes > self.budget:
-            leaves = [e for e in self._entries.values() if e.pins == 0 and e.children == 0 and e.key != protect]
-            # With states, a leaf block without a snapshot can never be found: it goes first.
-            victim = next((e for e in leaves if self.needs_state and not e.snapshot), None)
-            victim = victim or next(iter(leaves), None)
+            victim = self._victim(protect)
             if victim is None:
                 return False
             self._drop(victim)
             self._evictions += 1
         return True
+
+    def _victim(self, protect: int | None) -> _Entry | None:
+        """The least recently used unpinned leaf other than ``protect``; with states, a leaf block
+        without a snapshot first (it can never be found)."""
+        first = None
+        for e in self._entries.values():
+            if e.pins == 0 and e.children == 0 and e.key != protect:
+                if not self.needs_state or not e.snapshot:
+                    return e
+                first = first or e
+        return first
 
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.key]
