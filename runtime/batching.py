@@ -30,7 +30,8 @@ pool before the row is reused or overwritten by compaction. On an artifact whose
 state (``pool.needs_state``), a prefix resumes only where a state snapshot ends: each offer keeps
 one at the row's length (the block after the last whole block, carrying the row's state), and a
 row also offers its prompt right after its prefill, before decoding moves the state on (the
-snapshot at the end of the prompt); the import writes the snapshot's state into the row.
+snapshot at the end of the prompt), and a prompt prefilled in chunks each chunk's part (a long
+document asked several questions); the import writes the snapshot's state into the row.
 
 Compaction. The decoding requests always sit in the contiguous rows ``[first, first + n)`` (request
 ``i`` in row ``first + i``), the one being filled right after them. A decode step runs on exactly
@@ -273,13 +274,14 @@ class BatchLoop:
         self._offer_row(ids[: min(int(self.engine.lengths[row]), len(ids) - 1)], row)
 
     def _offer_prompt(self, gens: list[Generation], row0: int) -> None:
-        """With states (``pool.needs_state``): offer each just-prefilled prompt of ``gens`` (in rows
-        ``row0, row0 + 1, ...``) with the snapshot of its end, before decoding moves the state on."""
+        """With states (``pool.needs_state``): offer the prefilled part of each prompt of ``gens``
+        (in rows ``row0, row0 + 1, ...``) with the snapshot of its end, before the next chunk or
+        decoding moves the state on (a whole prompt, or a long one after each of its chunks)."""
         if self.pool is None or not self.pool.needs_state:
             return
         for j, g in enumerate(gens):
-            if g.error is None and g.prefilled == len(g.prompt_ids):
-                self._offer_row(g.prompt_ids, row0 + j)
+            if g.error is None and 0 < g.prefilled <= len(g.prompt_ids):
+                self._offer_row(g.prompt_ids[: g.prefilled], row0 + j)
 
     def _offer_row(self, ids: list[int], row: int) -> None:
         """Offer positions ``[0, len(ids))`` of ``row`` (which hold ``ids``) to the prefix pool;
@@ -322,8 +324,8 @@ class BatchLoop:
             self.filling = None
             return
         gen.prefilled += len(piece)
+        self._offer_prompt([gen], row)  # with states: a snapshot at each chunk's end (a long document)
         if gen.remaining_prompt == 0:
-            self._offer_prompt([gen], row)
             self.filling = None
             self.decoding.append(gen)
             self._pick(logits, [gen], len(self.decoding) - 1)

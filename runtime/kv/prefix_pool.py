@@ -26,7 +26,8 @@ position only). KV blocks alone cannot resume such a row: a prefix is found only
 *snapshot* ends, a block of the positions after the last whole block (fewer than
 ``block_tokens``, maybe none) that carries the row's state at its end, hung under that whole
 block (as SGLang's mamba radix cache keeps states at chosen nodes of the same tree). The batch
-loop offers one at the end of each prompt and at the end of each finished row
+loop offers one at the end of each prompt (and of each chunk of a long one) and at the end of
+each finished row
 (``offer(..., snapshot=...)``), where reuse is likely (a chat's next turn continues the last
 one's prompt and answer); a lookup returns the whole blocks up to the longest matching snapshot
 and the snapshot, whose state the import writes into the row. A snapshot's bytes (its positions

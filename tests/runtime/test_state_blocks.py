@@ -5,8 +5,9 @@ layer), each checked token for token against a run without it:
 * the prefix pool (unit): a hybrid's prefix is found only where a snapshot ends, the longest one
   wins, snapshot bytes count against the budget, and a leaf block without a snapshot goes first;
 * a chat's next turn hits the snapshot at the end of the last turn's answer, a prompt extending an
-  earlier prompt hits the one at its end, and both answer exactly as without the prefix cache
-  (and as transformers);
+  earlier prompt hits the one at its end, a prompt sharing part of a long prompt hits the one at
+  the end of a chunk of its prefill, and each answers exactly as without the prefix cache (and as
+  transformers);
 * a block exported at its row's length carries the row's state; a saved session restores the
   conversation with its state and continues it exactly; a file with a corrupted state, a block
   with a state of another layout, another artifact's state, and a KV block without state are
@@ -128,6 +129,21 @@ def test_a_prompt_extending_an_earlier_one_hits_the_snapshot_at_its_end(engine, 
     assert b.token_ids == want.token_ids
     [again] = engine.generate([PROMPT], max_new_tokens=3, sampling=GREEDY)  # the same prompt: its last
     assert again.token_ids == a.token_ids and again.cached_tokens == 0  # token is prefilled, no snapshot before
+
+
+def test_a_long_prompt_keeps_a_snapshot_at_each_chunks_end(engine, plain):
+    _fresh_pool(engine)
+    document = [(11 * i + 5) % 300 for i in range(22)]
+    engine.prefill_chunk = 8  # chunks [0, 8), [8, 16), [16, 22): a snapshot at 8, 16 and 22
+    try:
+        engine.generate([document], max_new_tokens=2, sampling=GREEDY)
+        question = [*document[:19], 7, 5, 9]  # the same document, another question after position 19
+        [got] = engine.generate([question], max_new_tokens=6, sampling=GREEDY)
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    assert got.cached_tokens == 16
+    [want] = plain.generate([question], max_new_tokens=6, sampling=GREEDY)
+    assert got.token_ids == want.token_ids
 
 
 def test_a_session_turn_imports_a_snapshot_and_batches_stay_exact(engine, plain):
