@@ -20,6 +20,7 @@ Timing. Monotonic ``time.perf_counter()`` stamps: ``submitted`` (the request was
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ import numpy as np
 from kvforge.runtime import validate
 from kvforge.runtime.detokenize import IncrementalDetokenizer
 from kvforge.runtime.kv.block import KVBlock
+
+log = logging.getLogger("kvforge.runtime")
 from kvforge.runtime.kv.handoff import Handoff, params_dict
 from kvforge.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from kvforge.runtime.stops import StopStrings
@@ -298,8 +301,14 @@ class Generation:
     def drop_handoff(self) -> None:
         """The resumed request's block is imported (or never will be): release its memory."""
         handoff, self.resume_from = self.resume_from, None
-        if handoff is not None:
+        if handoff is None:
+            return
+        try:
             handoff.release()
+        except Exception as error:  # noqa: BLE001 - the block is imported (or the request failed already)
+            # A release hook that fails (say, shared memory already unlinked) leaks at most that
+            # block's memory; raising here would drop the request between the loop's queues.
+            log.warning("releasing a resumed request's hand-off block failed (its KV is in): %r", error)
 
     def cancel(self) -> None:
         """Ask to stop (thread-safe); the loop retires the request at its next step."""

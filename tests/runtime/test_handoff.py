@@ -378,3 +378,20 @@ def test_checksum_fused_into_the_copies(engines, algorithm):
             assert_same(expected, sd.resume(again).result())
     finally:
         alloc.close()
+
+
+def test_a_failing_release_hook_does_not_lose_the_resumed_request(engines, caplog):
+    """A hand-off whose release hook raises (its shared memory gone, say) after the import still
+    decodes to the colocated answer, and the failure is logged instead of dropping the request."""
+    pre, dec, ref = engines
+    [(_, expected)] = colocated(ref, [PROMPT], 12)
+    [(_, r1, _, _)] = disaggregated(pre, dec, [PROMPT], 12, through_shm=False)
+
+    def broken() -> None:
+        raise OSError("segment already unlinked")
+
+    r1.handoff.on_release = broken
+    with caplog.at_level("WARNING", logger="kvforge.runtime"), dec.scheduler() as sd:
+        result = sd.resume(r1.handoff).result(timeout=60)
+    assert_same(expected, result)
+    assert "segment already unlinked" in caplog.text
