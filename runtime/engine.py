@@ -154,6 +154,7 @@ class StepEngine(KVTransfer):
         self.width_cost = width_cost(self.manifest.quantization is not None)
         self.verify_width = 1
         self._verify_bindings: dict[tuple[int, int, int], object] = {}
+        self.verify_states: dict[str, np.ndarray] = {}  # a hybrid's verify writes its states here
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
         self._batch_thread: int | None = None  # the thread whose prefill/score made the batch
@@ -337,6 +338,9 @@ class StepEngine(KVTransfer):
         self._ver_picks = np.zeros(n, dtype=np.int64)
         self._ver_offsets = np.arange(w, dtype=np.int64)
         self._ver_logits = np.zeros(n * self.vocab_size, dtype=self._logits.dtype)
+        # A hybrid artifact's verify call writes each state here, not over the row's own, which stays
+        # at the row's length: a row keeps the state of the tokens it accepts (speculative.states).
+        self.verify_states = {name: np.zeros_like(state) for name, state in self.cache.states.items()}
 
     def _check_graph_io(self, graph: str) -> None:
         """The graph must have exactly the I/O the manifest and the KV contract name (checked once,
@@ -596,6 +600,9 @@ class StepEngine(KVTransfer):
         them: returns ``[batch, width, V]`` (a view of the engine's verify logits, valid until the
         next call). Every row's length grows by ``width``; the caller sets each row's length back to
         the tokens it accepted (positions past a row's length are stale and never attended).
+        A hybrid artifact's states after the ``width`` tokens go to :attr:`verify_states` (by
+        past-input name, ``[B_max, *shape]``), the rows' own states stay as they were: the caller
+        keeps each row's by :func:`kvforge.runtime.speculative.states.keep_accepted`.
         The binding of each ``(first, batch, width)`` is made once and reused."""
         if self.speculative is None:
             raise RuntimeError("verify_rows needs speculative decoding: load the engine with speculative=...")
@@ -624,6 +631,8 @@ class StepEngine(KVTransfer):
             outputs[contract.LOGITS] = self._ver_logits[: batch * width * self.vocab_size].reshape(
                 batch, width, self.vocab_size
             )
+            for past, scratch in self.verify_states.items():
+                outputs[self.cache.present_of[past]] = scratch[first : first + batch]
             binding = self._verify_bindings[(first, batch, width)] = self.backend.bind("verify", inputs, outputs)
         self.backend.run(binding)
         lengths += width
@@ -777,11 +786,6 @@ def _check_state_options(manifest: mf.Manifest, prefix_cache, budget: int, spec,
         )
     if kv_shared:
         raise ValueError(f"kv_shared=True: {what}, which lent KV rows do not carry; load it without kv_shared")
-    if spec is not None:
-        raise ValueError(
-            f"speculative decoding: {what}, and verification would leave each row's state after its last drafted "
-            "token, not after the accepted ones; load it without speculative"
-        )
     if prefix_cache is not None and budget:
         raise ValueError(
             f"prefix_cache={prefix_cache!r}: {what}, which a cached prefix cannot restore (KV blocks carry no "

@@ -981,11 +981,6 @@ def _(c, lfm2):
     return raised(lambda: Engine.load(lfm2, prefix_cache="64MiB"))
 
 
-@trigger("state-speculative")
-def _(c, lfm2):
-    return raised(lambda: Engine.load(lfm2, speculative="ngram"))
-
-
 @trigger("state-kv-shared")
 def _(c, lfm2):
     return raised(lambda: Engine.load(lfm2, kv_shared=True))

@@ -22,7 +22,8 @@ lengths set to what they now hold. One step:
    inside an accepted run ends the request there and the tokens after it are dropped;
 4. the row's cache length is set to its old length + 1 + accepted drafts: the rejected positions
    hold stale keys and values that no query attends (they lie past the row's length) and the next
-   call overwrites them.
+   call overwrites them. A hybrid artifact's rows also keep the state of those tokens only
+   (:mod:`.states`: a row that rejected a draft re-runs what it kept).
 
 The gqa lowering cannot verify several rows in one call (ONNX Runtime's GroupQueryAttention:
 "batch_size must be 1 when sequence_length > 1 and past context is given"). With more than one
@@ -41,6 +42,7 @@ import time
 import numpy as np
 
 from kvforge.runtime.speculative.cost import call_cost, expected_tokens
+from kvforge.runtime.speculative.states import keep_accepted
 
 NO_DRAFT: list[int] = []
 
@@ -113,6 +115,7 @@ class Verifier:
             lengths[first + i] = base[i] + 1 + accepted
             if p and g.drafting is not None:
                 g.drafting.learn(len(p), accepted)
+        _keep_states(engine, gens, first, base, ids)
         return True
 
     def _timed(self, seconds: float, rows: int, width: int) -> None:
@@ -192,6 +195,17 @@ class Verifier:
             lengths[row] = base + 1 + accepted
             if g.drafting is not None:
                 g.drafting.learn(width, 1 + accepted)
+            _keep_states(engine, [g], row, [base], vids)
+
+
+def _keep_states(engine, gens: list, first: int, base: list[int], ids: np.ndarray) -> None:
+    """A hybrid artifact's rows keep the state of what they accepted (:mod:`.states`); when that
+    fails, their requests fail (their states are undefined)."""
+    try:
+        keep_accepted(engine, first, base, ids)
+    except Exception as error:
+        for g in gens:
+            g.fail(error)
 
 
 def _rate(drafting) -> float:

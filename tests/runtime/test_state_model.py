@@ -9,9 +9,9 @@ hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop 
 cancellation, chunked prefills) on at once gives each request its solo answer; a session
 continues a row's state turn by turn and re-prefills after a rewind; every feature that would
 need a state snapshot refuses up front, naming the state layers (prefix cache, KV export/import
-and saved sessions, speculative decoding, shared KV, the GPU backends, a ragged score call); the
+and saved sessions, shared KV, the GPU backends, a ragged score call); the
 memory plan counts KV for the attention layer only and the state bytes beside it; inspect
-reports the state; the OpenAI server completes on it (no default drafting); compare finds it
+reports the state; the OpenAI server completes on it; compare finds it
 exact (prefill, decode, perplexity, padded batches)."""
 
 from __future__ import annotations
@@ -111,12 +111,11 @@ def test_score_of_equal_rows_runs_and_ragged_rows_are_refused(engine, reference)
 
 REFUSALS = [
     (dict(prefix_cache="64MiB"), r"prefix_cache='64MiB': this artifact's layers \[0, 2, 3\] keep a conv state"),
-    (dict(speculative="ngram"), "speculative decoding: .*verification would leave each row's state"),
     (dict(kv_shared=True), "kv_shared=True: .*which lent KV rows do not carry"),
 ]
 
 
-@pytest.mark.parametrize(("options", "message"), REFUSALS, ids=["prefix-cache", "speculative", "kv-shared"])
+@pytest.mark.parametrize(("options", "message"), REFUSALS, ids=["prefix-cache", "kv-shared"])
 def test_features_without_state_snapshots_refuse_at_load(lfm2_artifact, options, message):
     with pytest.raises(ValueError, match=message):
         Engine.load(lfm2_artifact, **options)
