@@ -7,7 +7,8 @@ verify leaves each row's state as if only its accepted tokens had run.
 * one verify call of three rows that keep 2, 4 and 1 of their 4 tokens (and 4, 2, 4) leaves each
   row's states and next logits as a plain prefill of the kept tokens does;
 * a hybrid draft model resumes each proposal from the state snapshot of where the target's
-  rejection left it: its drafts are its greedy tokens after every partial acceptance;
+  rejection left it: its drafts are its greedy tokens after every partial acceptance; drafting
+  with it gives plain greedy tokens;
 * the OpenAI server drafts a chat's ``prediction`` on a hybrid by default: the answer is the plain
   one, with accepted and rejected prediction tokens in the usage.
 """
@@ -129,3 +130,14 @@ def test_openai_prediction_on_a_hybrid(lfm2_onnx):
             details = answer.json()["usage"]["completion_tokens_details"]
             if content == half:
                 assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] > 0
+
+
+def test_draft_model_on_a_hybrid_gives_plain_greedy_tokens(lfm2_onnx, lfm2_artifact, prompts):
+    with (
+        Engine.load(lfm2_onnx, threads=1) as plain,
+        Engine.load(lfm2_onnx, threads=1, speculative="draft:3", draft=lfm2_artifact) as spec,
+    ):
+        want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=16)]
+        got = spec.generate(prompts, max_new_tokens=16)
+    assert [r.token_ids for r in got] == want
+    assert sum(r.accepted_tokens for r in got) > 0  # the same model compiled again: its drafts are accepted
