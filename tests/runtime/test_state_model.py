@@ -231,3 +231,8 @@ def test_compare_checks_a_hybrid_against_transformers(lfm2_artifact, lfm2_dir):
     assert result["verdict"]["ok"], result["verdict"]
     assert result["batch"]["all_consistent"]  # a padded batch equals the batch-1 runs
     assert result["perplexity"]["kvforge"] == pytest.approx(result["perplexity"]["reference"], rel=1e-5)
+    # per layer: the conv layers' states and the attention layer's KV, each as transformers' cache holds it
+    rows = result["layers"]["per_layer"]
+    assert [(r["layer"], r["part"]) for r in rows] == [(0, "conv"), (1, "key"), (1, "value"), (2, "conv"), (3, "conv")]
+    assert all(0.0 <= r["max_abs_diff"] < 1e-4 for r in rows), rows
+    assert "  layer 2: conv " in compare.format_report(result)
