@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from kvforge.runtime.speculative.cost import call_cost, expected_tokens
+from kvforge.runtime.speculative.cost import call_cost, expected_tokens, rerun_cost
 from kvforge.runtime.speculative.states import keep_accepted
 
 NO_DRAFT: list[int] = []
@@ -164,7 +164,7 @@ class Verifier:
                 g.fail(error)
                 continue
             rest = p[1 : max_seq - int(lengths[row])]  # the row writes token + rest
-            if hit and not g.done and rest and _pays(g.drafting, 1 + len(rest), batch_rate):
+            if hit and not g.done and rest and _pays(g.drafting, 1 + len(rest), batch_rate, bool(engine.verify_states)):
                 follow.append((i, rest))
             elif g.drafting is not None:
                 g.drafting.learn(1, int(hit))  # only the first draft was checked
@@ -216,7 +216,9 @@ def _rate(drafting) -> float:
 
 def _best_width(gens: list, drafts: list[list[int]], widest: int) -> int:
     """The width of a call of all rows (every row pays it: padding for shorter drafts) with the
-    most expected tokens per cost; 1 (a plain step) when no width beats it."""
+    most expected tokens per cost; 1 (a plain step) when no width beats it. A hybrid artifact's
+    re-run after a rejection (:mod:`.states`) is not priced here: with it, rows at the prior rate
+    (0.7) would never draft in a batch, and so never show a better rate."""
     n = len(gens)
     best_width, best = 1, n / call_cost(n, 1)
     for width in range(2, widest + 1):
@@ -228,10 +230,12 @@ def _best_width(gens: list, drafts: list[list[int]], widest: int) -> int:
     return best_width
 
 
-def _pays(drafting, width: int, batch_rate: float) -> bool:
+def _pays(drafting, width: int, batch_rate: float, rerun: bool = False) -> bool:
     """Whether a batch-1 verify call of ``width`` tokens (the confirmed first draft and the rest)
-    is expected to give more tokens per cost than the batched decode step (``batch_rate``)."""
-    return expected_tokens(_rate(drafting), width - 1) / call_cost(1, width) > batch_rate
+    is expected to give more tokens per cost than the batched decode step (``batch_rate``);
+    ``rerun``: a hybrid artifact's rejection adds :func:`.cost.rerun_cost`."""
+    cost = call_cost(1, width) + (rerun_cost(_rate(drafting), width - 1) if rerun else 0.0)
+    return expected_tokens(_rate(drafting), width - 1) / cost > batch_rate
 
 
 def _accept_row(g, draft: list[int], logits: np.ndarray, greedy: np.ndarray | None, base: int, max_seq: int) -> int:

@@ -2,15 +2,18 @@
 verify leaves each row's state as if only its accepted tokens had run.
 
 * n-gram drafts, partly accepted and partly rejected, give plain greedy tokens in both lowerings
-  (onnx: rows of one verify call accept different counts; gqa: the split step's batch-1 calls),
-  batched and alone; without the fix (verify writing the rows' states in place) they do not;
+  (onnx: rows verify in one call; gqa: the split step's batch-1 calls), batched and alone; without
+  the fix (verify writing the rows' states in place) they do not;
+* predictions wrong at different tokens make the rows of shared verify calls accept different
+  counts, with plain greedy tokens;
 * one verify call of three rows that keep 2, 4 and 1 of their 4 tokens (and 4, 2, 4) leaves each
   row's states and next logits as a plain prefill of the kept tokens does;
 * a hybrid draft model resumes each proposal from the state snapshot of where the target's
   rejection left it: its drafts are its greedy tokens after every partial acceptance; drafting
   with it gives plain greedy tokens;
 * the OpenAI server drafts a chat's ``prediction`` on a hybrid by default: the answer is the plain
-  one, with accepted and rejected prediction tokens in the usage.
+  one, with accepted and rejected prediction tokens in the usage;
+* a rejection's re-run is priced: prompt lookup alone drafts shorter, or not at all, on a hybrid.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import numpy as np
 import pytest
 
 from kvforge.runtime import Engine, SamplingParams
+from kvforge.runtime.speculative import SpeculativeConfig
+from kvforge.runtime.speculative.cost import best_k, rerun_cost
 from kvforge.runtime.speculative.draft_model import DraftModel
 from kvforge.runtime.speculative.states import keep_accepted
 from tests.conftest import CHATML_TEMPLATE
@@ -68,11 +73,26 @@ def test_ngram_drafts_give_plain_greedy_tokens(request, lowering, prompts):
         broken = [broken_engine.generate([p], max_new_tokens=16)[0].token_ids for p in prompts]
     assert [r.token_ids for r in batch] == want
     assert [r.token_ids for r in single] == want
-    for results in (batch, single):
-        accepted = sum(r.accepted_tokens for r in results)
-        assert 0 < accepted < sum(r.drafted_tokens for r in results)  # drafts accepted and rejected
+    accepted = sum(r.accepted_tokens for r in single)
+    assert 0 < accepted < sum(r.drafted_tokens for r in single)  # drafts accepted and rejected
     # rows that rejected a draft go wrong without keeping their accepted state
     assert broken != want
+
+
+def test_rows_of_one_verify_call_accept_different_counts(lfm2_onnx, prompts):
+    """Three rows predicted right but for one token at 3, at 6 and nowhere: each rejects where its
+    prediction is wrong, in calls shared with rows that accept all their drafts."""
+    config = SpeculativeConfig(method="prediction", prediction_k=4, adaptive=False)
+    with Engine.load(lfm2_onnx, threads=1) as plain, Engine.load(lfm2_onnx, threads=1, speculative=config) as spec:
+        want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=16)]
+        predictions = [list(w) for w in want]
+        for row, at in ((0, 3), (1, 6)):
+            predictions[row][at] = (predictions[row][at] + 1) % 384
+        sampling = [SamplingParams(temperature=0.0, prediction=p) for p in predictions]
+        got = spec.generate(prompts, max_new_tokens=16, sampling=sampling)
+    assert [r.token_ids for r in got] == want
+    assert [r.prediction_rejected > 0 for r in got] == [True, True, False]
+    assert all(r.prediction_accepted >= 8 for r in got)
 
 
 @pytest.mark.parametrize("kept", [[2, 4, 1], [4, 2, 4]], ids=["full-row-between", "short-row-between"])
@@ -141,3 +161,12 @@ def test_draft_model_on_a_hybrid_gives_plain_greedy_tokens(lfm2_onnx, lfm2_artif
         got = spec.generate(prompts, max_new_tokens=16)
     assert [r.token_ids for r in got] == want
     assert sum(r.accepted_tokens for r in got) > 0  # the same model compiled again: its drafts are accepted
+
+
+def test_a_rejection_on_a_hybrid_is_priced_as_a_second_call():
+    """Prompt lookup alone (and a draft model, and the gqa split step's own calls) on a hybrid
+    weigh the re-run a rejection costs: shorter drafts, none at a moderate acceptance rate."""
+    assert rerun_cost(0.0, 4) == pytest.approx(1.0)  # a sure rejection: one more call of one token
+    assert [best_k(a, 8, 0.0) for a in (0.5, 0.7, 0.9)] == [3, 5, 8]
+    assert [best_k(a, 8, 0.0, rerun=True) for a in (0.5, 0.7, 0.9)] == [0, 3, 8]
+    assert [best_k(a, 8, 0.2, rerun=True) for a in (0.7, 0.9)] == [1, 4]  # a draft model's tokens cost too
