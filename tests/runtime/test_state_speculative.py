@@ -13,7 +13,8 @@ verify leaves each row's state as if only its accepted tokens had run.
   with it gives plain greedy tokens;
 * the OpenAI server drafts a chat's ``prediction`` on a hybrid by default: the answer is the plain
   one, with accepted and rejected prediction tokens in the usage;
-* a rejection's re-run is priced: prompt lookup alone drafts shorter, or not at all, on a hybrid.
+* a rejection's re-run is priced: prompt lookup alone drafts shorter, or not at all, on a hybrid;
+* every batch-loop feature at once with prompt-lookup drafting gives each request its solo answer.
 """
 
 from __future__ import annotations
@@ -170,3 +171,21 @@ def test_a_rejection_on_a_hybrid_is_priced_as_a_second_call():
     assert [best_k(a, 8, 0.0) for a in (0.5, 0.7, 0.9)] == [3, 5, 8]
     assert [best_k(a, 8, 0.0, rerun=True) for a in (0.5, 0.7, 0.9)] == [0, 3, 8]
     assert [best_k(a, 8, 0.2, rerun=True) for a in (0.7, 0.9)] == [1, 4]  # a draft model's tokens cost too
+
+
+def test_every_batch_loop_feature_with_ngram_drafts_gives_each_request_its_solo_answer(lfm2_artifact):
+    """test_state_model's feature batch (greedy, regex, seeded sampling, a stop string, a
+    cancellation, chunked prefills on 2 rows for 5 requests) with prompt-lookup drafting on: each
+    request as when it runs alone on the same engine."""
+    pytest.importorskip("llguidance")
+    from tests.runtime.test_state_model import FEATURES, _features
+
+    with Engine.load(lfm2_artifact, threads=1, speculative="ngram:4") as spec:
+        solo = {name: _features(spec, {name: r})[name] for name, r in FEATURES.items()}
+        spec.prefill_chunk = 3
+        together = _features(spec, FEATURES, cancel=True)
+    for name in FEATURES:
+        got, want = together[name], solo[name]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), name
+    assert together["cancelled"].finish_reason == "cancelled"
+    assert sum(r.drafted_tokens for r in together.values()) > 0  # drafts were verified beside the other rows
