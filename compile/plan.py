@@ -4,7 +4,8 @@ Input: a Hugging Face model directory (``config.json`` + ``*.safetensors``) or a
 a dtype and the limits (``max_batch``, ``max_seq``, ``max_prompt``), and a budget (``--gpu-memory``,
 else the GPU's free memory when there is one). Output: a :class:`MemoryPlan`: what the weights,
 the KV cache and the activations take, the total against the budget, and, when it does not fit,
-the limit to lower (:meth:`MemoryPlan.advice`). Plain arithmetic: no GPU, no torch.
+the limit to lower (:meth:`MemoryPlan.advice`). Plain arithmetic: no GPU, and no torch except for a hybrid model
+directory, whose state layout is read through transformers' config class (its defaults).
 
 The figures:
 
@@ -12,8 +13,9 @@ The figures:
   the data; an artifact's ``weights.data``, or its TensorRT plan once built);
 - KV cache: ``L * 2 * B * H_kv * S * D * bytes`` (:func:`kv_cache_bytes`); twice that when the
   engine does not alias the cache (two caches, alternated each step);
-- model state (a hybrid family's artifact, manifest schema 3): each state tensor's bytes per row
-  times ``B``; its KV cache then counts only the layers that attend;
+- model state (a hybrid family: an artifact's manifest, schema 3, or a model directory's config
+  read by the family's state layout, :func:`kvforge.graphs.architectures.state_layout`): each
+  state tensor's bytes per row times ``B``; the KV cache then counts only the layers that attend;
 - activations: an upper estimate for a prefill of ``max_batch x max_prompt`` tokens
   (:func:`activation_bytes`), replaced by TensorRT's own figure (``device_memory_size_v2``,
   recorded in the manifest) once an engine is built;
@@ -32,7 +34,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvforge.graphs import manifest as mf
-from kvforge.graphs.architectures import Dims
+from kvforge.graphs.architectures import ARCHITECTURES, Dims, state_layout
+from kvforge.graphs.contract import Layout
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 RESERVE_BYTES = 512 * 2**20
@@ -149,16 +152,39 @@ def model_shape_from_dir(model_dir: Path, dtype: str) -> ModelShape:
     except AttributeError as e:
         raise ValueError(f"{config_path} lacks a dimension the memory plan needs ({e})") from e
     intermediate = int(config.get("intermediate_size") or 4 * dims.hidden_size)
+    layout = _state_layout(model_dir, config, dtype)
+    state = _state_fields(layout) if layout is not None and layout.has_state else {}
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         numel = sum(n for f in files for n in _safetensors_numels(f))
-        return ModelShape(dims, intermediate, numel * ITEMSIZE[dtype], f"{len(files)} safetensors file(s) as {dtype}")
+        weights = numel * ITEMSIZE[dtype]
+        return ModelShape(dims, intermediate, weights, f"{len(files)} safetensors file(s) as {dtype}", **state)
     bins = sorted(model_dir.glob("pytorch_model*.bin"))
     if not bins:
         raise ValueError(f"{str(model_dir)!r} has no *.safetensors or pytorch_model*.bin weights")
     source = ITEMSIZE.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"), 4)
     size = sum(f.stat().st_size for f in bins)
-    return ModelShape(dims, intermediate, size * ITEMSIZE[dtype] // source, "pytorch_model*.bin file size, rescaled")
+    weights = size * ITEMSIZE[dtype] // source
+    return ModelShape(dims, intermediate, weights, "pytorch_model*.bin file size, rescaled", **state)
+
+
+def _state_layout(model_dir: Path, config: dict, dtype: str) -> Layout | None:
+    """Which layers of a model directory keep a state, for a family whose architecture entry says
+    its layers do (None otherwise): the family's state layout over transformers' config class,
+    which fills what config.json leaves to its defaults."""
+    architecture = (config.get("architectures") or [None])[0]
+    spec = ARCHITECTURES.get(architecture)
+    if spec is None or spec.state is None:
+        return None
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(model_dir)).get_text_config(decoder=True)
+    return state_layout(spec, hf_config, dtype)
+
+
+def _state_fields(layout: Layout) -> dict[str, int]:
+    """:class:`ModelShape`'s fields of a hybrid model: its KV layers and one row's state bytes."""
+    return {"kv_layers": len(layout.attention), "state_row_bytes": layout.state_row_bytes()}
 
 
 def _safetensors_numels(path: Path) -> list[int]:
@@ -185,10 +211,7 @@ def model_shape_from_artifact(manifest: mf.Manifest, root: Path) -> ModelShape:
     if config.is_file():
         intermediate = int(json.loads(config.read_text()).get("intermediate_size") or intermediate)
     engine = mf.engine_record(manifest)
-    layout = manifest.layout
-    state = (
-        {"kv_layers": len(layout.attention), "state_row_bytes": layout.state_row_bytes()} if layout.has_state else {}
-    )
+    state = _state_fields(manifest.layout) if manifest.layout.has_state else {}
     if engine:
         return ModelShape(dims, intermediate, engine.plan_bytes, f"TensorRT plan {engine.plan_file}", **state)
     return ModelShape(

@@ -155,6 +155,7 @@ class StepEngine(KVTransfer):
         self.width_cost = width_cost(self.manifest.quantization is not None)
         self.verify_width = 1
         self._verify_bindings: dict[tuple[int, int, int], object] = {}
+        self.verify_states: dict[str, np.ndarray] = {}  # a hybrid's verify writes its states here
         self.lengths = np.zeros(b, dtype=np.int64)  # cache rows in use, per row
         self.batch = 0  # rows of the current sequence batch (set by prefill)
         self._batch_thread: int | None = None  # the thread whose prefill/score made the batch
@@ -266,7 +267,7 @@ class StepEngine(KVTransfer):
         root = Path(artifact_dir)
         manifest = mf.read(root, verify=verify)
         if manifest.layout.has_state:
-            budget = _check_state_options(manifest, prefix_cache, budget, spec, device, kv_shared)
+            _check_state_options(manifest, device, kv_shared)
         if spec is not None:
             setup.check_artifact(manifest, device, one_session)
         if device == "cuda":
@@ -338,6 +339,9 @@ class StepEngine(KVTransfer):
         self._ver_picks = np.zeros(n, dtype=np.int64)
         self._ver_offsets = np.arange(w, dtype=np.int64)
         self._ver_logits = np.zeros(n * self.vocab_size, dtype=self._logits.dtype)
+        # A hybrid artifact's verify call writes each state here, not over the row's own, which stays
+        # at the row's length: a row keeps the state of the tokens it accepts (speculative.states).
+        self.verify_states = {name: np.zeros_like(state) for name, state in self.cache.states.items()}
 
     def _check_graph_io(self, graph: str) -> None:
         """The graph must have exactly the I/O the manifest and the KV contract name (checked once,
@@ -597,6 +601,9 @@ class StepEngine(KVTransfer):
         them: returns ``[batch, width, V]`` (a view of the engine's verify logits, valid until the
         next call). Every row's length grows by ``width``; the caller sets each row's length back to
         the tokens it accepted (positions past a row's length are stale and never attended).
+        A hybrid artifact's states after the ``width`` tokens go to :attr:`verify_states` (by
+        past-input name, ``[B_max, *shape]``), the rows' own states stay as they were: the caller
+        keeps each row's by :func:`kvforge.runtime.speculative.states.keep_accepted`.
         The binding of each ``(first, batch, width)`` is made once and reused."""
         if self.speculative is None:
             raise RuntimeError("verify_rows needs speculative decoding: load the engine with speculative=...")
@@ -625,6 +632,8 @@ class StepEngine(KVTransfer):
             outputs[contract.LOGITS] = self._ver_logits[: batch * width * self.vocab_size].reshape(
                 batch, width, self.vocab_size
             )
+            for past, scratch in self.verify_states.items():
+                outputs[self.cache.present_of[past]] = scratch[first : first + batch]
             binding = self._verify_bindings[(first, batch, width)] = self.backend.bind("verify", inputs, outputs)
         self.backend.run(binding)
         lengths += width
@@ -768,9 +777,9 @@ def state_summary(manifest: mf.Manifest) -> str:
     return f"layers {[e.layer for e in states]} keep a {'/'.join(sorted({e.kind for e in states}))} state"
 
 
-def _check_state_options(manifest: mf.Manifest, prefix_cache, budget: int, spec, device: str, kv_shared: bool) -> int:
+def _check_state_options(manifest: mf.Manifest, device: str, kv_shared: bool) -> None:
     """Refuse, before anything is allocated, the load options an artifact with state layers
-    cannot run yet; returns the prefix cache budget (the prefix pool keeps state snapshots)."""
+    cannot run yet (the prefix pool keeps state snapshots; verify keeps the accepted tokens' state)."""
     what = f"this artifact's {state_summary(manifest)} beside the KV cache"
     if device != "cpu":
         raise ValueError(
@@ -778,12 +787,6 @@ def _check_state_options(manifest: mf.Manifest, prefix_cache, budget: int, spec,
         )
     if kv_shared:
         raise ValueError(f"kv_shared=True: {what}, which lent KV rows do not carry; load it without kv_shared")
-    if spec is not None:
-        raise ValueError(
-            f"speculative decoding: {what}, and verification would leave each row's state after its last drafted "
-            "token, not after the accepted ones; load it without speculative"
-        )
-    return budget
 
 
 def _load_tokenizer(artifact_dir: Path) -> Tokenizer:

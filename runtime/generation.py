@@ -32,8 +32,6 @@ import numpy as np
 from kvforge.runtime import validate
 from kvforge.runtime.detokenize import IncrementalDetokenizer
 from kvforge.runtime.kv.block import KVBlock
-
-log = logging.getLogger("kvforge.runtime")
 from kvforge.runtime.kv.handoff import Handoff, params_dict
 from kvforge.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from kvforge.runtime.stops import StopStrings
@@ -43,6 +41,9 @@ if TYPE_CHECKING:
     from kvforge.runtime.constraints import GrammarConstraint
 
 FINISH_REASONS = ("stop", "length", "cancelled", "handoff")
+
+
+log = logging.getLogger("kvforge.runtime")
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ class Generation:
             return
         try:
             handoff.release()
-        except Exception as error:  # noqa: BLE001 - the block is imported (or the request failed already)
+        except Exception as error:  # the block is imported (or the request failed already)
             # A release hook that fails (say, shared memory already unlinked) leaks at most that
             # block's memory; raising here would drop the request between the loop's queues.
             log.warning("releasing a resumed request's hand-off block failed (its KV is in): %r", error)

@@ -89,7 +89,15 @@ def request(
     gen.drafting = (
         None
         if constraint
-        else setup.drafting(gen, params, engine.speculative, engine.draft_model, engine.vocab_size, engine.width_cost)
+        else setup.drafting(
+            gen,
+            params,
+            engine.speculative,
+            engine.draft_model,
+            engine.vocab_size,
+            engine.width_cost,
+            rerun=bool(engine.verify_states),
+        )
     )
     return gen
 

@@ -976,11 +976,6 @@ def _(c):
 # ------------------------------------------------------------------------------------------ state layers
 
 
-@trigger("state-speculative")
-def _(c, lfm2):
-    return raised(lambda: Engine.load(lfm2, speculative="ngram"))
-
-
 @trigger("state-kv-shared")
 def _(c, lfm2):
     return raised(lambda: Engine.load(lfm2, kv_shared=True))

@@ -12,7 +12,11 @@ printed as a table, optionally written as JSON and plotted per step. Sections:
 * ``perplexity``: the text's perplexity on both sides, from the score graph's all-position logits
   (the prefill graph only returns last-token logits), in windows of ``max_seq`` tokens;
 * ``batch``: the prompts as padded (ragged) batches of up to ``max_batch`` rows: each row's
-  prefill and teacher-forced decode logits and its greedy tokens against its batch-1 run.
+  prefill and teacher-forced decode logits and its greedy tokens against its batch-1 run;
+* ``layers``: each layer's cache after each prompt and its teacher-forced continuation (batch 1)
+  against transformers' cache after the same tokens: an attention layer's keys and values at
+  every position, a state layer's state (conv, recurrent), so that a difference can be bisected
+  to the layer where it starts. Reported, not judged: the logits are.
 
 The verdict fails (``MISMATCH``) when a maximum absolute logit difference exceeds ``atol`` or a
 batched row differs from its batch-1 run; top-1/top-5 and greedy divergence are reported as
@@ -24,8 +28,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from kvforge.graphs import contract
 from kvforge.runtime import Engine
 from kvforge.tools import metrics, reference
 from kvforge.tools import perplexity as ppl
@@ -137,8 +143,11 @@ def _run_compare(
         continuations = [reference.greedy(model, row, steps) for row in rows]
         ref_logits = [reference.all_logits(model, row + cont) for row, cont in zip(rows, continuations)]
 
-        say.say("kvforge: prefill and teacher-forced decode, batch 1")
-        ours = [_teacher_forced(engine, [row], [cont])[0] for row, cont in zip(rows, continuations)]
+        say.say("kvforge: prefill and teacher-forced decode, batch 1, and each layer's cache after it")
+        ours, layer_parts = [], []
+        for row, cont in zip(rows, continuations):
+            ours.append(_teacher_forced(engine, [row], [cont])[0])
+            layer_parts.append(_layer_diffs(engine, model, row + cont))
         ours_greedy = [engine.generate([row], max_new_tokens=steps)[0].token_ids for row in rows]
         say.say("kvforge: padded batches")
         batch = _batch_check(engine, rows, continuations, ours, ours_greedy, atol)
@@ -194,6 +203,7 @@ def _run_compare(
         "greedy": _greedy(ours_greedy, continuations, eos, steps),
         "perplexity": perplexity,
         "batch": batch,
+        "layers": _layers(layer_parts),
     }
     result["verdict"] = _verdict(result, atol)
     return result
@@ -215,6 +225,57 @@ def _teacher_forced(engine: Engine, rows: list[list[int]], tokens: list[list[int
         out.append(torch.tensor(engine.decode([t[i] for t in tokens]), dtype=torch.float32))
     stacked = torch.stack(out, dim=1)  # (B, 1 + steps, V)
     return list(stacked.unbind(0))
+
+
+def _our_cache(engine: Engine, n: int) -> dict[tuple[int, str], np.ndarray] | None:
+    """Cache row 0's first ``n`` positions by ``(layer, part)``: ``key``/``value`` ``[H_kv, n, D]`` of
+    each attention layer, and each state tensor (``conv``, ``recurrent``) of the other layers;
+    None when the cache is not in host memory (a GPU backend)."""
+    cache = engine.cache
+    if not isinstance(getattr(cache, "buffer", None), np.ndarray):
+        return None
+    out = {}
+    for i, layer in enumerate(cache.attention_layers):
+        out[layer, "key"], out[layer, "value"] = cache.buffer[i, 0, 0, :, :n], cache.buffer[i, 1, 0, :, :n]
+    for entry, tensor in engine.manifest.layout.state_tensors():
+        out[entry.layer, tensor.part] = cache.states[contract.past_state_name(entry.layer, tensor.part)][0]
+    return out
+
+
+def _layer_diffs(engine: Engine, model: torch.nn.Module, tokens: list[int]) -> dict[tuple[int, str], float] | None:
+    """Max |kvforge - transformers| of each cache tensor after ``tokens`` (None for a tensor that
+    transformers' cache does not hold in the same shape); None when kvforge's cache is on a device."""
+    ours = _our_cache(engine, len(tokens))
+    if ours is None:
+        return None
+    theirs = reference.cache_tensors(model, tokens)
+    diffs = {}
+    for (layer, part), array in ours.items():
+        mine, ref = torch.from_numpy(np.asarray(array, dtype=np.float32)), theirs.get((layer, part))
+        if ref is not None and part in ("key", "value") and ref.shape[-2] < mine.shape[-2]:
+            mine = mine[..., -ref.shape[-2] :, :]  # a sliding window's cache layer keeps the last positions
+        if ref is not None and part == "conv" and ref.shape[:-1] == mine.shape[:-1] and ref.shape[-1] > mine.shape[-1]:
+            ref = ref[..., -mine.shape[-1] :]  # transformers keeps the last K inputs, kvforge the K-1 the next needs
+        diffs[layer, part] = float((mine - ref).abs().max()) if ref is not None and ref.shape == mine.shape else None
+    return diffs
+
+
+def _layers(parts: list[dict[tuple[int, str], float] | None]) -> dict[str, Any]:
+    """The ``layers`` section: per cache tensor, the max difference over the prompts."""
+    if any(p is None for p in parts):
+        return {"skipped": "the artifact's cache is on the device (a GPU backend), not readable here"}
+    rows = []
+    for layer, part in parts[0]:
+        values = [p[layer, part] for p in parts]
+        rows.append(
+            {"layer": layer, "part": part, "max_abs_diff": None if None in values else max(values, default=0.0)}
+        )
+    rows.sort(key=lambda r: (r["layer"], PARTS.index(r["part"])))
+    known = [r["max_abs_diff"] for r in rows if r["max_abs_diff"] is not None]
+    return {"max_abs_diff": max(known, default=None), "per_layer": rows}
+
+
+PARTS = ("key", "value", "conv", "recurrent")
 
 
 def _per_step(decode_parts: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
@@ -388,6 +449,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"padded batch of {b['batch_size']}{' (ragged)' if b['ragged'] else ''}: "
             f"max|diff| vs batch-1 {worst:.2e}, greedy tokens {'identical' if same else 'DIFFER'}"
         )
+    lines += _format_layers(result.get("layers"))
     v = result["verdict"]
     lines.append("")
     if v["ok"]:
@@ -395,6 +457,19 @@ def format_report(result: dict[str, Any]) -> str:
     else:
         lines += [f"MISMATCH: {failure}" for failure in v["failures"]]
     return "\n".join(lines)
+
+
+def _format_layers(section: dict[str, Any] | None) -> list[str]:
+    """One line per layer: each cache tensor's max |diff| (``-`` where transformers has no counterpart)."""
+    if not section:
+        return []
+    if "skipped" in section:
+        return [f"cache per layer: skipped ({section['skipped']})"]
+    by_layer: dict[int, list[str]] = {}
+    for r in section["per_layer"]:
+        by_layer.setdefault(r["layer"], []).append(f"{r['part']} {_fmt(r['max_abs_diff'], '.2e')}")
+    lines = [f"cache per layer (max|diff| after prompt + continuation, worst {_fmt(section['max_abs_diff'], '.2e')}):"]
+    return lines + [f"  layer {layer}: " + ", ".join(parts) for layer, parts in sorted(by_layer.items())]
 
 
 def _positive(values: list[float | None]) -> list[float]:

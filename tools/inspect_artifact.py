@@ -326,7 +326,8 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _state_lines(state: list[dict], max_batch: int) -> list[str]:
-    """One line for a hybrid model's state entries: which layers, what kind, the bytes of max_batch rows."""
+    """A hybrid model's state entries: which layers, what kind, the bytes of max_batch rows; then one
+    line per kind of entry with its tensors' per-row shapes and dtypes and its layers."""
     if not state:
         return []
     total = 0
@@ -338,7 +339,14 @@ def _state_lines(state: list[dict], max_batch: int) -> list[str]:
             total += n
     kinds = ", ".join(sorted({e["kind"] for e in state}))
     layers = [e["layer"] for e in state]
-    return [f"  state ({kinds}) of layers {layers}, KV only for layers that attend; state = {_size(total)}"]
+    lines = [f"  state ({kinds}) of layers {layers}, KV only for layers that attend; state = {_size(total)}"]
+    groups: dict[tuple[str, str], list[int]] = {}
+    for entry in state:
+        tensors = ", ".join(f"{t['part']} {_shape(t['shape'])} {t['dtype']}" for t in entry["tensors"])
+        groups.setdefault((entry["kind"], tensors), []).append(entry["layer"])
+    for (kind, tensors), where in groups.items():
+        lines.append(f"    {kind}: {tensors} per row, layers {where}")
+    return lines
 
 
 def format_report(result: dict[str, Any]) -> str:

@@ -59,6 +59,26 @@ def all_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def cache_tensors(model: torch.nn.Module, tokens: list[int]) -> dict[tuple[int, str], torch.Tensor]:
+    """transformers' cache after one forward pass over ``tokens`` (batch 1), by ``(layer, part)``:
+    ``key``/``value`` ``[H_kv, T, D]`` of an attention layer (``T``: the positions its cache layer
+    keeps, the last ones for a sliding window), ``conv`` / ``recurrent`` of a layer that keeps a state
+    (``cache_utils.LinearAttentionLayer``'s ``conv_states`` ``[C, K]``: the last ``K`` inputs, and
+    ``recurrent_states``). A cache layer of another kind is left out."""
+    cache = model(torch.tensor([tokens]), use_cache=True, logits_to_keep=1).cache
+    out = {}
+    for layer, entry in enumerate(getattr(cache, "layers", None) or []):
+        parts = {"key": getattr(entry, "keys", None), "value": getattr(entry, "values", None)}
+        for part, states in (("conv", "conv_states"), ("recurrent", "recurrent_states")):
+            held = getattr(entry, states, None)
+            parts[part] = held.get(0) if isinstance(held, dict) else held
+        for part, tensor in parts.items():
+            if isinstance(tensor, torch.Tensor):
+                out[layer, part] = tensor[0].float()
+    return out
+
+
+@torch.inference_mode()
 def greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
     """``steps`` greedy tokens after ``prompt`` with transformers' default cache, not stopping at eos
     (callers cut at eos where they compare free generation; teacher forcing continues past it)."""

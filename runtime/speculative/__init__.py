@@ -7,7 +7,8 @@
 * :mod:`.draft_model`: a second kvforge artifact proposing greedily on its own cache;
 * :mod:`.setup`: the load-time artifact check and each request's drafter;
 * :mod:`.verify`: the batch loop's verify step (per-row drafts in one engine call, the acceptance
-  rule, the rows shortened back after a rejection).
+  rule, the rows shortened back after a rejection);
+* :mod:`.states`: a hybrid artifact's rows keep the state of their accepted tokens after verify.
 
 None of these imports the engine; the batch loop hands them what they need.
 """

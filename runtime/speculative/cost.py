@@ -10,7 +10,9 @@ tokens to draft, and whether a row's drafts pay for a call of their own.
   (the accepted run and the one token after it).
 * :func:`best_k`: the draft length with the most tokens per cost when each drafted token also
   costs ``token_cost`` steps (a draft model's forward pass; 0 for prompt lookup, whose drafts cost
-  only the wider call); 0 when plain decoding is cheaper.
+  only the wider call); 0 when plain decoding is cheaper;
+* :func:`rerun_cost`: what a rejection adds on an artifact whose layers keep a state: the row
+  re-runs the tokens it kept (:mod:`.states`), a second call.
 """
 
 from __future__ import annotations
@@ -43,13 +45,23 @@ def expected_tokens(a: float, drafts: int) -> float:
     return (1 - a ** (drafts + 1)) / (1 - a)
 
 
-def best_k(a: float, limit: int, token_cost: float, width_cost: float = WIDTH_COST) -> int:
+def rerun_cost(a: float, drafts: int, width_cost: float = WIDTH_COST) -> float:
+    """The expected cost a hybrid artifact's row adds to a verify call of ``drafts`` drafts, each
+    right with probability ``a``: unless every draft is accepted, a call of the tokens it kept
+    (about the call's expected tokens)."""
+    a = min(a, MAX_RATE)
+    return (1 - a**drafts) * call_cost(1, expected_tokens(a, drafts), width_cost)
+
+
+def best_k(a: float, limit: int, token_cost: float, width_cost: float = WIDTH_COST, rerun: bool = False) -> int:
     """The draft length in ``0..limit`` with the most tokens per cost (0: plain decoding, one token
     per step), when drafting costs ``token_cost`` steps per token and each token of the verify
-    call ``width_cost``."""
+    call ``width_cost``; ``rerun``: the artifact's layers keep a state, and a rejection costs
+    :func:`rerun_cost`."""
     best, best_rate = 0, 1.0
     for k in range(1, limit + 1):
-        rate = expected_tokens(a, k) / (k * token_cost + call_cost(1, k + 1, width_cost))
+        cost = k * token_cost + call_cost(1, k + 1, width_cost) + (rerun_cost(a, k, width_cost) if rerun else 0.0)
+        rate = expected_tokens(a, k) / cost
         if rate > best_rate:
             best, best_rate = k, rate
     return best

@@ -13,6 +13,11 @@ the target's batch loop, under the target's lock, is its only caller. Its time p
 (timed when the draft row was at most a step behind: the prompt's prefill is a one-time cost) and
 the target's time per step are measured as they run: a request's draft length is the one with
 the most expected tokens per cost (:func:`.cost.best_k`), none when drafting does not pay.
+
+A hybrid draft (its layers keep a state, valid at one position only) cannot shorten a row as KV
+is shortened: :class:`StateSnapshots` keeps each draft row's state at every position its next
+proposal may resume from (the proposal's start and after each of its drafted tokens but the
+last, which the row holds), and a resume elsewhere re-prefills the row from its start.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class DraftModel:
             )
         self.engine = draft_engine
         self.target_vocab = target_engine.vocab_size
+        self.snapshots = StateSnapshots(draft_engine) if draft_engine.manifest.layout.has_state else None
         self.rows: list[DraftModelDrafter | None] = [None] * draft_engine.max_batch
         self.row_tokens: list[list[int]] = [[] for _ in self.rows]  # what each draft row's cache holds
         # Moving averages of the seconds a drafted token and a target step (one token, one row) take.
@@ -127,12 +133,17 @@ class DraftModelDrafter:
         # The longest prefix the draft row shares with the tokens; the rest is prefilled.
         same = min(common_prefix(self.cached, tokens), len(tokens) - 1)  # the last token goes in, for its logits
         row = self.row
+        snapshots = model.snapshots
+        if snapshots is not None:  # a hybrid draft resumes where it has the row's state
+            same = snapshots.resume(row, len(self.cached), same)
         step = engine.chunk_tokens
         for at in range(same, len(tokens), step):
             logits = engine.prefill_rows([tokens[at : at + step]], [at], row)
         out = [int(np.argmax(logits[0]))]
         ids = engine.decode_ids(1)
-        for _ in range(k - 1):
+        for j in range(k - 1):
+            if snapshots is not None:
+                snapshots.save(row, len(tokens), j, k - 1)
             ids[0] = out[-1]
             logits = engine.decode_rows(1, row)
             out.append(int(np.argmax(logits[0])))
@@ -144,3 +155,44 @@ class DraftModelDrafter:
             if t >= model.target_vocab:
                 return out[:j]
         return out
+
+
+class StateSnapshots:
+    """A hybrid draft engine's row states at the positions a row's next proposal may resume from.
+
+    ``saved[name]``: ``[B_max, slots, *shape]`` per state tensor (by past-input name), slot ``j`` of
+    row ``r`` the state after ``start[r] + j`` tokens of the row's cached tokens (``count[r]`` slots
+    valid); grown, never shrunk, to the longest proposal seen.
+    """
+
+    def __init__(self, engine) -> None:
+        self.states = engine.cache.states
+        self.saved: dict[str, np.ndarray] = {}
+        self.start = [0] * engine.max_batch
+        self.count = [0] * engine.max_batch
+
+    def save(self, row: int, start: int, slot: int, slots: int) -> None:
+        """Keep row ``row``'s state (after ``start + slot`` tokens) in slot ``slot`` of ``slots``."""
+        if not self.saved or next(iter(self.saved.values())).shape[1] < slots:
+            self.saved = {
+                name: np.zeros((state.shape[0], slots, *state.shape[1:]), state.dtype)
+                for name, state in self.states.items()
+            }
+            self.count = [0] * len(self.count)  # the old slots are gone with their arrays
+        for name, state in self.states.items():
+            self.saved[name][row, slot] = state[row]
+        self.start[row], self.count[row] = start, slot + 1
+
+    def resume(self, row: int, held: int, at: int) -> int:
+        """Where row ``row`` (its state after ``held`` tokens) can continue at ``at`` tokens: ``at``
+        when its state is there or a slot holds it (restored), else 0 (re-prefill from the start).
+        The slots are spent: what the row runs next makes the later ones another sequence's."""
+        slot, valid = at - self.start[row], self.count[row]
+        self.count[row] = 0
+        if at == held:
+            return at
+        if not 0 <= slot < valid:
+            return 0
+        for name, state in self.states.items():
+            state[row] = self.saved[name][row, slot]
+        return at

@@ -156,9 +156,11 @@ class RowDrafting:
         prediction: bool = False,
         token_cost=None,
         width_cost: float = WIDTH_COST,
+        rerun: bool = False,
     ) -> None:
         self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
         self.width_cost = width_cost  # one more token of the row's own verify call, in steps
+        self.rerun = rerun  # the artifact keeps states: a rejection re-runs the kept tokens (cost.rerun_cost)
         self.prediction = prediction  # the drafter is the request's explicit prediction
         self.token_cost = token_cost
         self.rate = 0.6  # recent acceptance rate per drafted token (moving average)
@@ -184,7 +186,7 @@ class RowDrafting:
         if not self.adaptive:
             k = limit
         elif cost is not None:
-            k = best_k(self.rate, limit, cost)
+            k = best_k(self.rate, limit, cost, rerun=self.rerun)
             self.idle = 0 if k else self.idle + 1
             if k:
                 self.probe_every = PROBE
@@ -192,7 +194,7 @@ class RowDrafting:
                 k, self.idle = 1, 0  # brings the draft row up to date: a prefill of the tokens since)
                 self.probe_every = min(2 * self.probe_every, 256)
         elif lookup and alone:
-            k = best_k(self.rate, limit, 0.0, self.width_cost)
+            k = best_k(self.rate, limit, 0.0, self.width_cost, self.rerun)
             if k == 0:  # plain decoding is cheaper at this rate: one token, after a pause
                 if self.alone_pause > 0:
                     self.alone_pause -= 1
@@ -217,7 +219,7 @@ class RowDrafting:
             self.rate = 0.5 * self.rate + 0.5 * accepted / (accepted + (accepted < proposed))
             if accepted:
                 self.alone_misses = 0
-            elif best_k(self.rate, self.k_max, 0.0, self.width_cost) == 0:
+            elif best_k(self.rate, self.k_max, 0.0, self.width_cost, self.rerun) == 0:
                 self.alone_pause = min(1 << self.alone_misses, 16)
                 self.alone_misses += 1
         else:

@@ -23,11 +23,18 @@ def check_artifact(manifest: mf.Manifest, device: str, one_session: bool) -> Non
 
 
 def drafting(
-    gen, params, spec: SpeculativeConfig | None, draft_model, vocab_size: int, width_cost: float = WIDTH_COST
+    gen,
+    params,
+    spec: SpeculativeConfig | None,
+    draft_model,
+    vocab_size: int,
+    width_cost: float = WIDTH_COST,
+    rerun: bool = False,
 ) -> RowDrafting | None:
     """The request's drafting: its prediction, else the engine's method; None when it does not draft
     (no speculative config, ``speculative=False``, or method ``"prediction"`` without a prediction).
-    Without speculative decoding a prediction is ignored: it would change nothing in the output."""
+    Without speculative decoding a prediction is ignored: it would change nothing in the output.
+    ``rerun``: the artifact's layers keep a state (a rejection costs a second call, :mod:`.states`)."""
     if params.prediction is not None and spec is not None:
         bad = [t for t in params.prediction if t >= vocab_size]
         if bad:
@@ -38,6 +45,6 @@ def drafting(
         return None
     if spec.method == "draft":
         drafter = draft_model.drafter(gen.prompt_ids, lambda: gen.done)
-        return RowDrafting(drafter, spec.k, spec.adaptive, token_cost=draft_model.token_cost)
+        return RowDrafting(drafter, spec.k, spec.adaptive, token_cost=draft_model.token_cost, rerun=rerun)
     drafter = NgramDrafter(gen.prompt_ids, spec.ngram_max, spec.ngram_min)
-    return RowDrafting(drafter, spec.k, spec.adaptive, width_cost=width_cost)
+    return RowDrafting(drafter, spec.k, spec.adaptive, width_cost=width_cost, rerun=rerun)

@@ -22,7 +22,8 @@ lengths set to what they now hold. One step:
    inside an accepted run ends the request there and the tokens after it are dropped;
 4. the row's cache length is set to its old length + 1 + accepted drafts: the rejected positions
    hold stale keys and values that no query attends (they lie past the row's length) and the next
-   call overwrites them.
+   call overwrites them. A hybrid artifact's rows also keep the state of those tokens only
+   (:mod:`.states`: a row that rejected a draft re-runs what it kept).
 
 The gqa lowering cannot verify several rows in one call (ONNX Runtime's GroupQueryAttention:
 "batch_size must be 1 when sequence_length > 1 and past context is given"). With more than one
@@ -40,7 +41,8 @@ import time
 
 import numpy as np
 
-from kvforge.runtime.speculative.cost import call_cost, expected_tokens
+from kvforge.runtime.speculative.cost import call_cost, expected_tokens, rerun_cost
+from kvforge.runtime.speculative.states import keep_accepted
 
 NO_DRAFT: list[int] = []
 
@@ -113,6 +115,7 @@ class Verifier:
             lengths[first + i] = base[i] + 1 + accepted
             if p and g.drafting is not None:
                 g.drafting.learn(len(p), accepted)
+        _keep_states(engine, gens, first, base, ids)
         return True
 
     def _timed(self, seconds: float, rows: int, width: int) -> None:
@@ -161,7 +164,7 @@ class Verifier:
                 g.fail(error)
                 continue
             rest = p[1 : max_seq - int(lengths[row])]  # the row writes token + rest
-            if hit and not g.done and rest and _pays(g.drafting, 1 + len(rest), batch_rate):
+            if hit and not g.done and rest and _pays(g.drafting, 1 + len(rest), batch_rate, bool(engine.verify_states)):
                 follow.append((i, rest))
             elif g.drafting is not None:
                 g.drafting.learn(1, int(hit))  # only the first draft was checked
@@ -192,6 +195,17 @@ class Verifier:
             lengths[row] = base + 1 + accepted
             if g.drafting is not None:
                 g.drafting.learn(width, 1 + accepted)
+            _keep_states(engine, [g], row, [base], vids)
+
+
+def _keep_states(engine, gens: list, first: int, base: list[int], ids: np.ndarray) -> None:
+    """A hybrid artifact's rows keep the state of what they accepted (:mod:`.states`); when that
+    fails, their requests fail (their states are undefined)."""
+    try:
+        keep_accepted(engine, first, base, ids)
+    except Exception as error:
+        for g in gens:
+            g.fail(error)
 
 
 def _rate(drafting) -> float:
@@ -202,7 +216,9 @@ def _rate(drafting) -> float:
 
 def _best_width(gens: list, drafts: list[list[int]], widest: int) -> int:
     """The width of a call of all rows (every row pays it: padding for shorter drafts) with the
-    most expected tokens per cost; 1 (a plain step) when no width beats it."""
+    most expected tokens per cost; 1 (a plain step) when no width beats it. A hybrid artifact's
+    re-run after a rejection (:mod:`.states`) is not priced here: with it, rows at the prior rate
+    (0.7) would never draft in a batch, and so never show a better rate."""
     n = len(gens)
     best_width, best = 1, n / call_cost(n, 1)
     for width in range(2, widest + 1):
@@ -214,10 +230,12 @@ def _best_width(gens: list, drafts: list[list[int]], widest: int) -> int:
     return best_width
 
 
-def _pays(drafting, width: int, batch_rate: float) -> bool:
+def _pays(drafting, width: int, batch_rate: float, rerun: bool = False) -> bool:
     """Whether a batch-1 verify call of ``width`` tokens (the confirmed first draft and the rest)
-    is expected to give more tokens per cost than the batched decode step (``batch_rate``)."""
-    return expected_tokens(_rate(drafting), width - 1) / call_cost(1, width) > batch_rate
+    is expected to give more tokens per cost than the batched decode step (``batch_rate``);
+    ``rerun``: a hybrid artifact's rejection adds :func:`.cost.rerun_cost`."""
+    cost = call_cost(1, width) + (rerun_cost(_rate(drafting), width - 1) if rerun else 0.0)
+    return expected_tokens(_rate(drafting), width - 1) / cost > batch_rate
 
 
 def _accept_row(g, draft: list[int], logits: np.ndarray, greedy: np.ndarray | None, base: int, max_seq: int) -> int:

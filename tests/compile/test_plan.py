@@ -152,3 +152,16 @@ def test_plan_for_a_model_dir_defaults(llama_dir):
     assert plan.budget_bytes is None and plan.fits is None
     with pytest.raises(ValueError, match="does not exist"):
         mp.plan_for(llama_dir / "nope")
+
+
+def test_plan_for_a_hybrid_model_dir_counts_its_state(lfm2_dir, lfm2_artifact):
+    """The tiny LFM2's directory (three conv layers, one attention layer): KV for the attention
+    layer only and each row's conv states, as the plan of its compiled artifact says."""
+    plan = mp.plan_for(lfm2_dir, dtype="float32", max_batch=2, max_seq=48)
+    assert plan.kv_cache_bytes == 1 * 2 * 2 * 2 * 48 * 16 * 4  # [1 attention layer, 2, B, H_kv, S, D] fp32
+    assert plan.state_bytes == 2 * 3 * 64 * 2 * 4  # B rows x three conv layers' [C, K-1] fp32
+    artifact = mp.plan_for(lfm2_artifact)
+    assert (plan.kv_cache_bytes, plan.state_bytes) == (artifact.kv_cache_bytes, artifact.state_bytes)
+    half = mp.plan_for(lfm2_dir, max_batch=2, max_seq=48)  # float16 by default: half of each
+    assert (half.kv_cache_bytes, half.state_bytes) == (plan.kv_cache_bytes // 2, plan.state_bytes // 2)
+    assert "model state" in mp.format_plan(plan)

@@ -6,14 +6,15 @@ both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length prom
 batching with more requests than rows (rows finish at different steps, survivors are compacted,
 a chunked prefill is moved) gives every request its solo result; every batch-loop feature a
 hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string, a
-cancellation, chunked prefills, a prefix-cache hit on a state snapshot) on at once gives each
-request its solo answer; a session continues a row's state turn by turn and re-prefills after a
-rewind; the features a state still keeps out refuse up front, naming the state layers
-(speculative decoding, shared KV, the GPU backends, a ragged score call; the prefix cache, KV
-blocks, saved sessions and the hand-off carry the state: tests/runtime/test_state_blocks.py);
-the memory plan counts KV for the attention layer only and the state bytes beside it; inspect
-reports the state; the OpenAI server completes on it (no default drafting); compare finds it
-exact (prefill, decode, perplexity, padded batches)."""
+cancellation, chunked prefills, a prefix-cache hit on a state snapshot, n-gram drafts) on at once
+gives each request its solo answer; a session continues a row's state turn by turn and
+re-prefills after a rewind; the features a state still keeps out refuse up front, naming the
+state layers (shared KV, the GPU backends, a ragged score call; the prefix cache, KV blocks,
+saved sessions and the hand-off carry the state: tests/runtime/test_state_blocks.py;
+speculative decoding keeps each row's state at its accepted tokens:
+tests/runtime/test_state_speculative.py); the memory plan counts KV for the attention layer only
+and the state bytes beside it; inspect reports the state; the OpenAI server completes on it;
+compare finds it exact (prefill, decode, perplexity, padded batches)."""
 
 from __future__ import annotations
 
@@ -111,12 +112,11 @@ def test_score_of_equal_rows_runs_and_ragged_rows_are_refused(engine, reference)
 
 
 REFUSALS = [
-    (dict(speculative="ngram"), "speculative decoding: .*verification would leave each row's state"),
     (dict(kv_shared=True), "kv_shared=True: .*which lent KV rows do not carry"),
 ]
 
 
-@pytest.mark.parametrize(("options", "message"), REFUSALS, ids=["speculative", "kv-shared"])
+@pytest.mark.parametrize(("options", "message"), REFUSALS, ids=["kv-shared"])
 def test_features_without_state_snapshots_refuse_at_load(lfm2_artifact, options, message):
     with pytest.raises(ValueError, match=message):
         Engine.load(lfm2_artifact, **options)
@@ -227,3 +227,8 @@ def test_compare_checks_a_hybrid_against_transformers(lfm2_artifact, lfm2_dir):
     assert result["verdict"]["ok"], result["verdict"]
     assert result["batch"]["all_consistent"]  # a padded batch equals the batch-1 runs
     assert result["perplexity"]["kvforge"] == pytest.approx(result["perplexity"]["reference"], rel=1e-5)
+    # per layer: the conv layers' states and the attention layer's KV, each as transformers' cache holds it
+    rows = result["layers"]["per_layer"]
+    assert [(r["layer"], r["part"]) for r in rows] == [(0, "conv"), (1, "key"), (1, "value"), (2, "conv"), (3, "conv")]
+    assert all(0.0 <= r["max_abs_diff"] < 1e-4 for r in rows), rows
+    assert "  layer 2: conv " in compare.format_report(result)

@@ -41,7 +41,7 @@ def test_bare_compare_passes_with_documented_json(exact_report, capsys):
     assert result["kind"] == "kvforge.compare" and result["schema_version"] == 1
     assert set(result) == {
         "kind", "schema_version", "artifact", "reference", "settings", "prefill", "decode",
-        "greedy", "perplexity", "batch", "verdict",
+        "greedy", "perplexity", "batch", "layers", "verdict",
     }  # fmt: skip
     prompts = compare.load_prompts(None)  # the bundled ones: nothing was passed
     assert result["settings"]["prompts"] == prompts and result["settings"]["steps"] == STEPS
@@ -58,6 +58,12 @@ def test_bare_compare_passes_with_documented_json(exact_report, capsys):
     assert result["decode"]["positions"] == len(prompts) * STEPS
     assert [s["step"] for s in result["decode"]["per_step"]] == list(range(STEPS))
     assert all(len(p["max_abs_diff_per_step"]) == STEPS for p in result["decode"]["per_prompt"])
+    layers = result["layers"]  # each layer's keys and values after prompt + continuation, as transformers' cache
+    num_layers = result["artifact"]["num_layers"]
+    assert [(r["layer"], r["part"]) for r in layers["per_layer"]] == [
+        (layer, part) for layer in range(num_layers) for part in ("key", "value")
+    ]
+    assert 0.0 <= layers["max_abs_diff"] < atol
     assert result["greedy"]["all_identical"] and all(r["diverged_at"] is None for r in result["greedy"]["per_prompt"])
     batch = result["batch"]
     assert batch["batch_size"] == 4 and batch["ragged"] and batch["all_consistent"]

@@ -184,3 +184,25 @@ def test_inspect_flags_the_default_gqa_artifact_for_tensorrt(llama_artifact, tmp
         [problem] = trt["graphs"][name]["unsupported"]
         assert problem["op"] == "com.microsoft.GroupQueryAttention" and problem["count"] == 2
         assert "--lowering onnx" in problem["reason"]
+
+
+def test_inspect_a_hybrid_shows_its_state_entries(lfm2_artifact, tmp_path, capsys):
+    """The tiny LFM2 (conv layers 0, 2, 3; attention layer 1): the JSON's manifest lists each state
+    entry, every graph's I/O names its past/present state tensors after the KV, and the printed
+    report gives the state's layers, bytes, and each kind's per-row tensors."""
+    assert main(["inspect", str(lfm2_artifact), "--json", str(tmp_path / "i.json")]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "i.json").read_text())
+    conv = {"part": "conv", "shape": [64, 2], "dtype": "float32"}
+    assert result["manifest"]["state"] == [{"layer": i, "kind": "conv", "tensors": [conv]} for i in (0, 2, 3)]
+    layout = contract.Layout((1,), tuple(contract.StateEntry.from_dict(e) for e in result["manifest"]["state"]))
+    for name in contract.GRAPHS:
+        graph = result["graphs"][name]
+        assert [t["name"] for t in graph["inputs"]] == contract.input_names(name, layout), name
+        assert [t["name"] for t in graph["outputs"]] == contract.output_names(layout), name
+        state = [t for t in graph["inputs"] if t["name"].startswith("past_state.")]
+        assert [(t["dtype"], t["shape"][1:]) for t in state] == [("float32", [64, 2])] * 3, name
+    # 2 rows x three conv layers' [64, 2] float32 = 3 KiB
+    assert "  state (conv) of layers [0, 2, 3], KV only for layers that attend; state = 3.0 KiB" in printed
+    assert "    conv: conv [64, 2] float32 per row, layers [0, 2, 3]" in printed
+    assert "    past_state.*.conv              float32   [batch, 64, 2]  x3" in printed

@@ -369,13 +369,13 @@ class ModelServer:
         ``draft``: drafting; see ``Engine.load``) and serve it. Without ``speculative`` or
         ``draft``, an artifact with a verify graph (schema 2) is served with
         ``speculative="prediction"``: requests that send OpenAI's ``prediction`` have it verified as
-        a draft, the others decode plainly through the same one session. Not for an artifact whose
-        layers keep a state (schema 3: verification would leave a row's state past its accepted
-        tokens): it is served without drafting. ``tool_parser``, ``reasoning_parser``: override the
-        manifest's parsers (:mod:`.parsers`; ``"none"``: no reasoning parsing)."""
+        a draft, the others decode plainly through the same one session (an artifact whose layers
+        keep a state too: verify keeps each row's state at its accepted tokens).
+        ``tool_parser``, ``reasoning_parser``: override the manifest's parsers (:mod:`.parsers`;
+        ``"none"``: no reasoning parsing)."""
         parsers.check_names(tool_parser, reasoning_parser)
         manifest = mf.read(artifact_dir, verify=False)
-        if speculative is None and draft is None and "verify" in manifest.graphs and not manifest.layout.has_state:
+        if speculative is None and draft is None and "verify" in manifest.graphs:
             speculative = "prediction"
         engine = Engine.load(
             artifact_dir, threads=threads, prefix_cache=prefix_cache, speculative=speculative, draft=draft
