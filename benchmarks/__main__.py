@@ -49,6 +49,7 @@ FEATURES = {
     "disagg": ("disagg", "colocated against prefill/decode workers, with kvforge plan --serve's prediction"),
     "compile": ("compile_time", "compile time and peak memory against genai's builder and Optimum"),
     "gemm": ("gemm_ceiling", "ORT's GEMM and MatMulNBits ceilings per projection shape"),
+    "prefill-profile": ("prefill_profile", "ORT's profiler over a prefill: time per op type and per node"),
     "decode": ("decode_speed", "kvforge against transformers eager in one process, a random Llama"),
     "coverage": ("coverage", "every causal-LM family of transformers compiled tiny and checked token by token"),
 }

@@ -45,6 +45,9 @@ class OrtOptions:
         rows) would keep a block of its own: +22-24 MiB peak RSS at batch 4 on the SmolLM-135M shape,
         1.27x -> 1.32x the checkpoint; its effect on the decode step was within the noise of this
         machine (p10 0.97-1.0x in two runs, 0.85x in one under load 4; benchmarks/README.md).
+    profile: a file prefix: ORT's profiler records every node of every run
+        (``SessionOptions.enable_profiling``; ``session.end_profiling()`` writes the JSON and says
+        where). Off by default; ``benchmarks/prefill_profile.py`` turns it on.
     """
 
     threads: int | None = None
@@ -53,6 +56,7 @@ class OrtOptions:
     prepack: bool = True
     optimized: bool = True
     mem_pattern: bool = False
+    profile: str | None = None
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     log_severity: int = 3  # errors only
 
@@ -125,6 +129,8 @@ class OrtBackend:
         if not options.prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
         so.enable_mem_pattern = options.mem_pattern
+        if options.profile is not None:
+            so.enable_profiling, so.profile_file_prefix = True, options.profile
         if name in self.preoptimized:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if self._weights is not None:

@@ -224,3 +224,18 @@ def test_openvino_peer_runs_smollm2_beside_kvforge(tmp_path):
     assert any(r["defaults"] for r in rows.values()) and not rows["kvforge (int4)"]["defaults"]
     for label in ("kvforge (int4)", "OpenVINO GenAI (int4), f32 execution and KV"):
         assert 1 < rows[label]["perplexity"] < 100, label  # SmolLM2 on Genesis: about 10-20
+
+
+def test_prefill_profile_splits_a_prefill_by_op_and_runs_the_lm_head_on_the_last_row(tiny_artifact, tmp_path):
+    out = tmp_path / "profile.json"
+    run = _suite("prefill-profile", str(tiny_artifact), "--tokens", "16", "48", "--runs", "2", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    reports = json.loads(out.read_text())["reports"]
+    assert [r["tokens"] for r in reports] == [16, 48]
+    for report in reports:
+        ops = {o["op"]: o for o in report["ops"]}
+        assert ops["GroupQueryAttention"]["nodes"] == 4  # one a layer of the bundled model (4 layers)
+        assert "MatMul" in ops and len(report["wall_ms"]) == 2
+        assert sum(o["share"] for o in report["ops"]) == pytest.approx(1.0)
+        assert report["lm_head_rows"] == 1  # the logits of the last token only, whatever M is
+    assert "| GroupQueryAttention | 4 |" in run.stdout

@@ -1,0 +1,125 @@
+"""Can OpenVINO run kvforge's own graphs? A kvforge artifact's prefill graph on OpenVINO's CPU plugin
+with the KV cache bound in place, against the same artifact on kvforge's engine (ONNX Runtime).
+
+The OpenVINO side reads ``prefill.onnx`` (the graph before ORT's optimization) and binds every
+``past_key_values.*`` input and its ``present.*`` output to the same numpy buffer
+(``ov.Tensor(array, shared_memory=True)``), as kvforge's ORT backend binds one pointer to both; the
+logits go into a buffer of their own. It runs the prompt (two warm-up calls first: OpenVINO prepares
+each new input shape on its first call), then greedy decode steps through the same graph (timed:
+the median step after the first), and saves the logits of every call. Run each side in its own
+venv, the sides taking turns::
+
+    ~/.cache/kvforge/peers/openvino-venv/bin/python benchmarks/openvino_graph.py ov OUT --new-tokens 17
+    .venv/bin/python benchmarks/openvino_graph.py ort OUT --new-tokens 17
+
+``compare OUT`` (either venv) prints the largest logit difference per call between the two saved
+runs. Findings: benchmarks/FINDINGS.md ("OpenVINO on kvforge's graph").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def run_openvino(artifact: Path, prompt: list[int], new_tokens: int, threads: int, precision: str):
+    import openvino as ov
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    model, limits = manifest["model"], manifest["limits"]
+    config = {"INFERENCE_NUM_THREADS": threads}
+    if precision != "default":
+        config["INFERENCE_PRECISION_HINT"] = precision
+    compiled = ov.Core().compile_model(str(artifact / "prefill.onnx"), "CPU", config)
+    request = compiled.create_infer_request()
+    kv_heads, head_dim = model["num_kv_heads"], model["head_dim"]
+    cache = np.zeros((model["num_layers"], 2, 1, kv_heads, limits["max_seq"], head_dim), np.float32)
+    logits = np.zeros((1, model["vocab_size"]), np.float32)
+    for layer in range(model["num_layers"]):
+        for i, kind in enumerate(("key", "value")):
+            shared = ov.Tensor(cache[layer, i], shared_memory=True)  # past and present: one buffer
+            request.set_tensor(f"past_key_values.{layer}.{kind}", shared)
+            request.set_tensor(f"present.{layer}.{kind}", shared)
+    request.set_tensor("logits", ov.Tensor(logits, shared_memory=True))
+
+    def call(ids: list[int], start: int) -> np.ndarray:
+        n = len(ids)
+        request.set_tensor("input_ids", ov.Tensor(np.array([ids], np.int64)))
+        request.set_tensor("position_ids", ov.Tensor(np.arange(start, start + n, dtype=np.int64)[None]))
+        request.set_tensor("write_indices", ov.Tensor(np.array([start], np.int64)))
+        request.set_tensor("input_lengths", ov.Tensor(np.array([n], np.int64)))
+        request.infer()
+        return logits[0].copy()
+
+    call.keep = (compiled, cache)  # the request and the shared tensors need both alive
+    return call
+
+
+def run_ort(artifact: Path, threads: int):
+    from kvforge.runtime.engine import StepEngine
+
+    engine = StepEngine.load(artifact, threads=threads, prefix_cache=0)
+
+    def call(ids: list[int], start: int) -> np.ndarray:
+        if start == 0:
+            return engine.prefill([ids])[0].copy()
+        return engine.decode(ids)[0].copy()
+
+    return call
+
+
+def generate(call, prompt: list[int], new_tokens: int) -> dict:
+    call(prompt, 0)
+    call(prompt, 0)  # warm-up: each side prepares the prompt's shape once
+    start = time.perf_counter()
+    rows = [call(prompt, 0)]
+    ttft = (time.perf_counter() - start) * 1e3
+    tokens = [int(rows[0].argmax())]
+    steps = []
+    for i in range(new_tokens - 1):
+        start = time.perf_counter()
+        rows.append(call([tokens[-1]], len(prompt) + i))
+        steps.append((time.perf_counter() - start) * 1e3)
+        tokens.append(int(rows[-1].argmax()))
+    step = float(np.median(steps[1:] or steps))  # the first step prepares the one-token shape
+    return {"ttft_ms": ttft, "step_ms": step, "tokens": tokens, "logits": np.stack(rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("side", choices=("ov", "ort", "compare"))
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=17)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", default="f32", help="OpenVINO's INFERENCE_PRECISION_HINT, or 'default'")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    saved = {side: args.out / f"openvino-graph-{args.artifact.name}-{side}.npy" for side in ("ov", "ort")}
+    if args.side == "compare":
+        ov_logits, ort_logits = (np.load(saved[s]) for s in ("ov", "ort"))
+        n = min(len(ov_logits), len(ort_logits))
+        print("max |logit difference| per call:", np.abs(ov_logits[:n] - ort_logits[:n]).max(axis=1).round(6).tolist())
+        return 0
+    prompt = np.random.default_rng(3).integers(100, 40000, args.prompt_len).tolist()
+    if args.side == "ov":
+        call = run_openvino(args.artifact, prompt, args.new_tokens, args.threads, args.precision)
+    else:
+        call = run_ort(args.artifact, args.threads)
+    result = generate(call, prompt, args.new_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    np.save(saved[args.side], result["logits"])
+    print(
+        f"{args.side}: prompt {args.prompt_len}, TTFT {result['ttft_ms']:.1f} ms, {result['step_ms']:.1f} ms/step, "
+        f"tokens {result['tokens']}; load {os.getloadavg()}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
