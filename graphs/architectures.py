@@ -100,6 +100,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             notes="LFM2's conv state beside attention layers; MoE experts exported with batched_mm",
         ),
         ArchSpec(
+            "Lfm3ForCausalLM",
+            state="conv",
+            notes="LFM2's short convolutions (conv state [C, K-1]) beside full and sliding attention layers",
+        ),
+        ArchSpec(
+            "JambaForCausalLM",
+            state="mamba",
+            experts_implementation=_MOE,
+            notes="Mamba mixers (chunked scan, as Mamba) beside attention layers; MoE experts exported with batched_mm",
+        ),
+        ArchSpec(
             "MambaForCausalLM",
             state="mamba",
             notes="every layer a Mamba mixer: conv state [D, K-1] and selective-scan state [D, N] float32; "
