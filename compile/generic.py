@@ -135,6 +135,12 @@ def refusal(config: dict, model_class: type) -> str | None:
             f"its Mamba mixers ({', '.join(mixers)}) call transformers' selective scan directly (per head, from a "
             "zero state, and update the state in place in decode), not through the mamba_scan_forward kernel hook "
             "where kvforge swaps in its chunked scan"
+            + (
+                "; and its hybrid layers run a shared attention block and a Mamba mixer at one layer index (KV and "
+                "a state in one layer, which the state contract's per-layer entries cannot hold)"
+                if "HybridLayer(" in source
+                else ""
+            )
         )
     layer_types = config.get("layer_types") or config.get("layers_block_type") or []
     other = sorted({t for t in layer_types if isinstance(t, str) and _NON_ATTENTION_LAYER.search(t)})
