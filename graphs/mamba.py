@@ -215,8 +215,9 @@ class ChunkedMambaScan(torch.nn.Module):
         if h0 is None:  # no cache, or transformers' own before its first update: a zero state
             h0 = torch.zeros(batch, channels, a.shape[-1], dtype=torch.float32, device=dt.device)
         chunk = chunk_length(channels, a.shape[-1])
-        y, h = torch.ops.kvforge.selective_scan(hidden_states, dt, a, B, C, h0, chunk)
-        y = y + hidden_states.float() * module.D.float()[None, :, None]
+        x = hidden_states.float()  # the scan runs in float32 whatever the model's dtype, as transformers' does
+        y, h = torch.ops.kvforge.selective_scan(x, dt, a, B.float(), C.float(), h0.float(), chunk)
+        y = y + x * module.D.float()[None, :, None]
         y = y * torch.nn.functional.silu(gate.float())
         if cache is not None:
             cache.update_recurrent_state(h, module.layer_idx)

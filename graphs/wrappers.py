@@ -130,7 +130,10 @@ class _CausalLMGraph(torch.nn.Module):
         hidden = hidden.reshape(batch * seq, width)  # (B*S, hidden)
         if self.spec.head_attr:  # a prediction head before the vocabulary projection
             hidden = getattr(self.model, self.spec.head_attr)(hidden)  # (B*S, hidden)
-        logits = self.model.get_output_embeddings()(hidden)  # (B*S, V)
+        head = self.model.get_output_embeddings()
+        # Mamba keeps its residual stream in float32 (residual_in_fp32) and casts before its lm_head
+        hidden = hidden.to(head.weight.dtype)
+        logits = head(hidden)  # (B*S, V)
         logits = logits.view(batch, seq, -1)  # (B, S, V)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
