@@ -1,10 +1,12 @@
 """The model-state contract (schema 3): the pure-torch reference of each state kind's update equals
 transformers' own kernels (the conv state against ``causal_conv1d_fn``/``causal_conv1d_update``,
 the gated delta step against ``torch_recurrent_gated_delta_rule``, Mamba2's and Mamba's steps
-against the recurrences written out; Mamba's chunked selective scan against transformers' token-by-token steps from a state, with ragged rows, and its ONNX lowering, one Scan over chunks, against it in ONNX Runtime), ragged rows keep the state of their last real input, the
-layout names every graph input/output, the export cache zeroes the state of a row that starts a
-sequence, and a manifest with state entries is checked field by field while schema-1/2 artifacts
-keep their meaning (every layer attends)."""
+against the recurrences written out); Mamba's chunked selective scan equals transformers' steps
+from a state, with ragged rows, and its ONNX lowering (one Scan over chunks) equals it in ONNX
+Runtime; ragged rows keep the state of their last real input, the layout names every graph
+input/output, the export cache zeroes the state of a row that starts a sequence, and a manifest
+with state entries is checked field by field while schema-1/2 artifacts keep their meaning (every
+layer attends)."""
 
 from __future__ import annotations
 
