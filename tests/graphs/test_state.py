@@ -364,3 +364,24 @@ def test_mamba_layout_reads_each_familys_sizes():
     layout = architectures.state_layout(architectures.ARCHITECTURES["JambaForCausalLM"], jamba, "float32")
     assert layout.attention == (1, 3) and [e.layer for e in layout.states] == [0, 2]
     assert layout.states[0].tensors[1].shape == (32, 4)
+
+
+def test_the_chunked_scan_is_swapped_in_through_transformers_kernel_hook_alone():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from kvforge.graphs import mamba
+
+    config = MambaConfig(
+        hidden_size=16, num_hidden_layers=2, state_size=4, expand=2, vocab_size=32, tie_word_embeddings=False
+    )
+    torch.manual_seed(0)
+    ours, theirs = MambaForCausalLM(config).eval(), MambaForCausalLM(config).eval()
+    theirs.load_state_dict(ours.state_dict())
+    mamba.use_chunked_scan(ours)
+    mixer = ours.backbone.layers[0].mixer
+    assert mixer._kernel_funcs[mamba.KERNEL_NAME].forward.__func__ is mamba.ChunkedMambaScan.forward
+    assert "forward" not in vars(mixer._kernel_funcs["causal_conv1d_forward"])  # the other hooks keep theirs
+    assert "forward" not in vars(theirs.backbone.layers[0].mixer._kernel_funcs[mamba.KERNEL_NAME])  # per model
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=1e-5)
