@@ -28,7 +28,7 @@ import torch
 
 from kvforge.compile import complex_to_real, op_translations, quiet, replicate
 from kvforge.compile.load import LoadedModel
-from kvforge.graphs import contract, lowering
+from kvforge.graphs import contract, lowering, mamba
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
 
 OPSET = 24
@@ -140,6 +140,7 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
                 custom_translation_table={
                     **op_translations.translation_table(),
                     **lowering.translation_table(lowering_name),
+                    **mamba.translation_table(),
                 },
                 optimize=False,  # run below, timed on its own
                 verbose=False,

@@ -58,6 +58,13 @@ _CLASS_TABLE = re.compile(r"\b(\w+_ATTENTION_CLASSES)\[\s*(?:self\.)?(?:config\.
 # MoE experts that loop over the experts the tokens picked (data-dependent control flow).
 _EXPERT_LOOP = re.compile(r"^\s*for \w+ in expert_hit\b", re.MULTILINE)
 _STATE_KEYS = ("mamba_", "ssm_", "linear_conv", "linear_num_")
+# A learned bias added to the attention scores, handed to the attention function (Inkling's
+# relative-position logits): kvforge's attention lowerings take no additive score bias.
+_SCORE_BIAS = re.compile(r"^\s*position_bias=position_bias,", re.MULTILINE)
+# Mamba (v1) mixers, and the kernel hook where kvforge swaps in its chunked scan (graphs/mamba.py).
+_MAMBA_MIXER = re.compile(r"^class (\w*(?<!2)MambaMixer)\(", re.MULTILINE)
+_MAMBA_HOOK = 'use_kernel_forward_from_hub("mamba_scan_forward")'
+
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
 
@@ -117,6 +124,24 @@ def refusal(config: dict, model_class: type) -> str | None:
             "which kvforge's KV contract has no place for"
         )
     source = _module_source(model_class)
+    if _SCORE_BIAS.search(source):
+        return (
+            "its attention adds a learned relative-position bias to the scores (position_bias, passed to the "
+            "attention function), which kvforge's attention lowerings have no input for"
+        )
+    mixers = _MAMBA_MIXER.findall(source)
+    if mixers and _MAMBA_HOOK not in source:
+        return (
+            f"its Mamba mixers ({', '.join(mixers)}) call transformers' selective scan directly (per head, from a "
+            "zero state, and update the state in place in decode), not through the mamba_scan_forward kernel hook "
+            "where kvforge swaps in its chunked scan"
+            + (
+                "; and its hybrid layers run a shared attention block and a Mamba mixer at one layer index (KV and "
+                "a state in one layer, which the state contract's per-layer entries cannot hold)"
+                if "HybridLayer(" in source
+                else ""
+            )
+        )
     layer_types = config.get("layer_types") or config.get("layers_block_type") or []
     other = sorted({t for t in layer_types if isinstance(t, str) and _NON_ATTENTION_LAYER.search(t)})
     other += sorted(k for k in config if k.startswith(_STATE_KEYS))[:2]  # state-space sizes (Falcon-H1's mamba_*)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvforge.compile import generic, quiet
-from kvforge.graphs import lowering
+from kvforge.graphs import lowering, mamba
 from kvforge.graphs.architectures import ArchSpec, Dims, UnsupportedArchitectureError, lookup, state_layout, supported
 from kvforge.graphs.contract import Layout
 
@@ -279,6 +279,8 @@ def load_model(
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
     dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, max_seq)
     layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
+    if spec.state == "mamba":  # transformers' token-by-token scan -> kvforge's chunked one (graphs/mamba.py)
+        mamba.use_chunked_scan(model)
     return LoadedModel(model, spec, dims, config, weights, layout=layout)
 
 

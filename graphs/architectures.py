@@ -100,6 +100,28 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             notes="LFM2's conv state beside attention layers; MoE experts exported with batched_mm",
         ),
         ArchSpec(
+            "Lfm3ForCausalLM",
+            state="conv",
+            notes="LFM2's short convolutions (conv state [C, K-1]) beside full and sliding attention layers",
+        ),
+        ArchSpec(
+            "JambaForCausalLM",
+            state="mamba",
+            experts_implementation=_MOE,
+            notes="Mamba mixers (chunked scan, as Mamba) beside attention layers; MoE experts exported with batched_mm",
+        ),
+        ArchSpec(
+            "MambaForCausalLM",
+            state="mamba",
+            notes="every layer a Mamba mixer: conv state [D, K-1] and selective-scan state [D, N] float32; "
+            "transformers' token loop swapped for kvforge's chunked scan (graphs/mamba.py); no KV",
+        ),
+        ArchSpec(
+            "FalconMambaForCausalLM",
+            state="mamba",
+            notes="Mamba with RMS norms on dt, B and C (transformers' own, before the scan); chunked scan as Mamba",
+        ),
+        ArchSpec(
             "GptOssForCausalLM",
             experts_implementation=_MOE,
             notes="attention sinks (s_aux: one softmax logit per head), alternating sliding windows, "
@@ -142,7 +164,8 @@ class Dims:
 
     @classmethod
     def from_config(cls, config: Any) -> Dims:
-        num_heads = config.num_attention_heads
+        # a family with no attention layer (Mamba) has no heads: one nominal head of the hidden size
+        num_heads = getattr(config, "num_attention_heads", None) or 1
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return cls(
             num_layers=config.num_hidden_layers,
@@ -166,4 +189,31 @@ def state_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
         width = config.conv_L_cache - 1
         entries = tuple(StateEntry(i, "conv", (StateTensor("conv", (config.hidden_size, width), dtype),)) for i in conv)
         return Layout(tuple(i for i in range(n) if i not in conv), entries)
+    if spec.state == "mamba":  # Mamba mixers where layer_types says "linear_attention" (every layer of Mamba)
+        return _mamba_layout(config, n, dtype)
     raise ValueError(f"state kind {spec.state!r} of {spec.architecture} has no layout reader")
+
+
+# Mamba mixer sizes under each family's config names: (channels D, state size N, conv kernel K).
+_MAMBA_SIZES = (
+    ("intermediate_size", "state_size", "conv_kernel"),  # Mamba, FalconMamba
+    ("mamba_expand", "mamba_d_state", "mamba_d_conv"),  # Jamba (D = mamba_expand * hidden_size)
+)
+
+
+def _mamba_layout(config: Any, n: int, dtype: str) -> Layout:
+    """Mamba (v1) mixers: ``conv [D, K-1]`` in the model's dtype, ``recurrent [D, N]`` float32 (the
+    dtype transformers keeps the scan state in) for each ``linear_attention`` layer."""
+    for channels, size, kernel in _MAMBA_SIZES:
+        if hasattr(config, size):
+            width = getattr(config, channels)
+            if channels == "mamba_expand":
+                width *= config.hidden_size
+            conv = StateTensor("conv", (width, getattr(config, kernel) - 1), dtype)
+            recurrent = StateTensor("recurrent", (width, getattr(config, size)), "float32")
+            break
+    else:
+        raise ValueError(f"{type(config).__name__} names no Mamba state size kvforge knows ({_MAMBA_SIZES})")
+    mixers = [i for i, t in enumerate(list(config.layer_types)[:n]) if t == "linear_attention"]
+    entries = tuple(StateEntry(i, "mamba", (conv, recurrent)) for i in mixers)
+    return Layout(tuple(i for i in range(n) if i not in mixers), entries)

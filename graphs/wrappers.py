@@ -108,6 +108,8 @@ class _CausalLMGraph(torch.nn.Module):
         types = list(config.layer_types[: config.num_hidden_layers])
         mask = caches.mask(None) if layout.attention else None
         masks = {t: None for t in types} | {types[i]: mask for i in range(len(types)) if i not in stateful}
+        if not layout.attention:  # no layer attends (Mamba): its mixers take only a 2-D padding mask, or None
+            masks = None
         with lowering.active(caches), state.active(states):
             out = decoder_of(self.model)(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=masks, cache=states, use_cache=False
@@ -128,7 +130,10 @@ class _CausalLMGraph(torch.nn.Module):
         hidden = hidden.reshape(batch * seq, width)  # (B*S, hidden)
         if self.spec.head_attr:  # a prediction head before the vocabulary projection
             hidden = getattr(self.model, self.spec.head_attr)(hidden)  # (B*S, hidden)
-        logits = self.model.get_output_embeddings()(hidden)  # (B*S, V)
+        head = self.model.get_output_embeddings()
+        # Mamba keeps its residual stream in float32 (residual_in_fp32) and casts before its lm_head
+        hidden = hidden.to(head.weight.dtype)
+        logits = head(hidden)  # (B*S, V)
         logits = logits.view(batch, seq, -1)  # (B, S, V)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale

@@ -97,6 +97,27 @@ def lfm2_artifact(lfm2_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mamba_dir(tmp_path_factory) -> Path:
+    """The tiny Mamba of tests/families.py (two mixer layers, a conv state and a scan state each,
+    no attention layer)."""
+    from tests import families
+
+    [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == "mamba"]
+    return families.build(tmp_path_factory.mktemp("mamba") / "model", architecture, config_class, overrides)
+
+
+@pytest.fixture(scope="session")
+def mamba_artifact(mamba_dir, tmp_path_factory) -> Path:
+    """The tiny Mamba compiled with the default lowering (ORT-optimized graphs), max_batch 2,
+    max_seq 48 (prompts cross its 32-token scan chunk); no score graph."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "mamba"
+    compile_model(mamba_dir, out, max_batch=2, max_seq=48, score_graph=False, progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_reference(llama_dir):
     """transformers' model of ``llama_dir`` (eager attention), the reference for every comparison."""
     from transformers import AutoModelForCausalLM

@@ -27,6 +27,9 @@ COMMON = dict(
 )
 WINDOW = 8
 LFM2_LAYERS = ["conv", "full_attention", "conv", "conv"]
+# untied output embeddings: Mamba's residual stream keeps the input token's embedding, so tied
+# logits would repeat the input token
+MAMBA = {"state_size": 8, "conv_kernel": 4, "expand": 2, "time_step_rank": 8, "tie_word_embeddings": False}
 
 CASES: list[tuple[str, str, str, dict]] = [
     ("llama", "LlamaForCausalLM", "LlamaConfig", {}),
@@ -128,6 +131,40 @@ CASES: list[tuple[str, str, str, dict]] = [
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 64,
+        },
+    ),
+    # Mamba (v1) mixers: a conv state [D, K-1] and a selective-scan state [D, N] per layer, no KV
+    ("mamba", "MambaForCausalLM", "MambaConfig", MAMBA),
+    ("falcon-mamba", "FalconMambaForCausalLM", "FalconMambaConfig", MAMBA),
+    (
+        "jamba",
+        "JambaForCausalLM",
+        "JambaConfig",
+        {
+            "num_hidden_layers": 4,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 8,
+            "tie_word_embeddings": False,
+        },
+    ),
+    (
+        "lfm3",
+        "Lfm3ForCausalLM",
+        "Lfm3Config",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "sliding_attention", "full_attention", "conv"],
+            "conv_L_cache": 3,
+            "sliding_window": WINDOW,
+            "head_dim": 16,
         },
     ),
     (

@@ -53,7 +53,9 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
     ("architecture", "model_type", "message"),
     [
         ("BertForMaskedLM", "bert", "not a decoder-only causal LM that transformers .* knows"),
-        ("MambaForCausalLM", "mamba", r"recurrent/state-space layers \(MambaBlock, MambaMixer"),
+        ("RwkvForCausalLM", "rwkv", r"recurrent/state-space layers \(RwkvBlock, RwkvFeedForward"),
+        ("InklingForCausalLM", "inkling_text", r"learned relative-position bias to the scores \(position_bias"),
+        ("ZambaForCausalLM", "zamba", r"Mamba mixers \(ZambaMambaMixer\) call transformers' selective scan directly"),
         ("Gemma3ForConditionalGeneration", "gemma3", "multimodal model"),
         ("BartForCausalLM", "bart", "decoder half of an encoder-decoder model"),
         ("BertLMHeadModel", "bert", r"encoder \(masked-LM\) family"),

@@ -1,10 +1,12 @@
 """The model-state contract (schema 3): the pure-torch reference of each state kind's update equals
 transformers' own kernels (the conv state against ``causal_conv1d_fn``/``causal_conv1d_update``,
 the gated delta step against ``torch_recurrent_gated_delta_rule``, Mamba2's and Mamba's steps
-against the recurrences written out), ragged rows keep the state of their last real input, the
-layout names every graph input/output, the export cache zeroes the state of a row that starts a
-sequence, and a manifest with state entries is checked field by field while schema-1/2 artifacts
-keep their meaning (every layer attends)."""
+against the recurrences written out); Mamba's chunked selective scan equals transformers' steps
+from a state, with ragged rows, and its ONNX lowering (one Scan over chunks) equals it in ONNX
+Runtime; ragged rows keep the state of their last real input, the layout names every graph
+input/output, the export cache zeroes the state of a row that starts a sequence, and a manifest
+with state entries is checked field by field while schema-1/2 artifacts keep their meaning (every
+layer attends)."""
 
 from __future__ import annotations
 
@@ -215,3 +217,171 @@ def test_older_schemas_mean_every_layer_attends():
         manifest = mf.Manifest.from_dict(copy.deepcopy(old))
         assert manifest.layout == contract.Layout.all_attention(4) and not manifest.layout.has_state
         old = copy.deepcopy(data)
+
+
+# ---------------------------------------------------------------- Mamba's chunked selective scan
+
+
+def _scan_inputs(batch=2, channels=6, size=4, seq=11, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, seq, generator=g)
+    time_step = torch.randn(batch, channels, seq, generator=g)
+    bias = torch.randn(channels, generator=g)
+    a = -torch.exp(torch.randn(channels, size, generator=g))  # -exp(A_log), as the mixer computes it
+    b, c = torch.randn(batch, seq, size, generator=g), torch.randn(batch, seq, size, generator=g)
+    d, gate = torch.randn(channels, generator=g), torch.randn(batch, channels, seq, generator=g)
+    h0 = torch.randn(batch, channels, size, generator=g)
+    return x, time_step, bias, a, b, c, d, gate, h0
+
+
+def _transformers_steps(x, time_step, bias, a, b, c, d, gate, h0, count):
+    """transformers' Mamba decode step (``mamba_selective_state_update``), token by token from ``h0``:
+    the outputs of the first ``count`` tokens and the state after them."""
+    from transformers.models.mamba.modeling_mamba import mamba_selective_state_update
+
+    state, outs = h0.clone(), []
+    for t in range(count):
+        outs.append(
+            mamba_selective_state_update(
+                state,
+                x[..., t],
+                time_step[..., t],
+                a,
+                b[:, t],
+                c[:, t],
+                d,
+                z=gate[..., t],
+                dt_bias=bias,
+                dt_softplus=True,
+            )
+        )
+    return torch.stack(outs, -1), state
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_chunked_scan_equals_transformers_from_a_state_with_ragged_rows(chunk):
+    from kvforge.graphs import mamba
+
+    x, time_step, bias, a, b, c, d, gate, h0 = _scan_inputs()
+    lengths = torch.tensor([11, 6])  # row 1: 6 real tokens, 5 padding
+    dt = torch.nn.functional.softplus(time_step + bias[:, None])
+    dt = dt * (torch.arange(11)[None, :] < lengths[:, None])[:, None, :]  # what ChunkedMambaScan does
+    y, h = torch.ops.kvforge.selective_scan(x, dt, a, b, c, h0, chunk)
+    y = (y + x * d[None, :, None]) * torch.nn.functional.silu(gate)
+    for row, n in enumerate(lengths.tolist()):
+        one = slice(row, row + 1)
+        args = (x[one], time_step[one], bias, a, b[one], c[one], d, gate[one], h0[one])
+        expected, state = _transformers_steps(*args, n)
+        torch.testing.assert_close(y[one, :, :n], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h[one], state, atol=1e-5, rtol=1e-5)
+    # the chunk sizes kvforge picks keep the decay matrix within the budget
+    assert (
+        mamba.chunk_length(128, 16) == 32 and mamba.chunk_length(1536, 16) == 8 and mamba.chunk_length(10**7, 64) == 1
+    )
+
+
+def test_chunked_scan_from_zero_equals_transformers_prefill_scan():
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+
+    x, time_step, bias, a, b, c, d, gate, _ = _scan_inputs(seq=37)
+    expected, final = mamba_selective_scan(
+        x,
+        time_step,
+        a,
+        b.transpose(1, 2),
+        c.transpose(1, 2),
+        d,
+        gate,
+        bias,
+        delta_softplus=True,
+        return_last_state=True,
+    )
+    dt = torch.nn.functional.softplus(time_step + bias[:, None])
+    y, h = torch.ops.kvforge.selective_scan(x, dt, a, b, c, torch.zeros_like(final), 8)
+    torch.testing.assert_close(
+        (y + x * d[None, :, None]) * torch.nn.functional.silu(gate), expected, atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(h, final, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_scan_lowers_to_one_scan_over_chunks_and_matches_in_onnx_runtime(tmp_path):
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from kvforge.graphs import mamba
+
+    x, time_step, bias, a, b, c, _, _, h0 = _scan_inputs(seq=9)
+    dt = torch.nn.functional.softplus(time_step + bias[:, None])
+
+    class Scan(torch.nn.Module):
+        def forward(self, x, dt, b, c, h0):
+            return torch.ops.kvforge.selective_scan(x, dt, a, b, c, h0, 4)
+
+    batch, seq = torch.export.Dim("batch", min=1, max=4), torch.export.Dim("seq", min=1, max=64)
+    shapes = ({0: batch, 2: seq}, {0: batch, 2: seq}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch})
+    program = torch.export.export(Scan(), (x, dt, b, c, h0), dynamic_shapes=shapes)
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, opset_version=24, custom_translation_table=mamba.translation_table()
+    )
+    path = tmp_path / "scan.onnx"
+    onnx_program.save(str(path))
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert [n.op_type for n in model.graph.node].count("Scan") == 1 and "Loop" not in {
+        n.op_type for n in model.graph.node
+    }
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for length in (1, 4, 9, 23):  # one token (the decode step), one chunk, a ragged last chunk, several
+        xs, dts, _, _, bs, cs, _, _, _ = _scan_inputs(seq=length, seed=length)  # a: the exported one
+        dts = torch.nn.functional.softplus(dts)
+        feeds = dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in (xs, dts, bs, cs, h0)]))
+        y, state = session.run(None, feeds)
+        expected_y, expected_state = torch.ops.kvforge.selective_scan(xs, dts, a, bs, cs, h0, 4)
+        np.testing.assert_allclose(y, expected_y.numpy(), atol=1e-5, rtol=1e-5, err_msg=f"S={length}")
+        np.testing.assert_allclose(state, expected_state.numpy(), atol=1e-5, rtol=1e-5, err_msg=f"S={length}")
+
+
+def test_mamba_layout_reads_each_familys_sizes():
+    from transformers import JambaConfig, MambaConfig
+
+    config = MambaConfig(hidden_size=16, num_hidden_layers=2, state_size=4, conv_kernel=4, expand=2, vocab_size=32)
+    layout = architectures.state_layout(architectures.ARCHITECTURES["MambaForCausalLM"], config, "float16")
+    assert layout.attention == () and [e.layer for e in layout.states] == [0, 1]
+    assert [(t.part, t.shape, t.dtype) for t in layout.states[0].tensors] == [
+        ("conv", (32, 3), "float16"),
+        ("recurrent", (32, 4), "float32"),
+    ]
+    assert contract.past_names(layout) == [
+        "past_state.0.conv",
+        "past_state.0.recurrent",
+        "past_state.1.conv",
+        "past_state.1.recurrent",
+    ]
+    jamba = JambaConfig(
+        hidden_size=16, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_expand=2
+    )
+    layout = architectures.state_layout(architectures.ARCHITECTURES["JambaForCausalLM"], jamba, "float32")
+    assert layout.attention == (1, 3) and [e.layer for e in layout.states] == [0, 2]
+    assert layout.states[0].tensors[1].shape == (32, 4)
+
+
+def test_the_chunked_scan_is_swapped_in_through_transformers_kernel_hook_alone():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from kvforge.graphs import mamba
+
+    config = MambaConfig(
+        hidden_size=16, num_hidden_layers=2, state_size=4, expand=2, vocab_size=32, tie_word_embeddings=False
+    )
+    torch.manual_seed(0)
+    ours, theirs = MambaForCausalLM(config).eval(), MambaForCausalLM(config).eval()
+    theirs.load_state_dict(ours.state_dict())
+    mamba.use_chunked_scan(ours)
+    mixer = ours.backbone.layers[0].mixer
+    assert mixer._kernel_funcs[mamba.KERNEL_NAME].forward.__func__ is mamba.ChunkedMambaScan.forward
+    assert "forward" not in vars(mixer._kernel_funcs["causal_conv1d_forward"])  # the other hooks keep theirs
+    assert "forward" not in vars(theirs.backbone.layers[0].mixer._kernel_funcs[mamba.KERNEL_NAME])  # per model
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,112 @@
+"""A Mamba (v1) model end to end on the runtime: no layer attends, every layer keeps a conv state
+and a float32 selective-scan state. The artifact records both per layer and no KV; its graph runs
+the scan as one ONNX ``Scan`` over chunks of tokens per layer (no loop over tokens); prefill and
+decode logits are within fp32 tolerance of transformers; greedy output equals transformers'
+``generate`` at both ends of ``max_seq``; a ragged batch and in-flight batching (more requests
+than rows, chunked prefills beside decoding rows) give each request its solo tokens; a prompt
+prefilled in chunks (shorter than, equal to and across the scan's 32-token chunk) equals one
+prefill of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+
+from kvforge.graphs import manifest as mf
+from tests.helpers import assert_close, hf_greedy
+
+PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64], [7, 5, 9, 250, 31], [11, 2], [40, 41, 42, 43, 44, 45, 46]]
+NEW = [20, 6, 25, 12]
+ATOL = RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(mamba_dir):
+    return transformers.MambaForCausalLM.from_pretrained(mamba_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(mamba_artifact):
+    from kvforge.runtime import Engine
+
+    with Engine.load(mamba_artifact) as engine:
+        yield engine
+
+
+def test_manifest_records_both_states_of_every_layer_and_no_kv(mamba_artifact):
+    manifest = mf.read(mamba_artifact)
+    assert manifest.kv_cache["layers"] == [] and manifest.kv_cache["shape"][0] == 0
+    assert [(e["layer"], e["kind"]) for e in manifest.state] == [(0, "mamba"), (1, "mamba")]
+    assert [(t["part"], t["shape"], t["dtype"]) for t in manifest.state[0]["tensors"]] == [
+        ("conv", [128, 3], "float32"),
+        ("recurrent", [128, 8], "float32"),
+    ]
+    graph = onnx.load(str(mamba_artifact / "prefill.onnx"), load_external_data=False).graph
+    scans = [n for n in graph.node if n.op_type == "Scan"]
+    assert len(scans) == 2 and "Loop" not in {n.op_type for n in graph.node}  # one Scan over chunks per layer
+    [body] = [a.g for a in scans[0].attribute if a.name == "body"]
+    assert {"CumSum", "MatMul", "Exp"} <= {n.op_type for n in body.node}
+
+
+def _hf_steps(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """transformers' logits as its generate sees them: the prompt, then one step per token."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
+        logits = [out.logits[0, -1]]
+        for token in tokens:
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+            logits.append(out.logits[0, -1])
+    return logits
+
+
+def test_prefill_and_decode_logits_are_within_tolerance_of_transformers(engine, reference):
+    tokens = [5, 250, 19, 7]
+    expected = _hf_steps(reference, PROMPTS[0], tokens)
+    got = [engine.prefill([PROMPTS[0]])[0].copy()]
+    got += [engine.decode([t])[0].copy() for t in tokens]
+    for step, (ours, theirs) in enumerate(zip(got, expected)):
+        assert_close(ours, theirs.numpy(), ATOL, RTOL, f"step {step}")
+
+
+def test_chunked_prefill_equals_one_shot_prefill(engine):
+    prompt = [(11 * i + 5) % 256 for i in range(40)]  # longer than the 32-token scan chunk
+    whole = engine.prefill([prompt])[0].copy()
+    after_whole = engine.decode([5])[0].copy()
+    for cut in ((1, 40), (3, 35, 40), (32, 40), (7, 20, 33, 39, 40)):
+        start = 0
+        for stop in cut:
+            logits = engine.prefill([prompt[start:stop]], start=[start])[0].copy()
+            start = stop
+        np.testing.assert_array_equal(logits.argmax(), whole.argmax())
+        assert_close(logits, whole, 1e-5, 1e-5, f"chunks {cut}")
+        assert_close(engine.decode([5])[0], after_whole, 1e-5, 1e-5, f"decode after chunks {cut}")
+
+
+def test_greedy_equals_transformers_at_both_ends_of_max_seq(engine, reference):
+    max_seq = engine.max_seq
+    [short] = engine.generate([[9]], max_new_tokens=max_seq - 1)  # fills the row to its last position
+    assert short.token_ids == hf_greedy(reference, [9], max_seq - 1)
+    full = [(7 * i + 3) % 256 for i in range(max_seq)]  # a prompt as long as the row: one token
+    [last] = engine.generate([full], max_new_tokens=4)
+    assert last.token_ids == hf_greedy(reference, full, 1) and last.finish_reason == "length"
+
+
+def test_ragged_batches_and_in_flight_batching_give_each_request_its_solo_tokens(engine, reference):
+    expected = [hf_greedy(reference, p, n) for p, n in zip(PROMPTS, NEW)]
+    batch = engine.generate(PROMPTS[:2], max_new_tokens=10)  # a ragged batch of 2: padding after row 1
+    assert [r.token_ids for r in batch] == [expected[0][:10], hf_greedy(reference, PROMPTS[1], 10)]
+    engine.prefill_chunk = 4  # long prompts are prefilled in chunks beside decoding rows
+    try:
+        with engine.scheduler() as sched:  # 4 requests on 2 rows: queued ones take finished rows
+            handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
+            results = [h.result(timeout=120) for h in handles]
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    for i, (result, tokens) in enumerate(zip(results, expected)):
+        assert result.token_ids == tokens, f"request {i}"
