@@ -124,6 +124,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             notes="Gated DeltaNet state (separate q/k/v projections, beta up to 2) beside attention layers",
         ),
         ArchSpec(
+            "LaraMiniForCausalLM",
+            state="gated_delta",
+            experts_implementation=_MOE,
+            notes="Gated DeltaNet state beside sliding-window (RoPE) and full (no positions) attention layers; "
+            "MoE experts with batched_mm",
+        ),
+        ArchSpec(
             "GptOssForCausalLM",
             experts_implementation=_MOE,
             notes="attention sinks (s_aux: one softmax logit per head), alternating sliding windows, "

@@ -150,6 +150,16 @@ CASES: list[tuple[str, str, str, dict]] = [
     ("qwen3-next", "Qwen3NextForCausalLM", "Qwen3NextConfig", GATED_DELTA_MOE),
     ("olmo-hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig", GATED_DELTA),
     (
+        "lara-mini-window",
+        "LaraMiniForCausalLM",
+        "LaraMiniConfig",
+        dict(
+            GATED_DELTA_MOE,
+            layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+            sliding_window=WINDOW,
+        ),
+    ),
+    (
         "gpt-oss-sinks-window",
         "GptOssForCausalLM",
         "GptOssConfig",
