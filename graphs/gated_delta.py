@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid, Qwen4-exp, LaraMini) for export.
+"""Gated DeltaNet layers (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid, LaraMini) for export.
 
 transformers runs these layers' linear attention through two pure-torch kernels: the chunked
 ``torch_chunk_gated_delta_rule`` (prefill) and the token-by-token ``torch_recurrent_gated_delta_rule``
@@ -7,8 +7,8 @@ cannot be traced with a dynamic sequence length, and neither knows where a row's
 Both are registered in transformers' kernel hub (``use_kernel_func_from_hub_with_fallback`` and the
 layer's ``use_kernelized_func``); :func:`use_export_kernels` maps both names, through the ``kernels``
 package's own mapping and ``kernelize``, to :func:`export_gated_delta_rule`, which runs the torch
-custom op ``kvforge::gated_delta_rule`` (opaque to the exporter) and lowers it with
-:func:`translation` in standard ONNX ops.
+custom op ``kvforge::gated_delta_rule`` (opaque to the exporter), lowered in standard ONNX ops by
+:mod:`kvforge.graphs.gated_delta_onnx`.
 
 The algorithm (transformers' chunked form, FLA's "WY" representation), per row and value head, for
 ``S`` tokens in chunks of ``C = min(S, CHUNK)`` (the last one padded with ``g = beta = 0``, which
@@ -112,7 +112,8 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunked_rule` as one op for the exporter, which replaces it by :func:`translation`."""
+    """:func:`chunked_rule` as one op for the exporter, which replaces it by its translation
+    (:mod:`kvforge.graphs.gated_delta_onnx`)."""
     output, final = chunked_rule(query, key, value, g, beta, state)
     return output.contiguous(), final.contiguous()
 

@@ -104,7 +104,7 @@ def gated_delta_rule(query, key, value, g, beta, state):
     q, k, v = chunked(query, "d"), chunked(key, "d"), chunked(value, "d")  # (B, H, N, C, D)
     g, beta = chunked(g), chunked(beta)  # (B, H, N, C)
     cum = op.CumSum(g, _ints(-1))  # (B, H, N, C): log decay from the chunk's start
-    idx = op.Range(op.Constant(value_int=0), op.Squeeze(chunk), op.Constant(value_int=1))  # (C,)
+    idx = op.Range(op.Constant(value_int=0), op.Squeeze(chunk, _ints(0)), op.Constant(value_int=1))  # (C,)
     rows, cols = op.Unsqueeze(idx, _ints(1)), op.Unsqueeze(idx, _ints(0))  # (C, 1), (1, C)
     diff = op.Sub(op.Unsqueeze(cum, _ints(-1)), op.Unsqueeze(cum, _ints(-2)))  # (B, H, N, C, C): cum_i - cum_j
     pairwise = op.Exp(op.Where(op.GreaterOrEqual(rows, cols), diff, _scalar(float("-inf"))))
