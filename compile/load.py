@@ -277,12 +277,12 @@ def load_model(
         raise
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
-    if spec.state == "gated_delta":  # transformers' delta rule kernels do not trace: swap them for kvforge's
-        from kvforge.graphs import gated_delta
-
-        gated_delta.use_export_kernels(model)
     dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, max_seq)
     layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
+    if any(e.kind == "gated_delta" for e in layout.states):  # transformers' delta rule kernels do not trace
+        from kvforge.graphs import gated_delta
+
+        gated_delta.use_export_kernels(model)  # kvforge's, through transformers' kernel hub registration
     return LoadedModel(model, spec, dims, config, weights, layout=layout)
 
 

@@ -241,7 +241,8 @@ _REPOSITORIES = {
 
 def use_export_kernels(model: torch.nn.Module) -> None:
     """Swap the gated delta rule kernels of every Gated DeltaNet layer of ``model`` (a CPU model
-    loaded for export) for :class:`ExportGatedDeltaRule`, through the ``kernels`` package's mapping
+    loaded for export, with at least one such layer) for :class:`ExportChunkGatedDeltaRule` and
+    :class:`ExportRecurrentGatedDeltaRule`, through the ``kernels`` package's mapping
     and ``kernelize`` (the extension point transformers registers them with). Only ``model``'s own
     kernel wrappers change: another instance of the family (the parity reference) keeps
     transformers' kernels."""
@@ -259,14 +260,15 @@ def use_export_kernels(model: torch.nn.Module) -> None:
             kernelize(model, mode=Mode.INFERENCE, device="cpu")
     finally:
         kernels_logger.setLevel(level)
-    swapped = [
-        f
+    kernels = [  # every gated delta rule kernel wrapper of the model's layers, by its hub name
+        (type(f).kernel_layer_name, f)
         for module in model.modules()
-        for name, f in getattr(module, "_kernel_funcs", {}).items()
-        if f.__dict__.get("_kernel_repo") in _REPOSITORIES.values()
+        for f in getattr(module, "_kernel_funcs", {}).values()
+        if getattr(type(f), "kernel_layer_name", None) in _REPOSITORIES
     ]
-    if not swapped:
+    if not kernels or any(f.__dict__.get("_kernel_repo") is not _REPOSITORIES[name] for name, f in kernels):
         raise RuntimeError(
-            f"{type(model).__name__} has no gated delta rule kernel that kernels.kernelize could swap: the "
-            "family's transformers modules no longer register them with use_kernelized_func"
+            f"{type(model).__name__}'s Gated DeltaNet layers do not all run the gated delta rule through kernels "
+            "that kernels.kernelize swapped (their transformers modules must register torch_chunk_gated_delta_rule "
+            "and torch_recurrent_gated_delta_rule with use_kernelized_func)"
         )

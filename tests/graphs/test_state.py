@@ -154,6 +154,32 @@ def test_gated_delta_rule_of_ragged_rows_and_chunks_keeps_each_rows_state():
     torch.testing.assert_close(torch.cat([first_out, second_out], 1)[0], out[0], atol=1e-5, rtol=1e-5)
 
 
+def test_kernel_swap_reaches_only_the_export_models_gated_delta_layers(monkeypatch):
+    """kernels.kernelize, through transformers' hub registration, puts kvforge's kernel in the
+    Gated DeltaNet layers of the model it is given (its logits stay transformers'), not in another
+    instance of the family (the parity reference keeps transformers' kernels)."""
+    import transformers
+
+    from kvforge.graphs import gated_delta
+    from tests import families
+
+    [(_, _, _, overrides)] = [c for c in families.CASES if c[0] == "qwen3.5"]
+    config = transformers.Qwen3_5TextConfig(**{**families.COMMON, **overrides})
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    reference = transformers.Qwen3_5ForCausalLM(config).eval()
+    reference.load_state_dict(model.state_dict())
+    gated_delta.use_export_kernels(model)
+    calls = []
+    original = gated_delta.export_gated_delta_rule
+    monkeypatch.setattr(gated_delta, "export_gated_delta_rule", lambda *a, **k: calls.append(1) or original(*a, **k))
+    tokens = torch.tensor([[3, 17, 201, 33, 90, 4, 150, 77]])
+    with torch.no_grad():
+        ours, theirs = model(tokens).logits, reference(tokens).logits
+    assert len(calls) == 3  # the three linear-attention layers, once each; none from the reference
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
+
+
 def _qwen35_layout() -> contract.Layout:
     from transformers import Qwen3_5TextConfig
 
