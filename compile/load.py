@@ -281,6 +281,10 @@ def load_model(
     layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
     if spec.state == "mamba":  # transformers' token-by-token scan -> kvforge's chunked one (graphs/mamba.py)
         mamba.use_chunked_scan(model)
+    if any(e.kind == "gated_delta" for e in layout.states):  # transformers' delta rule kernels do not trace
+        from kvforge.graphs import gated_delta
+
+        gated_delta.use_export_kernels(model)  # kvforge's, through transformers' kernel hub registration
     return LoadedModel(model, spec, dims, config, weights, layout=layout)
 
 

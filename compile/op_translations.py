@@ -8,6 +8,8 @@ stage. Each translation is checked against torch in ``tests/compile/test_op_tran
   sparsity computes ``Normal(0, 1).icdf(p)`` in its forward, which is ``sqrt(2) * erfinv(2p - 1)``.
   ONNX has ``Erf`` but no inverse: Giles' single-precision approximation ("Approximating the erfinv
   function", GPU Computing Gems, 2011), then one Newton step on ``Erf``.
+* ``kvforge::gated_delta_rule`` (Gated DeltaNet layers, :mod:`kvforge.graphs.gated_delta`): the
+  chunked delta rule in MatMuls with one ``Scan`` over chunks (:mod:`kvforge.graphs.gated_delta_onnx`).
 """
 
 from __future__ import annotations
@@ -74,5 +76,11 @@ def _erfinv_translation() -> Callable:
 
 def translation_table() -> dict:
     """``custom_translation_table`` entries for the ops above."""
+    from kvforge.graphs import gated_delta_onnx
+
     erfinv = _erfinv_translation()
-    return {torch.ops.prims.erf_inv.default: erfinv, torch.ops.aten.erfinv.default: erfinv}
+    return {
+        torch.ops.prims.erf_inv.default: erfinv,
+        torch.ops.aten.erfinv.default: erfinv,
+        **gated_delta_onnx.translation_table(),
+    }

@@ -99,6 +99,37 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             experts_implementation=_MOE,
             notes="LFM2's conv state beside attention layers; MoE experts exported with batched_mm",
         ),
+        # Gated DeltaNet linear attention (a conv state and a float32 recurrent state) beside full attention
+        ArchSpec(
+            "Qwen3_5ForCausalLM",
+            state="gated_delta",
+            notes="Gated DeltaNet layers keep a conv state [C, K-1] and a recurrent state [H, Dk, Dv] (float32); "
+            "their kernels swapped at export for kvforge's chunked gated delta rule",
+        ),
+        ArchSpec(
+            "Qwen3_5MoeForCausalLM",
+            state="gated_delta",
+            experts_implementation=_MOE,
+            notes="Qwen3.5's Gated DeltaNet state beside attention layers; MoE experts exported with batched_mm",
+        ),
+        ArchSpec(
+            "Qwen3NextForCausalLM",
+            state="gated_delta",
+            experts_implementation=_MOE,
+            notes="Gated DeltaNet state (fused qkvz projection) beside gated attention; MoE experts with batched_mm",
+        ),
+        ArchSpec(
+            "OlmoHybridForCausalLM",
+            state="gated_delta",
+            notes="Gated DeltaNet state (separate q/k/v projections, beta up to 2) beside attention layers",
+        ),
+        ArchSpec(
+            "LaraMiniForCausalLM",
+            state="gated_delta",
+            experts_implementation=_MOE,
+            notes="Gated DeltaNet state beside sliding-window (RoPE) and full (no positions) attention layers; "
+            "MoE experts with batched_mm",
+        ),
         ArchSpec(
             "Lfm3ForCausalLM",
             state="conv",
@@ -191,6 +222,8 @@ def state_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
         return Layout(tuple(i for i in range(n) if i not in conv), entries)
     if spec.state == "mamba":  # Mamba mixers where layer_types says "linear_attention" (every layer of Mamba)
         return _mamba_layout(config, n, dtype)
+    if spec.state == "gated_delta":
+        return _gated_delta_layout(config, dtype)
     raise ValueError(f"state kind {spec.state!r} of {spec.architecture} has no layout reader")
 
 
@@ -217,3 +250,18 @@ def _mamba_layout(config: Any, n: int, dtype: str) -> Layout:
     mixers = [i for i, t in enumerate(list(config.layer_types)[:n]) if t == "linear_attention"]
     entries = tuple(StateEntry(i, "mamba", (conv, recurrent)) for i in mixers)
     return Layout(tuple(i for i in range(n) if i not in mixers), entries)
+
+
+def _gated_delta_layout(config: Any, dtype: str) -> Layout:
+    """Gated DeltaNet families: ``layer_types[i] == "linear_attention"`` keeps the causal conv's
+    last ``K-1`` inputs over its channels (query, key and value: ``2·Hk·Dk + Hv·Dv``), in the
+    model's dtype, and the delta rule's state ``[Hv, Dk, Dv]`` in float32 (transformers' kernels
+    run it in float32); every other layer attends."""
+    n = config.num_hidden_layers
+    linear = [i for i, t in enumerate(config.layer_types[:n]) if t == "linear_attention"]
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    conv = StateTensor("conv", (2 * hk * dk + hv * dv, config.linear_conv_kernel_dim - 1), dtype)
+    recurrent = StateTensor("recurrent", (hv, dk, dv), "float32")
+    entries = tuple(StateEntry(i, "gated_delta", (conv, recurrent)) for i in linear)
+    return Layout(tuple(i for i in range(n) if i not in linear), entries)

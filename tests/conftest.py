@@ -118,6 +118,27 @@ def mamba_artifact(mamba_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen35_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3.5 of tests/families.py: Gated DeltaNet layers 0, 2, 3 (a conv and a float32
+    recurrent state each) and one attention layer, 1."""
+    from tests import families
+
+    [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == "qwen3.5"]
+    return families.build(tmp_path_factory.mktemp("qwen35") / "model", architecture, config_class, overrides)
+
+
+@pytest.fixture(scope="session")
+def qwen35_artifact(qwen35_dir, tmp_path_factory) -> Path:
+    """The tiny Qwen3.5 compiled with the default lowering (gqa, ORT-optimized graphs), max_batch 2,
+    max_seq 80 (a prompt can cross the 64-token chunk of the delta rule), no score graph."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "qwen35"
+    compile_model(qwen35_dir, out, max_batch=2, max_seq=80, score_graph=False, progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_reference(llama_dir):
     """transformers' model of ``llama_dir`` (eager attention), the reference for every comparison."""
     from transformers import AutoModelForCausalLM

@@ -30,6 +30,21 @@ LFM2_LAYERS = ["conv", "full_attention", "conv", "conv"]
 # untied output embeddings: Mamba's residual stream keeps the input token's embedding, so tied
 # logits would repeat the input token
 MAMBA = {"state_size": 8, "conv_kernel": 4, "expand": 2, "time_step_rank": 8, "tie_word_embeddings": False}
+# Gated DeltaNet layers (a conv and a float32 recurrent state) beside one attention layer; 2 key heads
+# serve 4 value heads (grouped value attention)
+GATED_DELTA = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+GATED_DELTA_MOE = dict(
+    GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+)
 
 CASES: list[tuple[str, str, str, dict]] = [
     ("llama", "LlamaForCausalLM", "LlamaConfig", {}),
@@ -166,6 +181,20 @@ CASES: list[tuple[str, str, str, dict]] = [
             "sliding_window": WINDOW,
             "head_dim": 16,
         },
+    ),
+    ("qwen3.5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", GATED_DELTA),
+    ("qwen3.5-moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", GATED_DELTA_MOE),
+    ("qwen3-next", "Qwen3NextForCausalLM", "Qwen3NextConfig", GATED_DELTA_MOE),
+    ("olmo-hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig", GATED_DELTA),
+    (
+        "lara-mini-window",
+        "LaraMiniForCausalLM",
+        "LaraMiniConfig",
+        dict(
+            GATED_DELTA_MOE,
+            layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+            sliding_window=WINDOW,
+        ),
     ),
     (
         "gpt-oss-sinks-window",

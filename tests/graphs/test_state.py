@@ -6,7 +6,11 @@ from a state, with ragged rows, and its ONNX lowering (one Scan over chunks) equ
 Runtime; ragged rows keep the state of their last real input, the layout names every graph
 input/output, the export cache zeroes the state of a row that starts a sequence, and a manifest
 with state entries is checked field by field while schema-1/2 artifacts keep their meaning (every
-layer attends)."""
+layer attends). kvforge's chunked gated delta rule (the kernel swapped in for transformers' at
+export) equals transformers' chunked and recurrent kernels, inverts its triangular system
+exactly, keeps each ragged row's state at its last real token and gives a chunked prompt the
+state of one call; the Gated DeltaNet layout keeps a conv and a float32 recurrent state per
+linear layer."""
 
 from __future__ import annotations
 
@@ -80,6 +84,132 @@ def test_gated_delta_step_equals_transformers_recurrence():
         outs.append(out)
     torch.testing.assert_close(torch.stack(outs, 1), expected)
     torch.testing.assert_close(state, final)
+
+
+def _delta_rule_inputs(b=2, s=7, hk=2, hv=4, dk=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(b, s, hk, dk, generator=g), torch.randn(b, s, hk, dk, generator=g)
+    v = torch.randn(b, s, hv, dv, generator=g)
+    decay, beta = -torch.rand(b, s, hv, generator=g), torch.rand(b, s, hv, generator=g)
+    return q, k, v, decay, beta, torch.randn(b, hv, dk, dv, generator=g)
+
+
+@pytest.mark.parametrize("seq", [1, 7, 64, 130], ids=lambda s: f"seq{s}")
+def test_chunked_gated_delta_rule_equals_transformers_kernels(seq):
+    """kvforge's kernel (chunks of min(S, 64), (I + A)^-1 by block forward substitution) against
+    transformers' chunked and token-by-token kernels: grouped value heads, an initial state, one
+    token (decode), a whole chunk, and chunks with a padded tail."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    from kvforge.graphs import gated_delta
+
+    q, k, v, decay, beta, initial = _delta_rule_inputs(s=seq)
+    kwargs = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours, state = gated_delta.export_gated_delta_rule(q, k, v, decay, beta, **kwargs)
+    for kernel in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule):
+        expected, final = kernel(q, k, v, decay, beta, **kwargs)
+        torch.testing.assert_close(ours, expected, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(state, final, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_block_forward_substitution_inverts_a_unit_lower_triangular_matrix(chunk):
+    from kvforge.graphs.gated_delta import unit_lower_inverse
+
+    g = torch.Generator().manual_seed(chunk)
+    a = torch.randn(3, chunk, chunk, generator=g, dtype=torch.float64).tril(-1) * 0.3
+    eye = torch.eye(chunk, dtype=torch.float64)
+    torch.testing.assert_close(unit_lower_inverse(a) @ (eye + a), eye.expand(3, -1, -1))
+
+
+def test_gated_delta_rule_of_ragged_rows_and_chunks_keeps_each_rows_state():
+    """Inside a wrapper's trace (state.current()), positions past a row's length leave its state as
+    it was after its last real token; a prompt run in two chunks, the state carried, gives the
+    outputs and the state of one call."""
+    from kvforge.graphs import gated_delta, state
+
+    q, k, v, decay, beta, initial = _delta_rule_inputs(s=70)
+
+    def run(sl, start_state, lengths):
+        cache = ExportStateCache({}, torch.ones(2, dtype=torch.int64), lengths)
+        with state.active(cache):
+            return gated_delta.export_gated_delta_rule(
+                q[:, sl],
+                k[:, sl],
+                v[:, sl],
+                decay[:, sl],
+                beta[:, sl],
+                initial_state=start_state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+
+    out, ragged = run(slice(0, 70), initial, torch.tensor([70, 23]))
+    _, alone = run(slice(0, 23), initial, torch.tensor([23, 23]))
+    torch.testing.assert_close(ragged[1], alone[1], atol=1e-5, rtol=1e-5)  # row 1: 23 real tokens, 47 padding
+    first_out, first = run(slice(0, 66), initial, torch.tensor([66, 66]))
+    second_out, second = run(slice(66, 70), first, torch.tensor([4, 4]))
+    torch.testing.assert_close(second[0], ragged[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([first_out, second_out], 1)[0], out[0], atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_swap_reaches_only_the_export_models_gated_delta_layers(monkeypatch):
+    """kernels.kernelize, through transformers' hub registration, puts kvforge's kernel in the
+    Gated DeltaNet layers of the model it is given (its logits stay transformers'), not in another
+    instance of the family (the parity reference keeps transformers' kernels)."""
+    import transformers
+
+    from kvforge.graphs import gated_delta
+    from tests import families
+
+    [(_, _, _, overrides)] = [c for c in families.CASES if c[0] == "qwen3.5"]
+    config = transformers.Qwen3_5TextConfig(**{**families.COMMON, **overrides})
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    reference = transformers.Qwen3_5ForCausalLM(config).eval()
+    reference.load_state_dict(model.state_dict())
+    gated_delta.use_export_kernels(model)
+    calls = []
+    original = gated_delta.export_gated_delta_rule
+    monkeypatch.setattr(gated_delta, "export_gated_delta_rule", lambda *a, **k: calls.append(1) or original(*a, **k))
+    tokens = torch.tensor([[3, 17, 201, 33, 90, 4, 150, 77]])
+    with torch.no_grad():
+        ours, theirs = model(tokens).logits, reference(tokens).logits
+    assert len(calls) == 3  # the three linear-attention layers, once each; none from the reference
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
+
+
+def _qwen35_layout() -> contract.Layout:
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        hidden_size=16,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        linear_conv_kernel_dim=4,
+        vocab_size=32,
+    )
+    return architectures.state_layout(architectures.ARCHITECTURES["Qwen3_5ForCausalLM"], config, "bfloat16")
+
+
+def test_gated_delta_layout_keeps_a_conv_and_a_float32_recurrent_state_per_linear_layer():
+    layout = _qwen35_layout()
+    assert layout.attention == (1,)
+    conv = contract.StateTensor("conv", (2 * 2 * 8 + 4 * 6, 3), "bfloat16")  # q, k and v channels; K-1 inputs
+    recurrent = contract.StateTensor("recurrent", (4, 8, 6), "float32")  # [Hv, Dk, Dv], float32 in any model
+    assert layout.states == tuple(contract.StateEntry(i, "gated_delta", (conv, recurrent)) for i in (0, 2, 3))
+    assert contract.past_names(layout)[2:4] == ["past_state.0.conv", "past_state.0.recurrent"]
+    assert layout.state_row_bytes() == 3 * (56 * 3 * 2 + 4 * 8 * 6 * 4)
 
 
 def test_mamba2_and_mamba_steps_follow_the_recurrence():

@@ -1,0 +1,274 @@
+"""Gated DeltaNet layers (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid, LaraMini) for export.
+
+transformers runs these layers' linear attention through two pure-torch kernels: the chunked
+``torch_chunk_gated_delta_rule`` (prefill) and the token-by-token ``torch_recurrent_gated_delta_rule``
+(one-token decode). The chunked one loops in Python over a data-dependent number of chunks, so it
+cannot be traced with a dynamic sequence length, and neither knows where a row's real tokens end.
+Both are registered in transformers' kernel hub (``use_kernel_func_from_hub_with_fallback`` and the
+layer's ``use_kernelized_func``); :func:`use_export_kernels` maps both names, through the ``kernels``
+package's own mapping and ``kernelize``, to :func:`export_gated_delta_rule`, which runs the torch
+custom op ``kvforge::gated_delta_rule`` (opaque to the exporter), lowered in standard ONNX ops by
+:mod:`kvforge.graphs.gated_delta_onnx`.
+
+The algorithm (transformers' chunked form, FLA's "WY" representation), per row and value head, for
+``S`` tokens in chunks of ``C = min(S, CHUNK)`` (the last one padded with ``g = beta = 0``, which
+leaves the state as it is):
+
+* within each chunk, all chunks at once, in MatMuls: the cumulative log decay ``cum``, the decays
+  between positions ``exp(cum_i - cum_j)``, the strictly lower ``A = (beta k kᵀ) ⊙ decay`` and
+  ``T = (I + A)⁻¹`` by block forward substitution (:func:`unit_lower_inverse`: ``log2(CHUNK)``
+  levels of two MatMuls each; ONNX has no triangular solve), the corrected values
+  ``T (beta v)`` and the decayed keys that read the previous state ``T (beta k exp(cum))``;
+* across chunks, the state passes from one chunk to the next (ONNX ``Scan`` over the chunks:
+  the only loop, ``ceil(S / CHUNK)`` iterations; one in decode, where ``C = 1`` makes every
+  within-chunk matrix ``1 x 1`` and the chunk step is the recurrent step).
+
+Ragged rows: positions at or past a row's ``lengths[b]`` (:func:`kvforge.graphs.state.current`)
+get ``g = 0`` and ``beta = 0``: the state decays by ``exp(0) = 1`` and learns nothing there, so each
+row's final state is the one after its last real token; their outputs are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.graphs import state as export_state
+
+CHUNK = 64  # tokens per chunk (transformers' default chunk_size); a power of two
+LEVELS = CHUNK.bit_length() - 1  # block forward substitution levels: log2(CHUNK)
+
+
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """``(I + a)⁻¹`` for a strictly lower triangular ``a [..., C, C]`` (``C <= CHUNK``), by block
+    forward substitution: level ``l`` merges the diagonal blocks of size ``2^l`` pairwise,
+    ``[[T11, 0], [-T22 A21 T11, T22]]``, written over the whole matrix as ``T - T A_l T`` where
+    ``A_l`` keeps the entries of ``a`` that lie in one block of ``2^(l+1)`` but in different blocks
+    of ``2^l``. Exact like forward substitution (no power series), in MatMuls only."""
+    c = a.shape[-1]
+    idx = torch.arange(c, device=a.device)
+    rows, cols = idx[:, None], idx[None, :]
+    t = torch.eye(c, dtype=a.dtype, device=a.device)
+    for level in range(LEVELS):
+        block = 1 << level
+        if block >= c:
+            break
+        merged = ((rows // (2 * block)) == (cols // (2 * block))) & ((rows // block) != (cols // block))  # (C, C)
+        off = torch.where(merged, a, torch.zeros((), dtype=a.dtype))
+        t = t - t @ off @ t
+    return t
+
+
+def chunked_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over ``S`` tokens, chunked (see the module docstring), float32.
+
+    query/key ``[B, H, S, Dk]`` (L2-normalized, the query scaled by ``Dk**-0.5``, heads already
+    repeated to the value heads), value ``[B, H, S, Dv]``, g ``[B, H, S]`` (log decay, <= 0), beta
+    ``[B, H, S]``, state ``[B, H, Dk, Dv]``. Returns ``(output [B, H, S, Dv], final state)``."""
+    batch, heads, seq, _ = key.shape
+    dv = value.shape[-1]
+    chunk = min(seq, CHUNK)
+    chunks = -(-seq // chunk)
+    pad = chunks * chunk - seq
+    q, k, v = (F.pad(x, (0, 0, 0, pad)).reshape(batch, heads, chunks, chunk, -1) for x in (query, key, value))
+    g, beta = (F.pad(x, (0, pad)).reshape(batch, heads, chunks, chunk) for x in (g, beta))  # (B, H, N, C)
+
+    cum = g.cumsum(-1)  # (B, H, N, C): log decay from the chunk's start through each position
+    idx = torch.arange(chunk, device=key.device)
+    lower = idx[:, None] >= idx[None, :]  # (C, C)
+    pairwise = torch.where(lower, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()  # (B, H, N, C, C)
+    k_beta = k * beta[..., None]
+    strict = torch.where(idx[:, None] > idx[None, :], (k_beta @ k.transpose(-1, -2)) * pairwise, 0.0)
+    t = unit_lower_inverse(strict)  # (B, H, N, C, C)
+    new_values = t @ (v * beta[..., None])  # (B, H, N, C, Dv)
+    k_cumdecay = t @ (k_beta * cum.exp()[..., None])  # (B, H, N, C, Dk)
+    intra = (q @ k.transpose(-1, -2)) * pairwise  # (B, H, N, C, C)
+    q_decayed = q * cum.exp()[..., None]
+    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
+
+    outputs = []
+    for i in range(chunks):  # the state passes from chunk to chunk (ONNX: Scan)
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state  # (B, H, C, Dv)
+        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    output = torch.stack(outputs, 2).reshape(batch, heads, chunks * chunk, dv)[:, :, :seq]
+    return output, state
+
+
+@torch.library.custom_op("kvforge::gated_delta_rule", mutates_args=())
+def gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunked_rule` as one op for the exporter, which replaces it by its translation
+    (:mod:`kvforge.graphs.gated_delta_onnx`)."""
+    output, final = chunked_rule(query, key, value, g, beta, state)
+    return output.contiguous(), final.contiguous()
+
+
+@gated_delta_rule.register_fake
+def _(query, key, value, g, beta, state):
+    return value.new_empty(value.shape), state.new_empty(state.shape)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # transformers' (and FLA's) l2norm
+
+
+def export_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = CHUNK,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``, same
+    arguments and results: query/key ``[B, S, Hk, Dk]``, value ``[B, S, Hv, Dv]``, g/beta
+    ``[B, S, Hv]``, initial_state ``[B, Hv, Dk, Dv]`` -> ``(output [B, S, Hv, Dv] in the query's
+    dtype, final state float32 or None)``. ``chunk_size`` is ignored: :data:`CHUNK`. Inside a
+    wrapper's trace (:func:`kvforge.graphs.state.current`), positions at or past each row's
+    ``lengths`` get ``g = beta = 0``, so the final state is the one after the row's last real token."""
+    dtype = query.dtype
+    batch, seq, k_heads, dk = key.shape
+    v_heads, dv = value.shape[-2:]
+    if k_heads != v_heads:  # each query/key head serves v_heads // k_heads consecutive value heads
+        query = query.repeat_interleave(v_heads // k_heads, dim=2)
+        key = key.repeat_interleave(v_heads // k_heads, dim=2)
+    query, key, value, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))  # (B, H, S, ...)
+    if use_qk_l2norm_in_kernel:
+        query, key = _l2norm(query), _l2norm(key)
+    query = query * dk**-0.5
+    cache = export_state.current()
+    if cache is not None:  # ragged rows: nothing past a row's last real token reaches its state
+        real = torch.arange(seq, device=key.device)[None, :] < cache.lengths[:, None]  # (B, S)
+        real = real[:, None, :]  # (B, 1, S)
+        g = torch.where(real, g, torch.zeros((), dtype=g.dtype))
+        beta = torch.where(real, beta, torch.zeros((), dtype=beta.dtype))
+    if initial_state is None:
+        initial_state = torch.zeros(batch, v_heads, dk, dv, dtype=torch.float32, device=value.device)
+    output, final = gated_delta_rule(query, key, value, g, beta, initial_state.float())
+    output = output.transpose(1, 2).contiguous().to(dtype)  # (B, S, H, Dv)
+    return output, (final if output_final_state else None)
+
+
+# ---------------------------------------------------------------- the kernel swap (transformers' hub)
+
+
+class ExportChunkGatedDeltaRule(torch.nn.Module):
+    """What ``kernels.kernelize`` puts in place of ``torch_chunk_gated_delta_rule``: a stateless layer
+    whose ``forward`` has the signature of the function it replaces (``kernels`` checks it)."""
+
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        chunk_size: int = CHUNK,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return export_gated_delta_rule(
+            query, key, value, g, beta, chunk_size, initial_state, output_final_state, use_qk_l2norm_in_kernel
+        )
+
+
+class ExportRecurrentGatedDeltaRule(torch.nn.Module):
+    """What ``kernels.kernelize`` puts in place of ``torch_recurrent_gated_delta_rule`` (the same
+    op: for one token, the chunk is the token)."""
+
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return export_gated_delta_rule(
+            query, key, value, g, beta, CHUNK, initial_state, output_final_state, use_qk_l2norm_in_kernel
+        )
+
+
+class _InProcessRepository:
+    """A ``kernels`` repository (its ``RepositoryProtocol``: ``load()`` returns the layer class)
+    whose layer is defined here rather than fetched from the Hub."""
+
+    def __init__(self, layer: type[torch.nn.Module]) -> None:
+        self._layer = layer
+
+    def load(self) -> type[torch.nn.Module]:
+        return self._layer
+
+    def __str__(self) -> str:
+        return f"kvforge's {self._layer.__name__}"
+
+
+# transformers' hub name of each kernel -> the repository of its replacement
+_REPOSITORIES = {
+    "chunk_gated_delta_rule": _InProcessRepository(ExportChunkGatedDeltaRule),
+    "fused_recurrent_gated_delta_rule": _InProcessRepository(ExportRecurrentGatedDeltaRule),
+}
+
+
+def use_export_kernels(model: torch.nn.Module) -> None:
+    """Swap the gated delta rule kernels of every Gated DeltaNet layer of ``model`` (a CPU model
+    loaded for export, with at least one such layer) for :class:`ExportChunkGatedDeltaRule` and
+    :class:`ExportRecurrentGatedDeltaRule`, through the ``kernels`` package's mapping
+    and ``kernelize`` (the extension point transformers registers them with). Only ``model``'s own
+    kernel wrappers change: another instance of the family (the parity reference) keeps
+    transformers' kernels."""
+    import logging
+
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    mapping = {name: {"cpu": repository} for name, repository in _REPOSITORIES.items()}
+    # kernelize warns once for every other hub-registered layer (norms, convs) that it keeps as it is
+    kernels_logger = logging.getLogger("kernels")
+    level = kernels_logger.level
+    kernels_logger.setLevel(logging.ERROR)
+    try:
+        with use_kernel_mapping(mapping, inherit_mapping=False):
+            kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    finally:
+        kernels_logger.setLevel(level)
+    kernels = [  # every gated delta rule kernel wrapper of the model's layers, by its hub name
+        (type(f).kernel_layer_name, f)
+        for module in model.modules()
+        for f in getattr(module, "_kernel_funcs", {}).values()
+        if getattr(type(f), "kernel_layer_name", None) in _REPOSITORIES
+    ]
+    if not kernels or any(f.__dict__.get("_kernel_repo") is not _REPOSITORIES[name] for name, f in kernels):
+        raise RuntimeError(
+            f"{type(model).__name__}'s Gated DeltaNet layers do not all run the gated delta rule through kernels "
+            "that kernels.kernelize swapped (their transformers modules must register torch_chunk_gated_delta_rule "
+            "and torch_recurrent_gated_delta_rule with use_kernelized_func)"
+        )

@@ -1,0 +1,110 @@
+"""A Gated DeltaNet hybrid end to end on the runtime (Qwen3.5: three linear-attention layers with a
+conv state and a float32 recurrent state each, beside one attention layer): the artifact records
+both states per linear layer and KV only for the layer that attends; its graphs run transformers'
+swapped-out delta rule kernels as kvforge's chunked rule, one ``Scan`` over chunks per linear layer
+and no other loop; prefill and decode logits are within the families' fp32 tolerance of
+transformers; a prompt prefilled in chunks (across the rule's 64-token chunk) gives the logits of
+one call; greedy output equals transformers' generate at both ends of ``max_seq`` (a 1-token
+prompt run to a full row, a full-length prompt); a ragged batch and in-flight batching with more
+requests than rows give every request its solo result; speculative decoding, which would need
+the state at each accepted draft, refuses at load naming the layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+
+from kvforge.graphs import manifest as mf
+from kvforge.runtime import Engine
+from tests.helpers import assert_close, hf_greedy
+
+ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
+PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64], [7, 5, 9, 250, 31], [11, 2], [40, 41, 42, 43, 44, 45]]
+NEW = [20, 6, 25, 12]
+LONG = [(13 * i + 5) % 256 for i in range(70)]  # longer than one chunk of the delta rule
+
+
+@pytest.fixture(scope="module")
+def reference(qwen35_dir):
+    return transformers.Qwen3_5ForCausalLM.from_pretrained(qwen35_dir, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def engine(qwen35_artifact):
+    with Engine.load(qwen35_artifact) as engine:
+        yield engine
+
+
+def test_manifest_records_both_states_and_one_scan_per_linear_layer(qwen35_artifact):
+    manifest = mf.read(qwen35_artifact)
+    assert manifest.kv_cache["layers"] == [1]
+    conv_channels = 2 * 2 * 16 + 4 * 16  # query and key (2 heads of 16), value (4 heads of 16)
+    assert [
+        (e["layer"], e["kind"], [(t["part"], t["shape"], t["dtype"]) for t in e["tensors"]]) for e in manifest.state
+    ] == [
+        (i, "gated_delta", [("conv", [conv_channels, 3], "float32"), ("recurrent", [4, 16, 16], "float32")])
+        for i in (0, 2, 3)
+    ]
+    graph = onnx.load(str(qwen35_artifact / "prefill.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("Scan") == 3 and "Loop" not in ops
+    scans = [n.name for n in graph.node if n.op_type == "Scan"]
+    assert all(f"/model/layers.{i}/linear_attn/" in name for i, name in zip((0, 2, 3), scans)), scans
+
+
+def test_prefill_and_decode_logits_match_transformers(engine, reference):
+    prompt = PROMPTS[0]
+    ours = [engine.prefill([prompt])[0].copy()]
+    tokens = [int(ours[0].argmax())]
+    for _ in range(5):
+        ours.append(engine.decode([tokens[-1]])[0].copy())
+        tokens.append(int(ours[-1].argmax()))
+    with torch.no_grad():
+        theirs = reference(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].numpy()
+    for step, (got, want) in enumerate(zip(ours, theirs)):
+        assert_close(got, want, ATOL, RTOL, f"step {step}")
+
+
+def test_chunked_prefill_equals_one_shot_prefill(engine):
+    whole = engine.prefill([LONG])[0].copy()
+    after_whole = engine.decode([5])[0].copy()
+    for cut in ((1, 70), (30, 64, 70), (65, 70), (3, 4, 70)):  # chunks on, across and past a 64-token chunk
+        start = 0
+        for stop in cut:
+            logits = engine.prefill([LONG[start:stop]], start=[start])[0].copy()
+            start = stop
+        np.testing.assert_array_equal(logits.argmax(), whole.argmax())
+        assert_close(logits, whole, 1e-5, 1e-5, f"chunks {cut}")
+        assert_close(engine.decode([5])[0], after_whole, 1e-5, 1e-5, f"decode after chunks {cut}")
+
+
+def test_greedy_equals_transformers_at_both_ends_of_max_seq(engine, reference):
+    max_seq = engine.max_seq
+    [short] = engine.generate([[9]], max_new_tokens=max_seq - 1)  # fills the row to its last position
+    assert short.token_ids == hf_greedy(reference, [9], max_seq - 1)
+    full = [(7 * i + 3) % 256 for i in range(max_seq)]  # a prompt as long as the row: one token
+    [last] = engine.generate([full], max_new_tokens=4)
+    assert last.token_ids == hf_greedy(reference, full, 1) and last.finish_reason == "length"
+
+
+def test_ragged_batches_and_in_flight_batching_give_each_request_its_solo_result(engine, reference):
+    expected = [hf_greedy(reference, p, n) for p, n in zip(PROMPTS, NEW)]
+    batch = engine.generate([LONG, PROMPTS[1]], max_new_tokens=8)  # ragged: 70 and 5 tokens, one prefill
+    assert [r.token_ids for r in batch] == [hf_greedy(reference, LONG, 8), hf_greedy(reference, PROMPTS[1], 8)]
+    engine.prefill_chunk = 4  # long prompts are prefilled in chunks beside decoding rows
+    try:
+        with engine.scheduler() as sched:  # 4 requests on 2 rows: queued ones take finished rows
+            handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
+            results = [h.result(timeout=120) for h in handles]
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    for i, (result, tokens) in enumerate(zip(results, expected)):
+        assert result.token_ids == tokens, f"request {i}"
+
+
+def test_speculative_decoding_refuses_naming_the_state_layers(qwen35_artifact):
+    with pytest.raises(ValueError, match=r"layers \[0, 2, 3\] keep a gated_delta state"):
+        Engine.load(qwen35_artifact, speculative="ngram")
