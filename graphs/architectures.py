@@ -36,6 +36,8 @@ class ArchSpec:
         the ONNX exporter translates few complex-valued ops.
     state: the kind of state (:data:`kvforge.graphs.contract.STATE_KINDS`) the family's
         non-attention layers keep, read by :func:`state_layout`; None: every layer attends.
+    ssm_attrs: for ``state="mamba2"``, the config attributes naming the Mamba2 mixer's heads,
+        head dim, state size, groups and conv kernel (each family names them its own way).
     verified: False for the generic path (a family not in the table), which compile accepts only
         when its parity check passes.
     notes: what the family needed beyond the shared path (documentation).
@@ -49,6 +51,7 @@ class ArchSpec:
     experts_implementation: str | None = None
     complex_arithmetic: bool = False
     state: str | None = None
+    ssm_attrs: tuple[str, ...] = ()
     verified: bool = True
     notes: str = ""
 
@@ -62,6 +65,9 @@ class ArchSpec:
 
 
 _MOE = "batched_mm"
+# Mamba2 mixer dims (heads, head dim, state size, groups, conv kernel) as each family's config names them
+_MAMBA2_ATTRS = ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel")
+_HYBRID_MAMBA2_ATTRS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.architecture: spec
@@ -98,6 +104,22 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             state="conv",
             experts_implementation=_MOE,
             notes="LFM2's conv state beside attention layers; MoE experts exported with batched_mm",
+        ),
+        ArchSpec(
+            "Mamba2ForCausalLM",
+            state="mamba2",
+            ssm_attrs=_MAMBA2_ATTRS,
+            notes="every layer a Mamba2 (SSD) mixer: conv state [C, K-1] and recurrent state [H, P, N] float32, "
+            "no KV; kvforge's chunked scan (kvforge.graphs.mamba2) swapped in through the kernels mapping",
+        ),
+        ArchSpec(
+            "GraniteMoeHybridForCausalLM",
+            logit_divisor_attr="logits_scaling",
+            experts_implementation=_MOE,
+            state="mamba2",
+            ssm_attrs=_HYBRID_MAMBA2_ATTRS,
+            notes="Granite 4: Mamba2 layers beside attention layers (KV only for those), MoE or dense MLPs, "
+            "logits divided by logits_scaling",
         ),
         ArchSpec(
             "GptOssForCausalLM",
@@ -142,7 +164,9 @@ class Dims:
 
     @classmethod
     def from_config(cls, config: Any) -> Dims:
-        num_heads = config.num_attention_heads
+        # A family without attention layers (Mamba2) names no attention heads: its dims are the
+        # mixer's, and no KV is allocated for it (its layout lists no attention layer).
+        num_heads = getattr(config, "num_attention_heads", None) or config.num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return cls(
             num_layers=config.num_hidden_layers,
@@ -166,4 +190,20 @@ def state_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
         width = config.conv_L_cache - 1
         entries = tuple(StateEntry(i, "conv", (StateTensor("conv", (config.hidden_size, width), dtype),)) for i in conv)
         return Layout(tuple(i for i in range(n) if i not in conv), entries)
+    if spec.state == "mamba2":
+        return _mamba2_layout(spec, config, dtype)
     raise ValueError(f"state kind {spec.state!r} of {spec.architecture} has no layout reader")
+
+
+def _mamba2_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
+    """Mamba2 layers are ``layer_types[i] == "linear_attention"`` (transformers' name for them in
+    every Mamba2 family); each keeps ``conv [H*P + 2*G*N, K-1]`` in the model's dtype and
+    ``recurrent [H, P, N]`` float32 (what transformers' chunked scan returns). Attention layers
+    (``"full_attention"``) keep KV; any other layer type (an MLP-only block) keeps neither."""
+    n = config.num_hidden_layers
+    heads, head_dim, size, groups, kernel = (int(getattr(config, a)) for a in spec.ssm_attrs)
+    types = list(config.layer_types[:n])
+    conv = StateTensor("conv", (heads * head_dim + 2 * groups * size, kernel - 1), dtype)
+    recurrent = StateTensor("recurrent", (heads, head_dim, size), "float32")
+    entries = tuple(StateEntry(i, "mamba2", (conv, recurrent)) for i, t in enumerate(types) if t == "linear_attention")
+    return Layout(tuple(i for i, t in enumerate(types) if t == "full_attention"), entries)

@@ -108,6 +108,8 @@ class _CausalLMGraph(torch.nn.Module):
         types = list(config.layer_types[: config.num_hidden_layers])
         mask = caches.mask(None) if layout.attention else None
         masks = {t: None for t in types} | {types[i]: mask for i in range(len(types)) if i not in stateful}
+        if not layout.attention:  # no layer attends (Mamba2): no mask at all; such decoders take no dict
+            masks = None
         with lowering.active(caches), state.active(states):
             out = decoder_of(self.model)(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=masks, cache=states, use_cache=False
