@@ -122,6 +122,28 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "logits divided by logits_scaling",
         ),
         ArchSpec(
+            "BambaForCausalLM",
+            state="mamba2",
+            ssm_attrs=_HYBRID_MAMBA2_ATTRS,
+            notes="Mamba2 layers beside the attention layers attn_layer_indices names (KV only for those)",
+        ),
+        ArchSpec(
+            "NemotronHForCausalLM",
+            experts_implementation=_MOE,
+            state="mamba2",
+            ssm_attrs=("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel"),
+            notes="Mamba2, attention, MLP-only and MoE blocks (layers_block_type): KV for the attention blocks, "
+            "a Mamba2 state for the Mamba2 blocks, nothing for the others",
+        ),
+        ArchSpec(
+            "FalconH1ForCausalLM",
+            logit_multiplier_attr="lm_head_multiplier",
+            state="mamba2",
+            ssm_attrs=_HYBRID_MAMBA2_ATTRS,
+            notes="every layer runs attention and a Mamba2 mixer side by side (KV and a Mamba2 state each); "
+            "muP multipliers are transformers' own; logits multiplied by lm_head_multiplier",
+        ),
+        ArchSpec(
             "GptOssForCausalLM",
             experts_implementation=_MOE,
             notes="attention sinks (s_aux: one softmax logit per head), alternating sliding windows, "
@@ -199,11 +221,17 @@ def _mamba2_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
     """Mamba2 layers are ``layer_types[i] == "linear_attention"`` (transformers' name for them in
     every Mamba2 family); each keeps ``conv [H*P + 2*G*N, K-1]`` in the model's dtype and
     ``recurrent [H, P, N]`` float32 (what transformers' chunked scan returns). Attention layers
-    (``"full_attention"``) keep KV; any other layer type (an MLP-only block) keeps neither."""
+    (``"full_attention"``) keep KV, a ``"hybrid"`` layer both (Falcon-H1: attention and a Mamba2 mixer
+    side by side); any other layer type (Nemotron-H's MLP-only blocks) keeps neither."""
     n = config.num_hidden_layers
     heads, head_dim, size, groups, kernel = (int(getattr(config, a)) for a in spec.ssm_attrs)
     types = list(config.layer_types[:n])
     conv = StateTensor("conv", (heads * head_dim + 2 * groups * size, kernel - 1), dtype)
     recurrent = StateTensor("recurrent", (heads, head_dim, size), "float32")
-    entries = tuple(StateEntry(i, "mamba2", (conv, recurrent)) for i, t in enumerate(types) if t == "linear_attention")
-    return Layout(tuple(i for i, t in enumerate(types) if t == "full_attention"), entries)
+    entries = tuple(StateEntry(i, "mamba2", (conv, recurrent)) for i, t in enumerate(types) if t in _MAMBA2_TYPES)
+    return Layout(tuple(i for i, t in enumerate(types) if t in _ATTENTION_TYPES), entries)
+
+
+# transformers' layer type names: "hybrid" is a layer with both (Falcon-H1)
+_MAMBA2_TYPES = ("linear_attention", "hybrid")
+_ATTENTION_TYPES = ("full_attention", "hybrid")

@@ -115,7 +115,7 @@ def scan_forward(module, hidden_states, b, c, dt, cache) -> torch.Tensor:
     batch, seq, _ = hidden_states.shape
     active = state.current()
     dt = F.softplus(dt.float() + module.dt_bias.float())
-    low, high = module.time_step_limit
+    low, high = module.time_step_limit or (0.0, float("inf"))
     if low > 0.0 or high != float("inf"):
         dt = torch.clamp(dt, min=low, max=high)
     initial = cache.get_recurrent_state(module.layer_idx) if cache is not None else None
