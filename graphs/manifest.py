@@ -273,7 +273,8 @@ def _check_state(data: dict[str, Any], cache: dict[str, Any]) -> list[int]:
     # or neither (Nemotron-H's MLP-only blocks); it is listed at most once among each.
     states = seen[len(layers) :]
     ints = all(isinstance(x, int) and not isinstance(x, bool) for x in seen)
-    if not ints or any(len(set(group)) != len(group) or not set(group) <= set(range(num_layers)) for group in (layers, states)):
+    valid = range(num_layers)
+    if not ints or any(len(set(group)) != len(group) or not set(group) <= set(valid) for group in (layers, states)):
         raise ArtifactError(
             f"manifest is inconsistent: kv_cache.layers {layers} and the state entries' layers "
             f"{[e.get('layer') for e in entries]} are not layers of the model's {num_layers}, each listed at most "
