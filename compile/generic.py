@@ -58,6 +58,14 @@ _CLASS_TABLE = re.compile(r"\b(\w+_ATTENTION_CLASSES)\[\s*(?:self\.)?(?:config\.
 # MoE experts that loop over the experts the tokens picked (data-dependent control flow).
 _EXPERT_LOOP = re.compile(r"^\s*for \w+ in expert_hit\b", re.MULTILINE)
 _STATE_KEYS = ("mamba_", "ssm_", "linear_conv", "linear_num_")
+# State families whose state kvforge keeps elsewhere, refused for what else they need (by model_type)
+_STATE_FAMILY_REFUSALS = {
+    "zamba2": (
+        "its shared transformer blocks run one attention module (layer_idx -1) at several layers, each use "
+        "with its own KV passed per call as layer_idx, which kvforge's attention function, keyed by the "
+        "module's layer_idx, cannot tell apart (its Mamba2 layers alone would export)"
+    ),
+}
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
 
@@ -121,6 +129,8 @@ def refusal(config: dict, model_class: type) -> str | None:
     other = sorted({t for t in layer_types if isinstance(t, str) and _NON_ATTENTION_LAYER.search(t)})
     other += sorted(k for k in config if k.startswith(_STATE_KEYS))[:2]  # state-space sizes (Falcon-H1's mamba_*)
     recurrent = sorted({name for name in _RECURRENT.findall(source) if not name.endswith(_NOT_A_LAYER)})
+    if model_type in _STATE_FAMILY_REFUSALS:
+        return _STATE_FAMILY_REFUSALS[model_type]
     if other or recurrent:
         what = ", ".join(other or recurrent[:3])
         return f"it has recurrent/state-space layers ({what}), which keep a state, not a KV cache"

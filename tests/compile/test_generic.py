@@ -54,6 +54,7 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
     [
         ("BertForMaskedLM", "bert", "not a decoder-only causal LM that transformers .* knows"),
         ("MambaForCausalLM", "mamba", r"recurrent/state-space layers \(MambaBlock, MambaMixer"),
+        ("Zamba2ForCausalLM", "zamba2", r"shared transformer blocks run one attention module \(layer_idx -1\)"),
         ("Gemma3ForConditionalGeneration", "gemma3", "multimodal model"),
         ("BartForCausalLM", "bart", "decoder half of an encoder-decoder model"),
         ("BertLMHeadModel", "bert", r"encoder \(masked-LM\) family"),

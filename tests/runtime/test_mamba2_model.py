@@ -32,8 +32,12 @@ def _compile(case: str, root) -> tuple:
 
     [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == case]
     model_dir = families.build(root / "model", architecture, config_class, overrides)
-    # the default lowering (gqa) with the ORT-optimized graphs, as a user compiles
-    compile_model(model_dir, root / "out", max_batch=2, max_seq=MAX_SEQ, score_graph=False, progress=None)
+    # the portable lowering without ORT's graph optimization, to keep the compile short; both
+    # lowerings with the ORT-optimized graphs run in tests/runtime/test_families.py
+    compile_model(
+        model_dir, root / "out", max_batch=2, max_seq=MAX_SEQ, lowering="onnx", optimize=False, score_graph=False,
+        progress=None,
+    )  # fmt: skip
     reference = getattr(transformers, architecture).from_pretrained(model_dir).eval()
     return root / "out", reference
 
