@@ -6,7 +6,8 @@ within fp32 tolerance of transformers; greedy output equals transformers' genera
 batch and at both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length
 prompt); chunked prefill (chunks shorter and longer than transformers' ``chunk_size`` of 8)
 equals one-shot prefill; in-flight batching with more requests than rows gives every request its
-solo result. Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_families.py."""
+solo result; the prefix cache and speculative decoding refuse up front, naming the Mamba2 layers.
+Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_families.py."""
 
 from __future__ import annotations
 
@@ -131,3 +132,16 @@ def test_in_flight_batching_moves_states_with_their_rows(family):
     finally:
         engine.prefill_chunk = engine.manifest.limits.max_prompt
     assert [r.token_ids for r in results] == expected, case
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(prefix_cache="64MiB"), r"prefix_cache='64MiB': this artifact's layers \[0, 1\] keep a mamba2 state"),
+        (dict(speculative="ngram"), r"speculative decoding: .*layers \[0, 1\] keep a mamba2 state"),
+    ],
+    ids=["prefix-cache", "speculative"],
+)
+def test_features_without_state_snapshots_refuse_at_load(mamba2_models, options, message):
+    with pytest.raises(ValueError, match=message):
+        Engine.load(mamba2_models["mamba2"][0], **options)
