@@ -221,6 +221,7 @@ def shrink(d: dict, nested: bool = False) -> dict:
     for key in _MIN_ONE:
         if isinstance(d.get(key), int):
             d[key] = min(d[key], 1)
+    _shrink_mamba2(d)
     if "initializer_range" in d:
         d["initializer_range"] = 0.1  # larger than real models: greedy choices are not near-ties
     for key in _TOKEN_KEYS if not nested else ():
@@ -232,6 +233,31 @@ def shrink(d: dict, nested: bool = False) -> dict:
         if ids and max(ids) >= vocab:
             d["vocab_size"] = max(ids) + 1
     return d
+
+
+# A Mamba2 mixer's config keys per family: (heads, head dim, state size, groups, expand, inner width)
+_MAMBA2_KEYS = (
+    ("num_heads", "head_dim", "state_size", "n_groups", "expand", None),  # mamba2
+    ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_expand", "mamba_d_ssm"),
+    ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", None, None),  # nemotron_h
+    ("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_expand", None),  # zamba2
+)
+
+
+def _shrink_mamba2(d: dict) -> None:
+    """A Mamba2 mixer shrunk consistently (its width, ``expand x hidden`` or the family's own
+    inner width, must be heads x head dim): 8 heads of 16 over hidden 64 x 2, state 16, 2 groups."""
+    for heads, head_dim, state, groups, expand, width in _MAMBA2_KEYS:
+        if not all(isinstance(d.get(k), int) for k in (heads, head_dim, state)):
+            continue
+        d.update({heads: 8, head_dim: 16, state: 16})
+        if isinstance(d.get(groups), int):
+            d[groups] = min(d[groups], 2)
+        if expand in d:
+            d[expand] = 2
+        if isinstance(d.get(width), int):
+            d[width] = 128
+        return
 
 
 def tiny_config(model_type: str):

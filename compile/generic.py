@@ -64,7 +64,14 @@ _SCORE_BIAS = re.compile(r"^\s*position_bias=position_bias,", re.MULTILINE)
 # Mamba (v1) mixers, and the kernel hook where kvforge swaps in its chunked scan (graphs/mamba.py).
 _MAMBA_MIXER = re.compile(r"^class (\w*(?<!2)MambaMixer)\(", re.MULTILINE)
 _MAMBA_HOOK = 'use_kernel_forward_from_hub("mamba_scan_forward")'
-
+# State families whose state kvforge keeps elsewhere, refused for what else they need (by model_type)
+_STATE_FAMILY_REFUSALS = {
+    "zamba2": (
+        "its shared transformer blocks run one attention module (layer_idx -1) at several layers, each use "
+        "with its own KV passed per call as layer_idx, which kvforge's attention function, keyed by the "
+        "module's layer_idx, cannot tell apart (its Mamba2 layers alone would export)"
+    ),
+}
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
 
@@ -146,6 +153,8 @@ def refusal(config: dict, model_class: type) -> str | None:
     other = sorted({t for t in layer_types if isinstance(t, str) and _NON_ATTENTION_LAYER.search(t)})
     other += sorted(k for k in config if k.startswith(_STATE_KEYS))[:2]  # state-space sizes (Falcon-H1's mamba_*)
     recurrent = sorted({name for name in _RECURRENT.findall(source) if not name.endswith(_NOT_A_LAYER)})
+    if model_type in _STATE_FAMILY_REFUSALS:
+        return _STATE_FAMILY_REFUSALS[model_type]
     if other or recurrent:
         what = ", ".join(other or recurrent[:3])
         return f"it has recurrent/state-space layers ({what}), which keep a state, not a KV cache"

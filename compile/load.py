@@ -277,6 +277,10 @@ def load_model(
         raise
     except Exception as e:  # a boundary: any failure to read the directory is the user's to fix
         raise ModelDirError(f"transformers could not load {str(model_dir)!r}: {e}") from e
+    if spec.state == "mamba2":  # kvforge's chunked scan for the export traces (transformers' own elsewhere)
+        from kvforge.graphs import mamba2
+
+        mamba2.kernelize(model)
     dims = Dims.from_config(model.config) if spec.verified else probe_generic(model, spec, max_seq)
     layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
     if spec.state == "mamba":  # transformers' token-by-token scan -> kvforge's chunked one (graphs/mamba.py)

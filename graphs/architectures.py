@@ -36,6 +36,8 @@ class ArchSpec:
         the ONNX exporter translates few complex-valued ops.
     state: the kind of state (:data:`kvforge.graphs.contract.STATE_KINDS`) the family's
         non-attention layers keep, read by :func:`state_layout`; None: every layer attends.
+    ssm_attrs: for ``state="mamba2"``, the config attributes naming the Mamba2 mixer's heads,
+        head dim, state size, groups and conv kernel (each family names them its own way).
     verified: False for the generic path (a family not in the table), which compile accepts only
         when its parity check passes.
     notes: what the family needed beyond the shared path (documentation).
@@ -49,6 +51,7 @@ class ArchSpec:
     experts_implementation: str | None = None
     complex_arithmetic: bool = False
     state: str | None = None
+    ssm_attrs: tuple[str, ...] = ()
     verified: bool = True
     notes: str = ""
 
@@ -62,6 +65,9 @@ class ArchSpec:
 
 
 _MOE = "batched_mm"
+# Mamba2 mixer dims (heads, head dim, state size, groups, conv kernel) as each family's config names them
+_MAMBA2_ATTRS = ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel")
+_HYBRID_MAMBA2_ATTRS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.architecture: spec
@@ -153,6 +159,44 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             notes="Mamba with RMS norms on dt, B and C (transformers' own, before the scan); chunked scan as Mamba",
         ),
         ArchSpec(
+            "Mamba2ForCausalLM",
+            state="mamba2",
+            ssm_attrs=_MAMBA2_ATTRS,
+            notes="every layer a Mamba2 (SSD) mixer: conv state [C, K-1] and recurrent state [H, P, N] float32, "
+            "no KV; kvforge's chunked scan (kvforge.graphs.mamba2) swapped in through the kernels mapping",
+        ),
+        ArchSpec(
+            "GraniteMoeHybridForCausalLM",
+            logit_divisor_attr="logits_scaling",
+            experts_implementation=_MOE,
+            state="mamba2",
+            ssm_attrs=_HYBRID_MAMBA2_ATTRS,
+            notes="Granite 4: Mamba2 layers beside attention layers (KV only for those), MoE or dense MLPs, "
+            "logits divided by logits_scaling",
+        ),
+        ArchSpec(
+            "BambaForCausalLM",
+            state="mamba2",
+            ssm_attrs=_HYBRID_MAMBA2_ATTRS,
+            notes="Mamba2 layers beside the attention layers attn_layer_indices names (KV only for those)",
+        ),
+        ArchSpec(
+            "NemotronHForCausalLM",
+            experts_implementation=_MOE,
+            state="mamba2",
+            ssm_attrs=("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel"),
+            notes="Mamba2, attention, MLP-only and MoE blocks (layers_block_type): KV for the attention blocks, "
+            "a Mamba2 state for the Mamba2 blocks, nothing for the others",
+        ),
+        ArchSpec(
+            "FalconH1ForCausalLM",
+            logit_multiplier_attr="lm_head_multiplier",
+            state="mamba2",
+            ssm_attrs=_HYBRID_MAMBA2_ATTRS,
+            notes="every layer runs attention and a Mamba2 mixer side by side (KV and a Mamba2 state each); "
+            "muP multipliers are transformers' own; logits multiplied by lm_head_multiplier",
+        ),
+        ArchSpec(
             "GptOssForCausalLM",
             experts_implementation=_MOE,
             notes="attention sinks (s_aux: one softmax logit per head), alternating sliding windows, "
@@ -195,8 +239,9 @@ class Dims:
 
     @classmethod
     def from_config(cls, config: Any) -> Dims:
-        # a family with no attention layer (Mamba) has no heads: one nominal head of the hidden size
-        num_heads = getattr(config, "num_attention_heads", None) or 1
+        # a family with no attention layer names no attention heads: Mamba2's mixer heads, else one
+        # nominal head of the hidden size (Mamba); no KV is allocated for it (its layout lists no attention layer)
+        num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return cls(
             num_layers=config.num_hidden_layers,
@@ -224,6 +269,8 @@ def state_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
         return _mamba_layout(config, n, dtype)
     if spec.state == "gated_delta":
         return _gated_delta_layout(config, dtype)
+    if spec.state == "mamba2":
+        return _mamba2_layout(spec, config, dtype)
     raise ValueError(f"state kind {spec.state!r} of {spec.architecture} has no layout reader")
 
 
@@ -265,3 +312,23 @@ def _gated_delta_layout(config: Any, dtype: str) -> Layout:
     recurrent = StateTensor("recurrent", (hv, dk, dv), "float32")
     entries = tuple(StateEntry(i, "gated_delta", (conv, recurrent)) for i in linear)
     return Layout(tuple(i for i in range(n) if i not in linear), entries)
+
+
+def _mamba2_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
+    """Mamba2 layers are ``layer_types[i] == "linear_attention"`` (transformers' name for them in
+    every Mamba2 family); each keeps ``conv [H*P + 2*G*N, K-1]`` in the model's dtype and
+    ``recurrent [H, P, N]`` float32 (what transformers' chunked scan returns). Attention layers
+    (``"full_attention"``) keep KV, a ``"hybrid"`` layer both (Falcon-H1: attention and a Mamba2 mixer
+    side by side); any other layer type (Nemotron-H's MLP-only blocks) keeps neither."""
+    n = config.num_hidden_layers
+    heads, head_dim, size, groups, kernel = (int(getattr(config, a)) for a in spec.ssm_attrs)
+    types = list(config.layer_types[:n])
+    conv = StateTensor("conv", (heads * head_dim + 2 * groups * size, kernel - 1), dtype)
+    recurrent = StateTensor("recurrent", (heads, head_dim, size), "float32")
+    entries = tuple(StateEntry(i, "mamba2", (conv, recurrent)) for i, t in enumerate(types) if t in _MAMBA2_TYPES)
+    return Layout(tuple(i for i, t in enumerate(types) if t in _ATTENTION_TYPES), entries)
+
+
+# transformers' layer type names: "hybrid" is a layer with both (Falcon-H1)
+_MAMBA2_TYPES = ("linear_attention", "hybrid")
+_ATTENTION_TYPES = ("full_attention", "hybrid")

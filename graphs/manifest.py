@@ -269,12 +269,16 @@ def _check_state(data: dict[str, Any], cache: dict[str, Any]) -> list[int]:
                 raise _malformed(f"state[{i}].tensors[{j}].dtype", t.get("dtype"), f"one of {', '.join(DTYPES)}")
             _text(f"state[{i}].tensors[{j}].part", t.get("part"))
         seen.append(entry.get("layer"))
+    # A layer attends, keeps a state, both (Falcon-H1 runs attention and a Mamba2 mixer side by side)
+    # or neither (Nemotron-H's MLP-only blocks); it is listed at most once among each.
+    states = seen[len(layers) :]
     ints = all(isinstance(x, int) and not isinstance(x, bool) for x in seen)
-    if not ints or sorted(seen) != list(range(num_layers)):
+    valid = range(num_layers)
+    if not ints or any(len(set(group)) != len(group) or not set(group) <= set(valid) for group in (layers, states)):
         raise ArtifactError(
             f"manifest is inconsistent: kv_cache.layers {layers} and the state entries' layers "
-            f"{[e.get('layer') for e in entries]} do not cover the model's {num_layers} layers once each; "
-            "the manifest was edited or corrupted: recompile the model"
+            f"{[e.get('layer') for e in entries]} are not layers of the model's {num_layers}, each listed at most "
+            "once among each; the manifest was edited or corrupted: recompile the model"
         )
     return layers
 

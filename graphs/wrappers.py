@@ -108,7 +108,9 @@ class _CausalLMGraph(torch.nn.Module):
         types = list(config.layer_types[: config.num_hidden_layers])
         mask = caches.mask(None) if layout.attention else None
         masks = {t: None for t in types} | {types[i]: mask for i in range(len(types)) if i not in stateful}
-        if not layout.attention:  # no layer attends (Mamba): its mixers take only a 2-D padding mask, or None
+        if layout.attention:  # transformers' own keys, for decoders that read both in every layer (Falcon-H1)
+            masks |= {"full_attention": mask, "linear_attention": None}
+        else:  # no layer attends (Mamba2): no mask at all; such decoders take no dict
             masks = None
         with lowering.active(caches), state.active(states):
             out = decoder_of(self.model)(

@@ -45,6 +45,10 @@ GATED_DELTA = dict(
 GATED_DELTA_MOE = dict(
     GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
 )
+# the Mamba2 mixer of the hybrid families (Granite 4, Bamba, Falcon-H1): 8 heads of 16 over hidden 64 x 2
+MAMBA2_HYBRID = dict(
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8, mamba_expand=2
+)
 
 CASES: list[tuple[str, str, str, dict]] = [
     ("llama", "LlamaForCausalLM", "LlamaConfig", {}),
@@ -195,6 +199,61 @@ CASES: list[tuple[str, str, str, dict]] = [
             layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
             sliding_window=WINDOW,
         ),
+    ),
+    # Mamba2 (SSD) layers: conv [C, K-1] and recurrent [H, P, N] states; chunk_size 8, so that
+    # transformers' own scan (the reference) crosses chunks on the test prompts
+    (
+        "mamba2",
+        "Mamba2ForCausalLM",
+        "Mamba2Config",
+        {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "chunk_size": 8, "expand": 2},
+    ),
+    (
+        "granitemoehybrid",
+        "GraniteMoeHybridForCausalLM",
+        "GraniteMoeHybridConfig",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            **MAMBA2_HYBRID,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+            "position_embedding_type": "rope",
+            "embedding_multiplier": 6.0,
+            "attention_multiplier": 0.2,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 4.0,
+        },
+    ),
+    ("bamba", "BambaForCausalLM", "BambaConfig", {"num_hidden_layers": 3, "attn_layer_indices": [1], **MAMBA2_HYBRID}),
+    (
+        "nemotron-h",
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        {
+            "head_dim": 16,
+            # Mamba2, attention, MLP-only and MoE blocks (the last two keep no state and no KV)
+            "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe", "linear_attention"],
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "chunk_size": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    (
+        "falcon-h1",
+        "FalconH1ForCausalLM",
+        "FalconH1Config",
+        # every layer runs attention and a Mamba2 mixer side by side
+        {"head_dim": 16, **MAMBA2_HYBRID, "mamba_d_ssm": 128, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
     ),
     (
         "gpt-oss-sinks-window",

@@ -56,6 +56,7 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
         ("RwkvForCausalLM", "rwkv", r"recurrent/state-space layers \(RwkvBlock, RwkvFeedForward"),
         ("InklingForCausalLM", "inkling_text", r"learned relative-position bias to the scores \(position_bias"),
         ("ZambaForCausalLM", "zamba", r"Mamba mixers \(ZambaMambaMixer\) call transformers' selective scan directly"),
+        ("Zamba2ForCausalLM", "zamba2", r"shared transformer blocks run one attention module \(layer_idx -1\)"),
         ("Gemma3ForConditionalGeneration", "gemma3", "multimodal model"),
         ("BartForCausalLM", "bart", "decoder half of an encoder-decoder model"),
         ("BertLMHeadModel", "bert", r"encoder \(masked-LM\) family"),

@@ -10,7 +10,12 @@ layer attends). kvforge's chunked gated delta rule (the kernel swapped in for tr
 export) equals transformers' chunked and recurrent kernels, inverts its triangular system
 exactly, keeps each ragged row's state at its last real token and gives a chunked prompt the
 state of one call; the Gated DeltaNet layout keeps a conv and a float32 recurrent state per
-linear layer."""
+linear layer. kvforge's Mamba2 scan (:mod:`kvforge.graphs.mamba2`) equals transformers' chunked
+scan and the recurrent step (initial state included), keeps each ragged row's state at its last
+real token, continues a chunk from the state it left, and exports with a symbolic length; each
+Mamba2 family's layout (no attention, hybrid, both in one layer, neither in an MLP block) is read
+from its config and accepted by the manifest; the swapped-in scan runs only inside an export
+trace."""
 
 from __future__ import annotations
 
@@ -328,8 +333,8 @@ def test_manifest_state_round_trips_and_is_checked():
     with pytest.raises(mf.ArtifactError, match=r"state\[0\]\.kind is 'lstm', expected one of conv"):
         mf.Manifest.from_dict(bad)
     bad = _manifest_dict(layout)
-    bad["kv_cache"]["layers"] = [1]  # layer 3 neither attends nor keeps a state
-    with pytest.raises(mf.ArtifactError, match="do not cover the model's 4 layers once each"):
+    bad["kv_cache"]["layers"] = [1, 4]  # layer 4 is not a layer of the model's 4
+    with pytest.raises(mf.ArtifactError, match="are not layers of the model's 4, each listed at most once"):
         mf.Manifest.from_dict(bad)
     bad = _manifest_dict(layout)
     bad["state"][1]["tensors"][0]["dtype"] = "int8"
@@ -515,3 +520,156 @@ def test_the_chunked_scan_is_swapped_in_through_transformers_kernel_hook_alone()
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- Mamba2 (SSD) scan, kvforge.graphs.mamba2
+
+
+def _ssd_inputs(batch=2, seq=11, heads=4, head_dim=3, groups=2, size=5, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(batch, seq, heads, head_dim, generator=g),
+        dt=torch.rand(batch, seq, heads, generator=g),  # after softplus: positive
+        a=-torch.rand(heads, generator=g) - 0.1,
+        b=torch.randn(batch, seq, groups, size, generator=g),
+        c=torch.randn(batch, seq, groups, size, generator=g),
+        d=torch.randn(heads, generator=g),
+        initial_state=torch.randn(batch, heads, head_dim, size, generator=g),
+    )
+
+
+def test_mamba2_scan_equals_transformers_chunk_scan_and_the_recurrent_step():
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    from kvforge.graphs.mamba2 import ssd_scan
+
+    t = _ssd_inputs()
+    y, final = ssd_scan(**t, lengths=None)
+    # transformers' chunked scan in chunks of 4 (11 positions: three chunks, the last one padded)
+    expected, expected_final = mamba2_chunk_scan(
+        t["x"], t["dt"], t["a"], t["b"], t["c"], chunk_size=4, D=t["d"], initial_states=t["initial_state"],
+        return_final_states=True,
+    )  # fmt: skip
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, expected_final, atol=1e-5, rtol=1e-5)
+    # token by token through the reference step: the same outputs and state
+    state, outs = t["initial_state"], []
+    heads = t["x"].shape[2]
+    for s in range(t["x"].shape[1]):
+        b, c = (t[k][:, s].repeat_interleave(heads // t["b"].shape[2], dim=1) for k in ("b", "c"))
+        out, state = reference.mamba2_step(state, t["x"][:, s], t["dt"][:, s], t["a"], b, c, t["d"])
+        outs.append(out)
+    torch.testing.assert_close(torch.stack(outs, 1), y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, final, atol=1e-5, rtol=1e-5)
+
+
+def test_mamba2_scan_of_ragged_rows_keeps_each_rows_state_after_its_last_real_token():
+    from kvforge.graphs.mamba2 import ssd_scan
+
+    t = _ssd_inputs()
+    y, final = ssd_scan(**t, lengths=torch.tensor([11, 5]))  # row 1: 5 real positions, 6 padding
+    alone = {k: v[1:, :5] if k in ("x", "dt", "b", "c") else v for k, v in t.items()}
+    alone["initial_state"] = t["initial_state"][1:]
+    y1, final1 = ssd_scan(**alone, lengths=None)
+    torch.testing.assert_close(final[1:], final1, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(y[1:, :5], y1, atol=1e-6, rtol=1e-6)
+    full, full_final = ssd_scan(**t, lengths=None)
+    torch.testing.assert_close(final[0], full_final[0])  # a full row is untouched by the masking
+    # chunked = one-shot: 4 positions, then the other 7 from the state left
+    first = {k: v[:, :4] if k in ("x", "dt", "b", "c") else v for k, v in t.items()}
+    rest = {k: v[:, 4:] if k in ("x", "dt", "b", "c") else v for k, v in t.items()}
+    y_a, state = ssd_scan(**first, lengths=None)
+    y_b, state = ssd_scan(**{**rest, "initial_state": state}, lengths=None)
+    torch.testing.assert_close(torch.cat([y_a, y_b], 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, full_final, atol=1e-5, rtol=1e-5)
+
+
+def test_mamba2_scan_exports_with_a_symbolic_sequence_length():
+    from kvforge.graphs.mamba2 import ssd_scan
+
+    t = _ssd_inputs(seq=7)
+
+    class Scan(torch.nn.Module):
+        def forward(self, x, dt, b, c, initial_state, lengths):
+            return ssd_scan(x, dt, t["a"], b, c, t["d"], initial_state, lengths)
+
+    batch, seq = torch.export.Dim("batch", min=1, max=4), torch.export.Dim("seq", min=1, max=64)
+    rows = {0: batch, 1: seq}
+    args = (t["x"], t["dt"], t["b"], t["c"], t["initial_state"], torch.tensor([7, 3]))
+    program = torch.export.export(Scan(), args, dynamic_shapes=(rows, rows, rows, rows, {0: batch}, {0: batch}))
+    for length in (1, 20):  # decode (one position) and a prompt longer than the traced one
+        u = _ssd_inputs(seq=length, seed=length)
+        lengths = torch.tensor([length, 1])
+        got = program.module()(u["x"], u["dt"], u["b"], u["c"], u["initial_state"], lengths)
+        want = ssd_scan(u["x"], u["dt"], t["a"], u["b"], u["c"], t["d"], u["initial_state"], lengths)
+        torch.testing.assert_close(got, want)
+
+
+def _mamba2_family_layout(case: str) -> contract.Layout:
+    import transformers
+
+    from tests import families
+
+    [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == case]
+    config = getattr(transformers, config_class)(**{**families.COMMON, **overrides})
+    return architectures.state_layout(architectures.ARCHITECTURES[architecture], config, "float32")
+
+
+def test_mamba2_layouts_of_each_family():
+    conv, recurrent = (128 + 2 * 2 * 16, 3), (8, 16, 16)  # [H*P + 2*G*N, K-1], [H, P, N]
+    shapes = [(conv, "float32"), (recurrent, "float32")]
+    expected = {
+        "mamba2": ((), (0, 1)),  # no layer attends
+        "granitemoehybrid": ((1,), (0, 2, 3)),
+        "bamba": ((1,), (0, 2)),
+        "nemotron-h": ((1,), (0, 4)),  # blocks 2 (MLP) and 3 (MoE) keep neither
+        "falcon-h1": ((0, 1), (0, 1)),  # every layer both
+    }
+    for case, (attention, stateful) in expected.items():
+        layout = _mamba2_family_layout(case)
+        assert layout.attention == attention, case
+        assert [e.layer for e in layout.states] == list(stateful), case
+        assert all(e.kind == "mamba2" for e in layout.states)
+        assert [[(t.shape, t.dtype) for t in e.tensors] for e in layout.states] == [shapes] * len(stateful), case
+    names = contract.past_names(_mamba2_family_layout("falcon-h1"))
+    assert names[:2] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert names[-4:] == ["past_state.0.conv", "past_state.0.recurrent", "past_state.1.conv", "past_state.1.recurrent"]
+
+
+def test_manifest_takes_layers_with_kv_and_a_state_or_neither():
+    for case in ("falcon-h1", "nemotron-h"):
+        layout = _mamba2_family_layout(case)
+        data = _manifest_dict(layout)
+        data["model"]["num_layers"] = 5 if case == "nemotron-h" else 2
+        assert mf.Manifest.from_dict(data).layout == layout
+    bad = _manifest_dict(_mamba2_family_layout("falcon-h1"))
+    bad["model"]["num_layers"] = 2
+    bad["state"][1]["layer"] = 0  # layer 0's state listed twice
+    with pytest.raises(mf.ArtifactError, match="each listed at most once among each"):
+        mf.Manifest.from_dict(bad)
+
+
+def test_kernelize_swaps_the_scan_only_inside_an_export_trace():
+    import transformers
+
+    from kvforge.graphs import mamba2, state
+    from tests import families
+
+    [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == "mamba2"]
+    config = getattr(transformers, config_class)(**{**families.COMMON, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    ids = torch.tensor([[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101]])
+    with torch.no_grad():
+        before = model(ids).logits
+        assert mamba2.kernelize(model) == config.num_hidden_layers
+        after = model(ids).logits  # no trace in progress: transformers' own scan, bit for bit
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+    layout = architectures.state_layout(architectures.ARCHITECTURES[architecture], config, "float32")
+    past = {(e.layer, t.part): torch.zeros(1, *t.shape) for e in layout.states for t in e.tensors}
+    cache = ExportStateCache(past, torch.tensor([0]), torch.tensor([ids.shape[1]]))
+    with torch.no_grad(), state.active(cache):
+        traced = model.backbone(input_ids=ids, cache=cache, use_cache=False).last_hidden_state
+    torch.testing.assert_close(model.lm_head(traced), before, atol=1e-5, rtol=1e-5)
+    assert set(cache.present) == {(i, part) for i in (0, 1) for part in ("conv", "recurrent")}

@@ -30,8 +30,9 @@ def _hf_steps(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]
     with torch.no_grad():
         out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
         logits = [out.logits[0, -1].float()]
-        for token in tokens:
-            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+        for i, token in enumerate(tokens):  # explicit positions: Bamba's forward mis-derives them from its cache
+            position = torch.tensor([[len(prompt) + i]])
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True, position_ids=position)
             logits.append(out.logits[0, -1].float())
     return logits
 

@@ -1,0 +1,147 @@
+"""Mamba2 (SSD) families end to end on the runtime: Mamba2 itself (every layer a Mamba2 mixer, no
+KV at all) and Granite 4 (``granitemoehybrid``: Mamba2 layers beside an attention layer, MoE
+MLPs). Each artifact records a conv and a float32 recurrent state per Mamba2 layer and KV only for
+the layer that attends; its graphs hold no loop; prefill and teacher-forced decode logits are
+within fp32 tolerance of transformers; greedy output equals transformers' generate for a ragged
+batch and at both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length
+prompt); chunked prefill (chunks shorter and longer than transformers' ``chunk_size`` of 8)
+equals one-shot prefill; in-flight batching with more requests than rows gives every request its
+solo result; the prefix cache and speculative decoding refuse up front, naming the Mamba2 layers.
+Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_families.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+
+from kvforge.graphs import manifest as mf
+from kvforge.runtime import Engine
+from tests import families
+from tests.helpers import assert_close, hf_greedy
+
+ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
+PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64, 5, 88, 23, 41, 9, 200, 7], [7, 5, 9, 250, 31]]
+MAX_SEQ = 40
+CASES = ("mamba2", "granitemoehybrid")
+
+
+def _compile(case: str, root) -> tuple:
+    from kvforge.compile import compile_model
+
+    [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == case]
+    model_dir = families.build(root / "model", architecture, config_class, overrides)
+    # the portable lowering without ORT's graph optimization, to keep the compile short; both
+    # lowerings with the ORT-optimized graphs run in tests/runtime/test_families.py
+    compile_model(
+        model_dir, root / "out", max_batch=2, max_seq=MAX_SEQ, lowering="onnx", optimize=False, score_graph=False,
+        progress=None,
+    )  # fmt: skip
+    reference = getattr(transformers, architecture).from_pretrained(model_dir).eval()
+    return root / "out", reference
+
+
+@pytest.fixture(scope="session")
+def mamba2_models(tmp_path_factory) -> dict:
+    """Each case of :data:`CASES` compiled once per session: ``{case: (artifact, transformers model)}``."""
+    return {case: _compile(case, tmp_path_factory.mktemp(case)) for case in CASES}
+
+
+@pytest.fixture(params=CASES)
+def family(request, mamba2_models):
+    artifact, reference = mamba2_models[request.param]
+    with Engine.load(artifact) as engine:
+        yield request.param, engine, reference
+
+
+def test_manifest_records_mamba2_states_and_kv_only_where_layers_attend(mamba2_models):
+    expected = {"mamba2": ([], [0, 1]), "granitemoehybrid": ([1], [0, 2, 3])}
+    for case, (attention, stateful) in expected.items():
+        artifact, _ = mamba2_models[case]
+        manifest = mf.read(artifact)
+        assert manifest.kv_cache.get("layers", []) == attention and manifest.kv_cache["shape"][0] == len(attention)
+        assert [(e["layer"], e["kind"]) for e in manifest.state] == [(i, "mamba2") for i in stateful]
+        tensors = [(t["part"], t["shape"], t["dtype"]) for t in manifest.state[0]["tensors"]]
+        assert tensors == [("conv", [192, 3], "float32"), ("recurrent", [8, 16, 16], "float32")]
+        inputs = [t.name for t in manifest.graphs["prefill"].inputs]
+        assert inputs[-2:] == [f"past_state.{stateful[-1]}.conv", f"past_state.{stateful[-1]}.recurrent"]
+        graph = onnx.load(str(artifact / "prefill.onnx"), load_external_data=False).graph
+        assert not {"Loop", "Scan", "If"} & {n.op_type for n in graph.node}, case
+
+
+def _hf_steps(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """transformers' logits as its generate sees them: prefill, then one step per token with its cache."""
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
+        logits = [out.logits[0, -1]]
+        for i, token in enumerate(tokens):  # explicit positions, as generate passes them
+            position = torch.tensor([[len(prompt) + i]])
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True, position_ids=position)
+            logits.append(out.logits[0, -1])
+    return logits
+
+
+def test_logits_and_greedy_tokens_equal_transformers_for_a_ragged_batch(family):
+    case, engine, reference = family
+    expected = [hf_greedy(reference, p, 16) for p in PROMPTS]
+    steps = expected[0][:8]
+    ours = [engine.prefill([PROMPTS[0]])[0].copy()] + [engine.decode([t])[0].copy() for t in steps]
+    for i, (a, b) in enumerate(zip(ours, _hf_steps(reference, PROMPTS[0], steps))):
+        assert_close(a, b.numpy(), ATOL, RTOL, f"{case}: {'prefill' if i == 0 else f'decode step {i}'} logits")
+    batch = engine.generate(PROMPTS, max_new_tokens=16)  # row 1 right-padded by 14 in the prefill
+    assert [r.token_ids for r in batch] == expected, case
+
+
+def test_chunked_prefill_equals_one_shot_prefill(family):
+    case, engine, _ = family
+    prompt = PROMPTS[0]
+    whole = engine.prefill([prompt])[0].copy()
+    after_whole = engine.decode([5])[0].copy()
+    for cut in ((1, 19), (3, 11, 19), (9, 10, 19)):  # chunks shorter and longer than chunk_size 8
+        start = 0
+        for stop in cut:
+            logits = engine.prefill([prompt[start:stop]], start=[start])[0].copy()
+            start = stop
+        np.testing.assert_array_equal(logits.argmax(), whole.argmax())
+        assert_close(logits, whole, 1e-5, 1e-5, f"{case}: chunks {cut}")
+        assert_close(engine.decode([5])[0], after_whole, 1e-5, 1e-5, f"{case}: decode after chunks {cut}")
+
+
+def test_greedy_equals_transformers_at_both_ends_of_max_seq(family):
+    case, engine, reference = family
+    [short] = engine.generate([[9]], max_new_tokens=MAX_SEQ - 1)  # fills the row to its last position
+    assert short.token_ids == hf_greedy(reference, [9], MAX_SEQ - 1), case
+    full = [(7 * i + 3) % 256 for i in range(MAX_SEQ)]  # a prompt as long as the row: one token
+    [last] = engine.generate([full], max_new_tokens=4)
+    assert last.token_ids == hf_greedy(reference, full, 1) and last.finish_reason == "length", case
+
+
+def test_in_flight_batching_moves_states_with_their_rows(family):
+    case, engine, reference = family
+    prompts = [PROMPTS[0], PROMPTS[1], [11, 2], [40, 41, 42, 43, 44, 45, 46]]
+    new = [12, 5, 14, 8]
+    expected = [hf_greedy(reference, p, n) for p, n in zip(prompts, new)]
+    engine.prefill_chunk = 6  # long prompts are prefilled in chunks beside decoding rows
+    try:
+        with engine.scheduler() as sched:  # 4 requests on 2 rows: queued ones take finished rows
+            handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(prompts, new)]
+            results = [h.result(timeout=120) for h in handles]
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    assert [r.token_ids for r in results] == expected, case
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(prefix_cache="64MiB"), r"prefix_cache='64MiB': this artifact's layers \[0, 1\] keep a mamba2 state"),
+        (dict(speculative="ngram"), r"speculative decoding: .*layers \[0, 1\] keep a mamba2 state"),
+    ],
+    ids=["prefix-cache", "speculative"],
+)
+def test_features_without_state_snapshots_refuse_at_load(mamba2_models, options, message):
+    with pytest.raises(ValueError, match=message):
+        Engine.load(mamba2_models["mamba2"][0], **options)
