@@ -127,3 +127,26 @@ def corrupt_head_size(graph_file: Path) -> None:
                 changed += 1
     assert changed, f"{graph_file} has no Reshape to a constant shape with an inferred dim to corrupt"
     onnx.save(model, graph_file)
+
+
+def check_state_features(artifact, prompt: list[int], turn: list[int], new: int = 8) -> None:
+    """A hybrid artifact (layers that keep a state) with the prefix cache on (its default) and
+    prompt-lookup drafting gives the tokens of an engine with neither. The lead prompt is
+    ``prompt``, its greedy continuation, then ``prompt`` again, so prompt lookup drafts that
+    continuation (verified, rejected rows re-run what they kept); a chat's next turn (the lead,
+    its answer, ``turn``) resumes from the state snapshot the first answer left."""
+    from kvforge.runtime import Engine, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    with Engine.load(artifact, threads=1, prefix_cache=0) as plain:
+        [continuation] = plain.generate([prompt], max_new_tokens=new, sampling=greedy)
+        lead = prompt + continuation.token_ids + prompt
+        [first] = plain.generate([lead], max_new_tokens=new, sampling=greedy)
+        follow_up = lead + first.token_ids + turn
+        [second] = plain.generate([follow_up], max_new_tokens=new, sampling=greedy)
+    with Engine.load(artifact, threads=1, speculative="ngram:4") as engine:
+        [a] = engine.generate([lead], max_new_tokens=new, sampling=greedy)
+        [b] = engine.generate([follow_up], max_new_tokens=new, sampling=greedy)
+    assert (a.token_ids, b.token_ids) == (first.token_ids, second.token_ids)
+    assert a.drafted_tokens > 0, "the continuation in the lead prompt should have been drafted"
+    assert b.cached_tokens >= len(lead) + len(first.token_ids) - 1, b.cached_tokens

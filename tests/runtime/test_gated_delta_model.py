@@ -6,8 +6,8 @@ and no other loop; prefill and decode logits are within the families' fp32 toler
 transformers; a prompt prefilled in chunks (across the rule's 64-token chunk) gives the logits of
 one call; greedy output equals transformers' generate at both ends of ``max_seq`` (a 1-token
 prompt run to a full row, a full-length prompt); a ragged batch and in-flight batching with more
-requests than rows give every request its solo result; speculative decoding, which would need
-the state at each accepted draft, refuses at load naming the layers."""
+requests than rows give every request its solo result; prompt-lookup drafting and the prefix
+cache (a chat's next turn resuming from a state snapshot) give the tokens of a plain engine."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import transformers
 
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
-from tests.helpers import assert_close, hf_greedy
+from tests.helpers import assert_close, check_state_features, hf_greedy
 
 ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64], [7, 5, 9, 250, 31], [11, 2], [40, 41, 42, 43, 44, 45]]
@@ -105,6 +105,5 @@ def test_ragged_batches_and_in_flight_batching_give_each_request_its_solo_result
         assert result.token_ids == tokens, f"request {i}"
 
 
-def test_speculative_decoding_refuses_naming_the_state_layers(qwen35_artifact):
-    with pytest.raises(ValueError, match=r"layers \[0, 2, 3\] keep a gated_delta state"):
-        Engine.load(qwen35_artifact, speculative="ngram")
+def test_drafting_and_the_prefix_cache_give_plain_tokens(qwen35_artifact):
+    check_state_features(qwen35_artifact, [5, 6, 7, 8, 9] * 2, [40, 41, 42], new=10)

@@ -6,7 +6,8 @@ within fp32 tolerance of transformers; greedy output equals transformers' genera
 batch and at both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length
 prompt); chunked prefill (chunks shorter and longer than transformers' ``chunk_size`` of 8)
 equals one-shot prefill; in-flight batching with more requests than rows gives every request its
-solo result; the prefix cache and speculative decoding refuse up front, naming the Mamba2 layers.
+solo result; prompt-lookup drafting and the prefix cache (a chat's next turn resuming from a state
+snapshot) give the tokens of a plain engine.
 Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_families.py."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import transformers
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from tests import families
-from tests.helpers import assert_close, hf_greedy
+from tests.helpers import assert_close, check_state_features, hf_greedy
 
 ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64, 5, 88, 23, 41, 9, 200, 7], [7, 5, 9, 250, 31]]
@@ -134,14 +135,6 @@ def test_in_flight_batching_moves_states_with_their_rows(family):
     assert [r.token_ids for r in results] == expected, case
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (dict(prefix_cache="64MiB"), r"prefix_cache='64MiB': this artifact's layers \[0, 1\] keep a mamba2 state"),
-        (dict(speculative="ngram"), r"speculative decoding: .*layers \[0, 1\] keep a mamba2 state"),
-    ],
-    ids=["prefix-cache", "speculative"],
-)
-def test_features_without_state_snapshots_refuse_at_load(mamba2_models, options, message):
-    with pytest.raises(ValueError, match=message):
-        Engine.load(mamba2_models["mamba2"][0], **options)
+@pytest.mark.parametrize("case", CASES)
+def test_drafting_and_the_prefix_cache_give_plain_tokens(mamba2_models, case):
+    check_state_features(mamba2_models[case][0], [5, 6, 7, 8] * 2, [40, 41, 42], new=6)

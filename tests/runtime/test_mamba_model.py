@@ -5,7 +5,8 @@ decode logits are within fp32 tolerance of transformers; greedy output equals tr
 ``generate`` at both ends of ``max_seq``; a ragged batch and in-flight batching (more requests
 than rows, chunked prefills beside decoding rows) give each request its solo tokens; a prompt
 prefilled in chunks (shorter than, equal to and across the scan's 32-token chunk) equals one
-prefill of it."""
+prefill of it; prompt-lookup drafting and the prefix cache (a chat's next turn resuming from a
+state snapshot) give the tokens of a plain engine."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import transformers
 
 from kvforge.graphs import manifest as mf
-from tests.helpers import assert_close, hf_greedy
+from tests.helpers import assert_close, check_state_features, hf_greedy
 
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64], [7, 5, 9, 250, 31], [11, 2], [40, 41, 42, 43, 44, 45, 46]]
 NEW = [20, 6, 25, 12]
@@ -110,3 +111,8 @@ def test_ragged_batches_and_in_flight_batching_give_each_request_its_solo_tokens
         engine.prefill_chunk = engine.manifest.limits.max_prompt
     for i, (result, tokens) in enumerate(zip(results, expected)):
         assert result.token_ids == tokens, f"request {i}"
+
+
+def test_drafting_and_the_prefix_cache_give_plain_tokens(mamba_artifact):
+    """No layer attends: the prefix cache keeps only state snapshots (blocks of no KV)."""
+    check_state_features(mamba_artifact, [5, 6, 7, 8] * 2, [40, 41, 42])
