@@ -49,7 +49,8 @@ FEATURES = {
     "disagg": ("disagg", "colocated against prefill/decode workers, with kvforge plan --serve's prediction"),
     "compile": ("compile_time", "compile time and peak memory against genai's builder and Optimum"),
     "gemm": ("gemm_ceiling", "ORT's GEMM and MatMulNBits ceilings per projection shape"),
-    "decode": ("decode_speed", "kvforge against transformers eager in one process, a random Llama"),
+    "decode": ("decode_speed", "kvforge against transformers eager in one process, a random Llama or named shape"),
+    "hybrid": ("hybrid_bench", "a hybrid shape (LFM2-350M) against transformers and a full-attention Llama twin"),
     "coverage": ("coverage", "every causal-LM family of transformers compiled tiny and checked token by token"),
 }
 
