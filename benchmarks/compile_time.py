@@ -64,13 +64,13 @@ def measure_child(argv: list[str], log: Path, env: dict[str, str]) -> dict[str, 
     """Run ``argv`` to completion (output to ``log``); its wall seconds, exit code and peak RSS.
     Called in a fresh runner process, whose only child is ``argv``: RUSAGE_CHILDREN is its own."""
     start = time.perf_counter()
-    samples = []  # (seconds since start, RSS bytes) every SAMPLE_SECONDS
+    samples = []  # (seconds since start, RSS bytes, of which file-backed) every SAMPLE_SECONDS
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
             rss = rss_bytes_of(proc.pid)
             if rss is not None:
-                samples.append((round(time.perf_counter() - start, 1), rss))
+                samples.append((round(time.perf_counter() - start, 1), *rss))
             time.sleep(SAMPLE_SECONDS)
         rc = proc.returncode
     seconds = time.perf_counter() - start
@@ -78,15 +78,19 @@ def measure_child(argv: list[str], log: Path, env: dict[str, str]) -> dict[str, 
     return {"rc": rc, "seconds": seconds, "peak_rss_bytes": kib * 1024, "rss_samples": samples}
 
 
-def rss_bytes_of(pid: int) -> int | None:
-    """The process's resident bytes now (``VmRSS``), or None once it is gone."""
+def rss_bytes_of(pid: int) -> tuple[int, int] | None:
+    """The process's resident bytes now, ``(VmRSS, RssFile)`` (RssFile: pages of mapped files, such
+    as a memory-mapped checkpoint or weights file: clean, so the kernel can drop them under
+    pressure), or None once it is gone."""
+    fields = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
     except OSError:
         return None
-    return None
+    return (fields["VmRSS"], fields.get("RssFile", 0)) if "VmRSS" in fields else None
 
 
 def checkpoint_tensors(shape: peer.Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -292,6 +296,9 @@ def main(argv: list[str] | None = None) -> None:
             if row["rc"]:
                 tail = log.read_text(errors="replace").strip().splitlines()[-3:]
                 row["why"] = f"exit code {row['rc']}: " + " | ".join(tail)
+            if row["rss_samples"]:
+                top = max(row["rss_samples"], key=lambda sample: sample[1])
+                row["sampled_peak"] = {"seconds": top[0], "rss_bytes": top[1], "file_backed_bytes": top[2]}
             if tool == "kvforge":
                 row["stages"] = kvforge_stages(log)
                 row["peak_stage"] = peak_stage(row)
@@ -343,7 +350,13 @@ def format_report(report: dict[str, Any]) -> str:
     stages = report["tools"].get("kvforge", {}).get("stages")
     if stages:
         lines.append("kvforge stages: " + "; ".join(f"{name} {s['seconds']:.1f}s" for name, s in stages.items()))
-        lines.append(f"kvforge's sampled RSS peaked in its {report['tools']['kvforge'].get('peak_stage')} stage")
+        kv = report["tools"]["kvforge"]
+        top = kv.get("sampled_peak")
+        if top:
+            lines.append(
+                f"kvforge's sampled RSS peaked at {top['rss_bytes'] / 2**30:.2f} GiB "
+                f"({top['file_backed_bytes'] / 2**30:.2f} GiB of it file-backed) in its {kv.get('peak_stage')} stage"
+            )
         lines += [f"  {name}: {s['details']}" for name, s in stages.items() if s["details"]]
     return "\n".join(lines)
 
