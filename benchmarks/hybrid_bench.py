@@ -8,8 +8,8 @@ attention in every layer), each a random float32 model built here (nothing is do
 1. compile it (``--max-batch 1``, ``--max-seq`` the longest prompt + new tokens, ``--dtype``,
    ``--quantize``; a shape whose compile is refused is reported with compile's reason);
 2. ``tools.bench.run_bench`` at batch 1 on every ``--prompt-lens`` (default 128, 512, 2048) with
-   ``--new-tokens`` greedy tokens; transformers eager runs the same prompts for the hybrid
-   (``--no-reference`` skips it), the baseline runs kvforge only;
+   ``--new-tokens`` greedy tokens; transformers eager runs the same prompts for the hybrid at
+   ``--reference-lens`` (default 128; ``--no-reference`` skips it), the baseline runs kvforge only;
 3. reported per prompt length: TTFT and decode ms per step of both sides on the hybrid and the
    ratio (goal: transformers / kvforge decode >= 5 at batch 1), prefill tokens per second
    (prompt tokens / TTFT) of the hybrid and of the baseline and their ratio (goal: the hybrid at
@@ -48,20 +48,31 @@ def compile_shape(name: str, work: Path, args: argparse.Namespace) -> dict[str, 
     """Build and compile the random model of ``name``; its paths, parameters, compile seconds and
     memory figures, or ``refused`` with compile's message."""
     from kvforge.compile import compile_model
+    from kvforge.graphs import manifest as mf
 
     model_dir, out = work / f"model-{name}", work / f"out-{name}"
-    shutil.rmtree(out, ignore_errors=True)
-    say(f"building a random {name} ({common.MODEL_SHAPES[name].source})")
-    params = common.build_shape(name, model_dir)
     max_seq = max(args.prompt_lens) + args.new_tokens
     options = dict(max_batch=1, max_seq=max_seq, dtype=args.dtype, quantize=args.quantize, score_graph=False)
-    say(f"compiling {name} ({params / 1e6:.1f}M parameters): {options}")
-    started = time.perf_counter()
-    try:
-        manifest = compile_model(model_dir, out, progress=None, **options)
-    except Exception as e:  # a refusal (an unsupported layer kind) is a result here, not a crash
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return {"name": name, "params": params, "refused": f"{type(e).__name__}: {first}"}
+    record = work / f"compiled-{name}.json"
+    if args.reuse and (out / "manifest.json").exists() and (model_dir / "config.json").exists():
+        # a --work-dir kept from an earlier run with the same options: its model and artifact
+        manifest = mf.read(out, verify=False)
+        done = json.loads(record.read_text()) if record.exists() else {}
+        params, compile_s = done.get("params"), done.get("compile_s")
+        say(f"reusing {out} (compiled earlier)")
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        say(f"building a random {name} ({common.MODEL_SHAPES[name].source})")
+        params = common.build_shape(name, model_dir)
+        say(f"compiling {name} ({params / 1e6:.1f}M parameters): {options}")
+        started = time.perf_counter()
+        try:
+            manifest = compile_model(model_dir, out, progress=None, **options)
+        except Exception as e:  # a refusal (an unsupported layer kind) is a result here, not a crash
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return {"name": name, "params": params, "refused": f"{type(e).__name__}: {first}"}
+        compile_s = time.perf_counter() - started
+        record.write_text(json.dumps({"params": params, "compile_s": compile_s, "options": options}))
     layout = manifest.layout
     layers, two, _batch, kv_heads, _seq, head_dim = manifest.kv_cache["shape"]  # one row's KV per position:
     kv_per_token = layers * two * kv_heads * head_dim * _itemsize(manifest.kv_cache["dtype"])
@@ -70,7 +81,7 @@ def compile_shape(name: str, work: Path, args: argparse.Namespace) -> dict[str, 
         "params": params,
         "model_dir": str(model_dir),
         "artifact": str(out),
-        "compile_s": time.perf_counter() - started,
+        "compile_s": compile_s,
         "attention_layers": len(layout.attention),
         "state_layers": len(layout.states),
         "state_bytes_per_sequence": layout.state_row_bytes(),
@@ -83,19 +94,30 @@ def _itemsize(dtype: str) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
 
 
-def bench(side: dict[str, Any], args: argparse.Namespace, reference: bool) -> dict[str, Any]:
+def bench(side: dict[str, Any], args: argparse.Namespace, reference_lens: list[int]) -> dict[str, Any]:
+    """``run_bench`` at batch 1: transformers beside kvforge on ``reference_lens`` only, kvforge
+    alone on the other prompt lengths; one report with every length's cell, in order."""
     from kvforge.tools.bench import BenchOptions, run_bench
 
-    options = BenchOptions(
-        prompt_lens=tuple(args.prompt_lens),
-        batch_sizes=(1,),
-        new_tokens=args.new_tokens,
-        repeat=args.repeat,
-        warmup=args.warmup,
-        threads=args.threads,
-    )
-    say(f"bench {side['name']} (prompts {args.prompt_lens}, reference: {reference}, load {os.getloadavg()})")
-    return run_bench(side["artifact"], side["model_dir"] if reference else None, options)
+    def run(lens: list[int], reference: bool) -> dict[str, Any]:
+        options = BenchOptions(
+            prompt_lens=tuple(lens),
+            batch_sizes=(1,),
+            new_tokens=args.new_tokens,
+            repeat=args.repeat,
+            warmup=args.warmup,
+            threads=args.threads,
+        )
+        say(f"bench {side['name']} (prompts {lens}, transformers: {reference}, load {os.getloadavg()})")
+        return run_bench(side["artifact"], side["model_dir"] if reference else None, options)
+
+    with_reference = [p for p in args.prompt_lens if p in reference_lens]
+    alone = [p for p in args.prompt_lens if p not in reference_lens]
+    reports = ([run(with_reference, True)] if with_reference else []) + ([run(alone, False)] if alone else [])
+    report = dict(reports[0])
+    report["cells"] = sorted((c for r in reports for c in r["cells"]), key=lambda c: c["prompt_len"])
+    report["environments"] = [r["environment"] for r in reports]
+    return report
 
 
 def summarize(hybrid: dict[str, Any], baseline: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -131,7 +153,7 @@ def summarize(hybrid: dict[str, Any], baseline: dict[str, Any] | None) -> list[d
 def format_report(report: dict[str, Any]) -> str:
     h, b = report["hybrid"], report.get("baseline")
     lines = [
-        f"{h['name']}: {h['params'] / 1e6:.1f}M parameters, {report['settings']}; "
+        f"{h['name']}: {(h['params'] or 0) / 1e6:.1f}M parameters, {report['settings']}; "
         f"load average {report['load_before']} -> {report['load_after']} on {report['cpus']} CPUs",
     ]
     for side in (h, b):
@@ -141,7 +163,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  {side['name']}: compile refused: {side['refused']}")
             continue
         lines.append(
-            f"  {side['name']}: compiled in {side['compile_s']:.0f}s; {side['attention_layers']} attention layers "
+            f"  {side['name']}: compiled in {side['compile_s'] or 0:.0f}s; {side['attention_layers']} attention layers "
             f"({side['kv_bytes_per_token'] / 1024:.1f} KiB KV per token), {side['state_layers']} state layers "
             f"{side['state_kinds']} ({side['state_bytes_per_sequence'] / 1024:.1f} KiB per sequence)"
         )
@@ -172,6 +194,12 @@ def main(argv: list[str] | None = None) -> None:
     hybrids = sorted(name for name, shape in common.MODEL_SHAPES.items() if shape.baseline)
     p.add_argument("--shape", choices=hybrids, default="lfm2-350m")
     p.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 2048])
+    p.add_argument(
+        "--reference-lens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[128],
+        help="prompt lengths transformers also runs (default 128; its eager prefill of 2048 takes minutes)",
+    )
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
@@ -181,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
     p.add_argument("--no-baseline", action="store_true", help="skip the full-attention Llama of the same size")
     p.add_argument("--work-dir", type=Path, default=None, help="models and artifacts (default: a temp dir, removed)")
+    p.add_argument("--reuse", action="store_true", help="reuse the models and artifacts left in --work-dir")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -194,11 +223,11 @@ def main(argv: list[str] | None = None) -> None:
         if "refused" in hybrid:
             say(f"{args.shape} is refused ({hybrid['refused']}); needs: {shape.needs or '?'}")
         else:
-            hybrid["report"] = bench(hybrid, args, reference=not args.no_reference)
+            hybrid["report"] = bench(hybrid, args, [] if args.no_reference else args.reference_lens)
             if not args.no_baseline:
                 baseline = compile_shape(shape.baseline, work, args)
                 if "refused" not in baseline:
-                    baseline["report"] = bench(baseline, args, reference=False)
+                    baseline["report"] = bench(baseline, args, [])
         report = {
             "shape": args.shape,
             "needs": shape.needs,
