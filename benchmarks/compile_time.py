@@ -57,6 +57,7 @@ SHARDED = {
 }
 SHAPES = {**peer.SHAPES, **SHARDED}
 SAMPLE_SECONDS = 0.5
+STAGE_START = re.compile(r"\[\d+/\d+ +[\d.]+s\] (.*)")
 STAGE_LINE = re.compile(r"\[\d+/\d+ +[\d.]+s\] (\w+) took ([\d.]+)s(?: \((.*)\))?")
 
 
@@ -64,13 +65,18 @@ def measure_child(argv: list[str], log: Path, env: dict[str, str]) -> dict[str, 
     """Run ``argv`` to completion (output to ``log``); its wall seconds, exit code and peak RSS.
     Called in a fresh runner process, whose only child is ``argv``: RUSAGE_CHILDREN is its own."""
     start = time.perf_counter()
-    samples = []  # (seconds since start, RSS bytes, of which file-backed) every SAMPLE_SECONDS
-    with open(log, "w") as out:
+    samples = []  # (seconds since start, RSS bytes, of which file-backed, the stage line last seen)
+    stage = "start-up"
+    with open(log, "w") as out, open(log) as progress:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
+            for line in progress.read().splitlines():  # the progress lines written since the last sample
+                started = STAGE_START.search(line)
+                if started and " took " not in line:
+                    stage = started.group(1)[:60]
             rss = rss_bytes_of(proc.pid)
             if rss is not None:
-                samples.append((round(time.perf_counter() - start, 1), *rss))
+                samples.append((round(time.perf_counter() - start, 1), *rss, stage))
             time.sleep(SAMPLE_SECONDS)
         rc = proc.returncode
     seconds = time.perf_counter() - start
@@ -190,20 +196,9 @@ def ensure_checkpoint(args: argparse.Namespace, work: Path) -> Path:
 
 
 def peak_stage(row: dict[str, Any]) -> str | None:
-    """The kvforge stage running when the sampled RSS peaked (from the stages' cumulative seconds,
-    counted after the process's start-up: its wall time less the stages')."""
-    samples, stages = row.get("rss_samples"), row.get("stages")
-    if not samples or not stages:
-        return None
-    at = max(samples, key=lambda sample: sample[1])[0]
-    end = row["seconds"] - sum(stage["seconds"] for stage in stages.values())  # imports before the first stage
-    if at <= end:
-        return "start-up"
-    for name, stage in stages.items():
-        end += stage["seconds"]
-        if at <= end:
-            return name
-    return None
+    """The kvforge stage (its progress line) running when the sampled RSS peaked."""
+    samples = row.get("rss_samples")
+    return max(samples, key=lambda sample: sample[1])[3] if samples else None
 
 
 def run_measured(argv: list[str], log: Path) -> dict[str, Any]:
