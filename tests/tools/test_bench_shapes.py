@@ -80,3 +80,24 @@ def test_hybrid_summary_states_the_issue_ratios():
     assert row["baseline_prefill_tok_s"] == pytest.approx(3200.0)
     assert row["prefill_slowdown_vs_baseline"] == pytest.approx(1.25)
     assert row["greedy_tokens_identical"] is True
+
+
+def test_compile_time_labels_rss_samples_with_the_running_stage(tmp_path):
+    """The runner reads the child's progress lines while sampling: the peak is named by the stage
+    running then, also for a child that never prints a stage's "took" line (stopped in it)."""
+    import sys
+
+    ct = load_benchmark("compile_time")
+    child = (
+        "import sys, time\n"
+        "print('[kvforge] [1/2   0.0s] loading', flush=True); time.sleep(1.2)\n"
+        "print('[kvforge] [1/2   1.2s] load took 1.2s', flush=True)\n"
+        "print('[kvforge] [2/2   1.2s] checking parity', flush=True)\n"
+        'block = b"x" * (300 << 20); time.sleep(1.5)\n'
+    )
+    row = ct.measure_child([sys.executable, "-c", child], tmp_path / "log", {})
+    assert row["rc"] == 0 and len(row["rss_samples"]) >= 3
+    stages = {sample[3] for sample in row["rss_samples"]}
+    assert "loading" in stages and "checking parity" in stages
+    assert ct.peak_stage(row) == "checking parity"
+    assert row["peak_rss_bytes"] >= 300 << 20
