@@ -50,7 +50,8 @@ FEATURES = {
     "compile": ("compile_time", "compile time and peak memory against genai's builder and Optimum"),
     "gemm": ("gemm_ceiling", "ORT's GEMM and MatMulNBits ceilings per projection shape"),
     "prefill-profile": ("prefill_profile", "ORT's profiler over a prefill: time per op type and per node"),
-    "decode": ("decode_speed", "kvforge against transformers eager in one process, a random Llama"),
+    "decode": ("decode_speed", "kvforge against transformers eager in one process, a random Llama or named shape"),
+    "hybrid": ("hybrid_bench", "a hybrid shape (LFM2-350M) against transformers and a full-attention Llama twin"),
     "coverage": ("coverage", "every causal-LM family of transformers compiled tiny and checked token by token"),
 }
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,133 @@ def write_report(report: dict[str, Any], out: Path, command: str, settings: str)
     paths["markdown"].write_text(markdown(report["rows"], command, settings))
     plot(report["rows"], paths["plot"])
     return paths
+
+
+# ---------------------------------------------------------------------------- named random-model shapes
+
+# LFM2-350M's layer pattern (LiquidAI/LFM2-350M config.json: full_attn_idxs [2, 5, 8, 10, 12, 14]).
+LFM2_350M_LAYERS = [
+    "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A published model's shape as a transformers config (random weights: nothing is downloaded).
+
+    ``needs``: what kvforge must support before this shape compiles (None: supported today; the
+    benchmark still tries, and reports compile's refusal as the reason). ``baseline``: the name of
+    the full-attention shape of the same size its prefill is compared with."""
+
+    model_type: str
+    config: dict[str, Any]
+    source: str
+    needs: str | None = None
+    baseline: str | None = None
+
+
+MODEL_SHAPES = {
+    # LiquidAI/LFM2-350M: 10 short-convolution layers (kernel 3) + 6 GQA attention layers (16 heads,
+    # 8 KV heads, head 64), SwiGLU 6656 auto-adjusted to 4608 (2/3, multiple of 256), tied, vocab 65536.
+    "lfm2-350m": ModelShape(
+        "lfm2",
+        dict(
+            vocab_size=65536,
+            hidden_size=1024,
+            intermediate_size=6656,
+            block_auto_adjust_ff_dim=True,
+            block_multiple_of=256,
+            block_ffn_dim_multiplier=1.0,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            layer_types=LFM2_350M_LAYERS,
+            conv_L_cache=3,
+            conv_bias=False,
+            norm_eps=1e-5,
+            max_position_embeddings=128000,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+        ),
+        "LiquidAI/LFM2-350M config.json",
+        baseline="llama-lfm2-350m",
+    ),
+    # LFM2-350M's size as a full-attention Llama: every layer attends (16 heads, 8 KV), SwiGLU 4608.
+    "llama-lfm2-350m": ModelShape(
+        "llama",
+        dict(
+            vocab_size=65536,
+            hidden_size=1024,
+            intermediate_size=4608,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=128000,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+        ),
+        "lfm2-350m with attention in every layer",
+    ),
+    # Qwen/Qwen3.5-0.8B (text): 24 layers, 6 x (3 Gated DeltaNet + 1 gated full attention); DeltaNet
+    # 16 QK / 16 V heads of 128, conv kernel 4; attention 8 heads / 2 KV of 256, rotary on a quarter;
+    # SwiGLU 3584, tied, vocab 248320.
+    "qwen3.5-0.8b": ModelShape(
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=262144,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+            tie_word_embeddings=True,
+        ),
+        "Qwen/Qwen3.5-0.8B config.json (text_config)",
+        baseline="llama-qwen3.5-0.8b",
+    ),
+    # Qwen3.5-0.8B's size as a full-attention Llama (8 heads / 2 KV of 256 in every layer).
+    "llama-qwen3.5-0.8b": ModelShape(
+        "llama",
+        dict(
+            vocab_size=248320,
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=262144,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+            tie_word_embeddings=True,
+        ),
+        "qwen3.5-0.8b with full attention in every layer",
+    ),
+}
+
+
+def build_shape(name: str, path: Path, seed: int = 0) -> int:
+    """Save a random model of ``MODEL_SHAPES[name]`` (float32, no eos: generation never stops early)
+    into ``path``; its parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = MODEL_SHAPES[name]
+    config = AutoConfig.for_model(
+        shape.model_type, **shape.config, bos_token_id=None, eos_token_id=None, pad_token_id=None
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())

@@ -7,17 +7,26 @@ Prints compile time, artifact size and a table with the kvforge/transformers rat
 
     python benchmarks/decode_speed.py                      # 4 layers, hidden 256
     python benchmarks/decode_speed.py --layers 30 --hidden 576 --heads 9 --kv-heads 3 --vocab 49152
+    python benchmarks/decode_speed.py --shape lfm2-350m   # a named shape of common.MODEL_SHAPES (any family)
+
+``--shape`` builds a published model's shape (``common.MODEL_SHAPES``: LFM2-350M, Qwen3.5-0.8B,
+their full-attention Llama twins) instead of a Llama from the size options; hybrid_bench.py runs
+the fuller comparison (prefill against the twin, state bytes).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
 
 
 def build_model(path: Path, args: argparse.Namespace) -> None:
@@ -52,6 +61,7 @@ def median_time(fn, repeat: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(common.MODEL_SHAPES), default=None, help="a named shape (any family)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -74,7 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, out = Path(tmp) / "model", Path(tmp) / "out"
-        build_model(model_dir, args)
+        if args.shape:
+            common.build_shape(args.shape, model_dir)
+            args.vocab = common.MODEL_SHAPES[args.shape].config["vocab_size"]
+        else:
+            build_model(model_dir, args)
         start = time.perf_counter()
         compile_model(model_dir, out, max_batch=1, max_seq=args.prompt_len + args.new_tokens, progress=None)
         compile_s = time.perf_counter() - start
@@ -103,10 +117,12 @@ def main(argv: list[str] | None = None) -> None:
                 tn = median_time(lambda run=run: run(args.new_tokens), args.repeat)
                 rows[name] = (t1, (tn - t1) / (args.new_tokens - 1), tn)
 
-    print(
-        f"model: Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads} kv, "
-        f"vocab {args.vocab}, {params / 1e6:.1f}M params (fp32)"
+    described = (
+        f"{args.shape} ({common.MODEL_SHAPES[args.shape].source})"
+        if args.shape
+        else f"Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads} kv"
     )
+    print(f"model: {described}, vocab {args.vocab}, {params / 1e6:.1f}M params (fp32)")
     print(f"compile: {compile_s:.1f}s, artifact {size / 2**20:.1f} MiB (fp32 params {params * 4 / 2**20:.1f} MiB)")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.repeat}")
     print(f"greedy tokens identical: {ours == theirs}")
