@@ -102,6 +102,7 @@ class ModelShape:
     weights_source: str  # how weights_bytes was found
     kv_layers: int | None = None  # layers that keep KV (a hybrid artifact's); None: every layer
     state_row_bytes: int = 0  # one row's state tensors (a hybrid artifact's), bytes
+    kv_int8: bool = False  # an 8-bit KV artifact's (--kv-dtype int8): D int8 values + a float32 scale per row and head
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,8 @@ def model_shape_from_artifact(manifest: mf.Manifest, root: Path) -> ModelShape:
     state = (
         {"kv_layers": len(layout.attention), "state_row_bytes": layout.state_row_bytes()} if layout.has_state else {}
     )
+    if layout.quantized_kv:
+        state["kv_int8"] = True
     if engine:
         return ModelShape(dims, intermediate, engine.plan_bytes, f"TensorRT plan {engine.plan_file}", **state)
     return ModelShape(
@@ -221,7 +224,10 @@ def make_plan(
     def need(batch: int, seq: int, prompt: int) -> tuple[int, int]:
         d, item = shape.dims, ITEMSIZE[dtype]
         layers = d.num_layers if shape.kv_layers is None else shape.kv_layers
-        kv = kv_cache_bytes(layers, batch, d.num_kv_heads, seq, d.head_dim, item) * (1 if aliased else 2)
+        if shape.kv_int8:  # int8 rows and their float32 scales
+            kv = kv_cache_bytes(layers, batch, d.num_kv_heads, seq, d.head_dim + 4, 1) * (1 if aliased else 2)
+        else:
+            kv = kv_cache_bytes(layers, batch, d.num_kv_heads, seq, d.head_dim, item) * (1 if aliased else 2)
         act = engine_activation_bytes
         if act is None:
             act = activation_bytes(

@@ -28,6 +28,14 @@ head that attends no value, :func:`reference.attention`) reach the op as its ``s
 and ``exact`` spell such a layer out, concatenating the sink column before ``Softmax`` and slicing it
 off after (``Attention`` has no sinks); ``gqa`` passes them as ``GroupQueryAttention``'s ``head_sink``.
 
+8-bit KV (``--kv-dtype int8``): the layer's cache is int8 with a float32 scale per row and head
+(:mod:`kvforge.graphs.contract`), and the attention function calls ``kvforge::cached_attention_int8``
+instead: it quantizes the new key and value rows (:func:`reference.quantize_rows`), scatters codes
+and scales into their caches (``TensorScatter``, as above), and dequantizes only the filled rows
+``[0, max(write_indices) + S)`` (``Slice``, ``Cast``, ``Mul``) for the ``onnx`` or ``exact``
+attention. ``gqa`` has no int8 translation: ORT's ``GroupQueryAttention`` takes a float cache only,
+so compile refuses ``--lowering gqa`` with int8 KV and defaults to ``onnx``.
+
 The op is functional (it returns new present tensors, it never mutates its inputs) because the
 exporter requires it; "in place" is a property of the runtime binding (past and present share a
 buffer), not of the graph.
@@ -79,6 +87,116 @@ def cached_attention(
 def _(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window, sinks=None):
     # Contiguous like the real op's outputs (empty_like would copy the strides of a transposed query)
     return query.new_empty(query.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
+
+
+@torch.library.custom_op("kvforge::cached_attention_int8", mutates_args=())
+def cached_attention_int8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    past_key_scale: torch.Tensor,
+    past_value_scale: torch.Tensor,
+    write_indices: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cached_attention` over an 8-bit cache: past_key/past_value ``[B, H_kv, S_max, D]``
+    int8, past_key_scale/past_value_scale ``[B, H_kv, S_max, 1]`` float32; key/value in the
+    model's dtype, quantized per row and head on write (:func:`reference.quantize_rows`), the
+    cache dequantized on read. Returns ``(output, present_key, present_value, present_key_scale,
+    present_value_scale)``."""
+    key_codes, key_scale = reference.quantize_rows(key)
+    value_codes, value_scale = reference.quantize_rows(value)
+    present_key = reference.update(past_key, key_codes, write_indices)
+    present_value = reference.update(past_value, value_codes, write_indices)
+    present_key_scale = reference.update(past_key_scale, key_scale, write_indices)
+    present_value_scale = reference.update(past_value_scale, value_scale, write_indices)
+    keys = reference.dequantize_rows(present_key, present_key_scale, query.dtype)
+    values = reference.dequantize_rows(present_value, present_value_scale, query.dtype)
+    output = reference.attention(query, keys, values, mask, scale, softcap, sinks)
+    return output, present_key, present_value, present_key_scale, present_value_scale
+
+
+@cached_attention_int8.register_fake
+def _(query, key, value, past_key, past_value, past_key_scale, past_value_scale, *args, **kwargs):
+    return (
+        query.new_empty(query.shape),
+        past_key.new_empty(past_key.shape),
+        past_value.new_empty(past_value.shape),
+        past_key_scale.new_empty(past_key_scale.shape),
+        past_value_scale.new_empty(past_value_scale.shape),
+    )
+
+
+def _int8_translation(exact: bool = False) -> Callable:
+    """``kvforge::cached_attention_int8`` in standard ops, for the ``onnx`` (``exact``: the
+    ``exact``) lowering: quantize (:func:`reference.quantize_rows`), ``TensorScatter`` the codes and
+    scales, dequantize the filled rows ``[0, T)``, ``T = max(write_indices) + S``, then the lowering's
+    attention on them."""
+    from onnxscript import ir, values
+
+    op = values.Opset("", 24)
+
+    def quantize(x, name: str):
+        xf = op.Cast(x, to=ir.DataType.FLOAT)
+        amax = op.ReduceMax(op.Abs(xf), op.Constant(value_ints=[-1]), keepdims=1)  # (B, H_kv, S, 1)
+        scale = _named(op.Div(amax, op.Constant(value_float=127.0)), f"attention/{name}/scale")
+        safe = op.Max(scale, op.Constant(value_float=reference.SCALE_FLOOR))
+        low, high = op.Constant(value_float=-127.0), op.Constant(value_float=127.0)
+        codes = _named(
+            op.Cast(op.Clip(op.Round(op.Div(xf, safe)), low, high), to=ir.DataType.INT8), f"attention/{name}/codes"
+        )
+        return codes, scale
+
+    def dequantize(codes, scale, live, like, name: str):
+        start, axis = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
+        codes = op.Slice(codes, start, live, axis)  # (B, H_kv, T, D)
+        scale = op.Slice(scale, start, live, axis)  # (B, H_kv, T, 1)
+        rows = op.Mul(op.Cast(codes, to=ir.DataType.FLOAT), scale)
+        return _named(op.CastLike(rows, like), f"attention/{name}/dequantized")
+
+    def cached_attention_int8_onnx(
+        query,
+        key,
+        value,
+        past_key,
+        past_value,
+        past_key_scale,
+        past_value_scale,
+        write_indices,
+        mask,
+        scale,
+        softcap,
+        window,
+        sinks=None,
+    ):
+        key_codes, key_scale = quantize(key, "key")
+        value_codes, value_scale = quantize(value, "value")
+        present_key = op.TensorScatter(past_key, key_codes, write_indices, axis=-2)
+        present_value = op.TensorScatter(past_value, value_codes, write_indices, axis=-2)
+        present_key_scale = op.TensorScatter(past_key_scale, key_scale, write_indices, axis=-2)
+        present_value_scale = op.TensorScatter(past_value_scale, value_scale, write_indices, axis=-2)
+        kv_heads = past_key.shape[1]  # static
+        live = op.Add(op.ReduceMax(write_indices, keepdims=1), op.Shape(query, start=2, end=3))  # (1,): T
+        keys = dequantize(present_key, present_key_scale, live, query, "key")  # (B, H_kv, T, D)
+        values = dequantize(present_value, present_value_scale, live, query, "value")
+        live_mask = op.Slice(mask, op.Constant(value_ints=[0]), live, op.Constant(value_ints=[3]))  # (B, 1, S, T)
+        if exact:
+            output = _exact_attention(
+                op, query, keys, values, write_indices, live_mask, scale, softcap, kv_heads, sinks
+            )
+        elif softcap > 0.0 or sinks is not None:
+            output = _spelled_attention(op, query, keys, values, live_mask, scale, softcap, kv_heads, sinks)
+        else:
+            output = op.Attention(query, keys, values, live_mask, scale=scale)[0]
+        return output, present_key, present_value, present_key_scale, present_value_scale
+
+    return cached_attention_int8_onnx
 
 
 def _onnx_translation(exact: bool = False) -> Callable:
@@ -342,8 +460,13 @@ def translation_table(lowering: str) -> dict:
     """``custom_translation_table`` for ``torch.onnx.export`` under the given lowering."""
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; choose one of {', '.join(LOWERINGS)}")
-    translate = _gqa_translation() if lowering == "gqa" else _onnx_translation(exact=lowering == "exact")
-    return {torch.ops.kvforge.cached_attention.default: translate}
+    if lowering == "gqa":  # no int8 KV translation: GroupQueryAttention takes a float cache only
+        return {torch.ops.kvforge.cached_attention.default: _gqa_translation()}
+    exact = lowering == "exact"
+    return {
+        torch.ops.kvforge.cached_attention.default: _onnx_translation(exact=exact),
+        torch.ops.kvforge.cached_attention_int8.default: _int8_translation(exact=exact),
+    }
 
 
 @dataclass
@@ -360,6 +483,9 @@ class LayerCaches:
     seq_len: int
     present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # 8-bit KV: layer index -> (key_scale, value_scale) [B, H_kv, S_max, 1] float32; None: a float cache
+    scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    present_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
@@ -441,19 +567,39 @@ def kvforge_attention(
     repeats = past_key.shape[1] // key.shape[1]
     if repeats > 1:  # fewer KV heads than the cache's: each head repeated (query head h still reads its own)
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    output, present_key, present_value = cached_attention(
-        _pad_heads(query, width),
-        _pad_heads(key.to(past_key.dtype), width),
-        _pad_heads(value.to(past_value.dtype), width),
-        past_key,
-        past_value,
-        kvforge_caches.write_indices,
-        kvforge_caches.mask(int(sliding_window) if sliding_window else None),
-        scale,
-        float(softcap or 0.0),
-        int(sliding_window or 0),
-        s_aux,
-    )
+    mask = kvforge_caches.mask(int(sliding_window) if sliding_window else None)
+    if kvforge_caches.scales is not None:  # 8-bit KV: the new rows stay in the query's dtype until quantized
+        past_key_scale, past_value_scale = kvforge_caches.scales[layer]
+        output, present_key, present_value, key_scale, value_scale = cached_attention_int8(
+            _pad_heads(query, width),
+            _pad_heads(key.to(query.dtype), width),
+            _pad_heads(value.to(query.dtype), width),
+            past_key,
+            past_value,
+            past_key_scale,
+            past_value_scale,
+            kvforge_caches.write_indices,
+            mask,
+            scale,
+            float(softcap or 0.0),
+            int(sliding_window or 0),
+            s_aux,
+        )
+        kvforge_caches.present_scales[layer] = (key_scale, value_scale)
+    else:
+        output, present_key, present_value = cached_attention(
+            _pad_heads(query, width),
+            _pad_heads(key.to(past_key.dtype), width),
+            _pad_heads(value.to(past_value.dtype), width),
+            past_key,
+            past_value,
+            kvforge_caches.write_indices,
+            mask,
+            scale,
+            float(softcap or 0.0),
+            int(sliding_window or 0),
+            s_aux,
+        )
     kvforge_caches.present[layer] = (present_key, present_value)
     if value_dim != width:
         output = output[..., :value_dim]  # (B, H_q, S, D_v)

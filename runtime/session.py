@@ -197,7 +197,7 @@ class Session:
         with self.engine._lock:
             block = self.engine.export_kv(self.row, self._tokens[: self._cached])
         meta = {"kind": SESSION_KIND, "pending_tokens": self._tokens[self._cached :]}
-        return KVBlock(block.fingerprint, 0, block.token_ids, block.data, meta).save(path)
+        return KVBlock(block.fingerprint, 0, block.token_ids, block.data, meta, block.scales).save(path)
 
     def restore(self, path: str | Path) -> None:
         """Replace the conversation with the one :meth:`save` wrote to ``path`` (its KV imported

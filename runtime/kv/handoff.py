@@ -85,14 +85,17 @@ class Handoff:
                 "shape": list(self.block.data.shape),
                 "dtype": self.block.data.dtype.name,
                 "meta": self.block.meta,
+                # 8-bit KV: the block's scales travel beside its data (from_parts' scales)
+                **({"scales_shape": list(self.block.scales.shape)} if self.block.scales is not None else {}),
             },
         }
 
     @classmethod
-    def from_parts(cls, header: Mapping[str, Any], data: np.ndarray) -> Handoff:
+    def from_parts(cls, header: Mapping[str, Any], data: np.ndarray, scales: np.ndarray | None = None) -> Handoff:
         """The hand-off of ``header`` (from :meth:`header`) with ``data`` as its block's data (kept
-        as is: a view stays a view). KVBlockError when the header is not one this kvforge reads or
-        ``data`` is not the array it describes."""
+        as is: a view stays a view), and ``scales`` its scales when the KV is 8-bit. KVBlockError
+        when the header is not one this kvforge reads or ``data``/``scales`` are not the arrays it
+        describes."""
         if not isinstance(header, Mapping) or header.get("version") != HEADER_VERSION:
             got = header.get("version") if isinstance(header, Mapping) else type(header).__name__
             raise KVBlockError(
@@ -106,9 +109,17 @@ class Handoff:
                 f"the hand-off's KV data is {data.dtype} {tuple(data.shape)}, its header says {dtype} "
                 f"{tuple(b['shape'])}: the data does not belong to this header"
             )
+        want = b.get("scales_shape")
+        if (want is None) != (scales is None) or (scales is not None and tuple(scales.shape) != tuple(want)):
+            raise KVBlockError(
+                f"the hand-off's header says its KV scales are {want!r} (8-bit KV: [L, 2, H_kv, n] float32; None: a "
+                f"float cache), the scales given are {None if scales is None else tuple(scales.shape)!r}: pass the "
+                "block's scales with its data (a transport that moves the data only cannot carry 8-bit KV yet)"
+            )
         prompt = [int(t) for t in header["prompt_ids"]]
         start = int(b["start"])
-        block = KVBlock(b["fingerprint"], start, tuple(prompt[start : start + data.shape[3]]), data, dict(b["meta"]))
+        ids = tuple(prompt[start : start + data.shape[3]])
+        block = KVBlock(b["fingerprint"], start, ids, data, dict(b["meta"]), scales)
         lp = header["first_logprobs"]
         first_lp = (
             None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), [(int(t), float(v)) for t, v in lp[2]])

@@ -23,9 +23,13 @@ class KVTransfer:
     """``Engine``'s KV block calls (see the module docstring)."""
 
     def kv_nbytes(self, positions: int) -> int:
-        """Bytes of a :class:`KVBlock` of ``positions`` positions (``L × 2 × H_kv × n × D`` values)."""
+        """Bytes of a :class:`KVBlock` of ``positions`` positions (``L × 2 × H_kv × n × D`` values; an
+        8-bit cache's block also holds ``L × 2 × H_kv × n`` float32 scales)."""
         m = self.manifest.model
-        return m.num_layers * 2 * m.num_kv_heads * int(positions) * m.head_dim * self.cache.buffer.dtype.itemsize
+        values = m.num_layers * 2 * m.num_kv_heads * int(positions) * m.head_dim * self.cache.buffer.dtype.itemsize
+        if getattr(self.cache, "scales", None) is not None:
+            values += m.num_layers * 2 * m.num_kv_heads * int(positions) * 4
+        return values
 
     def export_kv(
         self, row: int, token_ids: Sequence[int], start: int = 0, out=None, digest=None, view: bool = False
@@ -43,6 +47,13 @@ class KVTransfer:
         self._refuse_state("export_kv")
         if not hasattr(self.cache, "read_positions"):
             raise RuntimeError(f"the {self.backend.name} backend's cache has no KV export yet; use the CPU backend")
+        scaled = getattr(self.cache, "scales", None) is not None
+        if scaled and (out is not None or view):
+            raise ValueError(
+                "export_kv: this artifact's KV cache is 8-bit with per-row scales (--kv-dtype int8), and an export "
+                "into caller memory (out=) or as a view of the row (view=True: shared-memory hand-offs, lent rows) "
+                "does not carry the scales yet; export by copy (neither), or recompile with --kv-dtype float"
+            )
         if out is not None:
             m, nbytes = self.manifest.model, self.kv_nbytes(len(ids))
             if memoryview(out).nbytes < nbytes or memoryview(out).readonly:
@@ -65,12 +76,23 @@ class KVTransfer:
             else:
                 each = None if digest is None else digest.update
                 data = self.cache.read_positions(row, start, start + len(ids), out=out, each=each)
-        return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data)
+            scales = self.cache.read_scales(row, start, start + len(ids)) if scaled else None
+            if scales is not None and digest is not None:
+                digest.update(scales)  # after the data: what import_kv's checksum reads in the same order
+        return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data, scales=scales)
 
     def check_kv(self, block: KVBlock) -> None:
         """Raise :class:`~kvforge.runtime.kv.KVBlockError` when ``block`` cannot be imported into
         this engine's cache: another artifact or dtype, or longer than a row."""
         self._refuse_state("import_kv")
+        ours = self.manifest.kv_dtype
+        if block.kv_dtype != ours or block.fingerprint.get("kv_dtype", "float") != ours:
+            theirs = "8-bit (int8 with per-row scales)" if block.kv_dtype == "int8" else "float"
+            raise KVBlockError(
+                f"this KV block holds {theirs} KV, and this artifact's KV cache is "
+                f"{'8-bit (--kv-dtype int8)' if ours == 'int8' else 'float (--kv-dtype float)'}: a block is "
+                "imported only into an engine of the same compiled model and KV dtype; prefill the tokens instead"
+            )
         block.check_compatible(self.kv_fingerprint)
         m = self.manifest.model
         want = (m.num_layers, 2, m.num_kv_heads, block.n, m.head_dim)
@@ -105,6 +127,10 @@ class KVTransfer:
                     f"[0, {int(self.lengths[row])}): import the blocks before it first"
                 )
             self.cache.write_positions(row, block.start, block.data, each=None if digest is None else digest.update)
+            if block.scales is not None:
+                self.cache.write_scales(row, block.start, block.scales)
+                if digest is not None:
+                    digest.update(block.scales)
             if digest is not None and digest.value() != checksum:
                 raise KVBlockError(
                     f"the KV block does not match its {digest.algorithm} checksum: the data was corrupted or "
