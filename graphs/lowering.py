@@ -31,10 +31,12 @@ off after (``Attention`` has no sinks); ``gqa`` passes them as ``GroupQueryAtten
 8-bit KV (``--kv-dtype int8``): the layer's cache is int8 with a float32 scale per row and head
 (:mod:`kvforge.graphs.contract`), and the attention function calls ``kvforge::cached_attention_int8``
 instead: it quantizes the new key and value rows (:func:`reference.quantize_rows`), scatters codes
-and scales into their caches (``TensorScatter``, as above), and dequantizes only the filled rows
-``[0, max(write_indices) + S)`` (``Slice``, ``Cast``, ``Mul``) for the ``onnx`` or ``exact``
-attention. ``gqa`` has no int8 translation: ORT's ``GroupQueryAttention`` takes a float cache only,
-so compile refuses ``--lowering gqa`` with int8 KV and defaults to ``onnx``.
+and scales into their caches (``TensorScatter``, as above), and reads only the filled rows
+``[0, max(write_indices) + S)`` (``Slice``): ``onnx`` casts their codes to floats and folds the
+scales into the scores and the probabilities (:func:`_scaled_attention`: no dequantized copy of
+the cache); ``exact`` dequantizes them (``Cast``, ``Mul``) for its own attention. ``gqa`` has no
+int8 translation: ORT's ``GroupQueryAttention`` takes a float cache only, so compile refuses
+``--lowering gqa`` with int8 KV and defaults to ``onnx``.
 
 The op is functional (it returns new present tensors, it never mutates its inputs) because the
 exporter requires it; "in place" is a property of the runtime binding (past and present share a
@@ -153,10 +155,11 @@ def _int8_translation(exact: bool = False) -> Callable:
         )
         return codes, scale
 
-    def dequantize(codes, scale, live, like, name: str):
+    def live_rows(codes, scale, live):
         start, axis = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
-        codes = op.Slice(codes, start, live, axis)  # (B, H_kv, T, D)
-        scale = op.Slice(scale, start, live, axis)  # (B, H_kv, T, 1)
+        return op.Slice(codes, start, live, axis), op.Slice(scale, start, live, axis)  # (B, H_kv, T, D|1)
+
+    def dequantize(codes, scale, like, name: str):
         rows = op.Mul(op.Cast(codes, to=ir.DataType.FLOAT), scale)
         return _named(op.CastLike(rows, like), f"attention/{name}/dequantized")
 
@@ -183,20 +186,65 @@ def _int8_translation(exact: bool = False) -> Callable:
         present_value_scale = op.TensorScatter(past_value_scale, value_scale, write_indices, axis=-2)
         kv_heads = past_key.shape[1]  # static
         live = op.Add(op.ReduceMax(write_indices, keepdims=1), op.Shape(query, start=2, end=3))  # (1,): T
-        keys = dequantize(present_key, present_key_scale, live, query, "key")  # (B, H_kv, T, D)
-        values = dequantize(present_value, present_value_scale, live, query, "value")
+        key_codes, key_scale = live_rows(present_key, present_key_scale, live)  # (B, H_kv, T, D), (B, H_kv, T, 1)
+        value_codes, value_scale = live_rows(present_value, present_value_scale, live)
         live_mask = op.Slice(mask, op.Constant(value_ints=[0]), live, op.Constant(value_ints=[3]))  # (B, 1, S, T)
         if exact:
+            keys = dequantize(key_codes, key_scale, query, "key")  # (B, H_kv, T, D)
+            values = dequantize(value_codes, value_scale, query, "value")
             output = _exact_attention(
                 op, query, keys, values, write_indices, live_mask, scale, softcap, kv_heads, sinks
             )
-        elif softcap > 0.0 or sinks is not None:
-            output = _spelled_attention(op, query, keys, values, live_mask, scale, softcap, kv_heads, sinks)
         else:
-            output = op.Attention(query, keys, values, live_mask, scale=scale)[0]
+            output = _scaled_attention(
+                op, query, key_codes, key_scale, value_codes, value_scale, live_mask, scale, softcap, kv_heads, sinks
+            )
         return output, present_key, present_value, present_key_scale, present_value_scale
 
     return cached_attention_int8_onnx
+
+
+def _scaled_attention(
+    op, query, key_codes, key_scale, value_codes, value_scale, mask, scale: float, softcap: float, kv_heads: int, sinks
+):
+    """:func:`_spelled_attention` over int8 rows whose scales are folded into the scores and the
+    probabilities instead of into the rows: ``q·(c_t·s_t) = s_t·(q·c_t)`` and
+    ``Σ p_t·(c_t·s_t) = Σ (p_t·s_t)·c_t``, so the only pass over the cache is the ``Cast`` of its
+    codes (after a ``Transpose`` of the int8 keys, a quarter of the bytes of a float transpose);
+    the scales multiply ``[.., T]`` vectors. key_codes/value_codes ``[B, H_kv, T, D]`` int8,
+    key_scale/value_scale ``[B, H_kv, T, 1]`` float32, mask ``[B, 1, S, T]``; output
+    ``[B, H_q, S, D]`` in the query's dtype."""
+    from onnxscript import ir
+
+    num_heads, head_dim = query.shape[1], query.shape[3]  # static ints
+    model_dtype = query.dtype
+    group_axis = op.Constant(value_ints=[2])
+    per_key = op.Constant(value_ints=[0, 0, 1, 1, -1])  # (B, H_kv, T, 1) -> (B, H_kv, 1, 1, T): a free reshape
+    grouped = op.Reshape(query, op.Constant(value_ints=[0, kv_heads, num_heads // kv_heads, -1, head_dim]))
+    grouped = _named(grouped, "attention/int8/group_query_heads")  # (B, H_kv, G, S, D)
+    keys_t = _named(op.Transpose(key_codes, perm=[0, 1, 3, 2]), "attention/int8/keys_transposed")  # (B, H_kv, D, T)
+    keys_t = _named(op.CastLike(op.Unsqueeze(keys_t, group_axis), query), "attention/int8/keys")  # (B, H_kv, 1, D, T)
+    values = _named(op.CastLike(op.Unsqueeze(value_codes, group_axis), query), "attention/int8/values")
+    scores = _named(op.MatMul(grouped, keys_t), "attention/int8/qk")  # (B, H_kv, G, S, T) in codes
+    key_scale = op.Mul(op.Reshape(key_scale, per_key), op.Constant(value_float=scale))  # (B, H_kv, 1, 1, T)
+    scores = _named(op.Mul(scores, op.CastLike(key_scale, query)), "attention/int8/scale")
+    if softcap > 0.0:
+        cap = op.CastLike(op.Constant(value_float=softcap), query)
+        scores = _named(op.Mul(op.Tanh(op.Div(scores, cap)), cap), "attention/int8/softcap")
+    if model_dtype != ir.DataType.FLOAT:  # transformers' softmax upcasts to float32
+        scores = _named(op.Cast(scores, to=ir.DataType.FLOAT), "attention/int8/softmax/upcast")
+    allowed = _named(op.Unsqueeze(mask, op.Constant(value_ints=[1])), "attention/int8/mask_per_group")
+    masked = _named(op.Where(allowed, scores, op.Constant(value_float=float("-inf"))), "attention/int8/mask")
+    if sinks is not None:
+        column = op.Reshape(sinks, op.Constant(value_ints=[1, kv_heads, num_heads // kv_heads, 1, 1]))
+        probs = _with_sinks(op, masked, column, "attention/int8")
+    else:
+        probs = _named(op.Softmax(masked, axis=-1), "attention/int8/softmax")
+    probs = _named(op.Mul(probs, op.Reshape(value_scale, per_key)), "attention/int8/value_scale")  # float32
+    if model_dtype != ir.DataType.FLOAT:
+        probs = _named(op.Cast(probs, to=model_dtype), "attention/int8/softmax/downcast")
+    output = _named(op.MatMul(probs, values), "attention/int8/pv")  # (B, H_kv, G, S, D)
+    return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
 
 
 def _onnx_translation(exact: bool = False) -> Callable:
