@@ -1,19 +1,20 @@
 """The 8-bit KV cache (``kvforge compile --kv-dtype int8``) on the tiny Llama (fp32, GQA 4/2 heads).
 
-Proves: the graphs' quantize-on-write and dequantize-on-read (``kvforge::cached_attention_int8``'s
-ONNX translation, onnx and exact lowerings) give the pure-torch reference's codes and scales bit
-for bit and its attention output within 1e-5; :func:`reference.quantize_rows` is symmetric
-``max|x| / 127`` per row with round-half-to-even codes, and its round trip is within half a scale;
-the artifact records the 8-bit cache (manifest schema 4, ``kv_cache`` int8 with its scale shape,
-the bytes) and the engine allocates an int8 cache plus float32 scales (~0.31 of the float32 KV
-bytes at head size 16) bound in place; the greedy tokens of three prompts (16 each) are identical
-to the float cache's (same onnx lowering), and the prefill logits are within 5e-3 of them (a
-logit range of about ±0.5 on this random model); a KV block exported and imported carries the
-scales (the continued prefill equals a from-scratch one within 1e-5; the file round trip is byte
-for byte, format version 2), the prefix pool hits and keeps the uncached tokens, a saved session
-continues as the uninterrupted one, and an in-process hand-off resumes with the colocated tokens;
-a block of the other KV dtype is refused both ways, as are GPU targets, the gqa lowering, hybrid
-families, ``kv_shared`` and exports into caller memory.
+Proves: the graphs' quantize-on-write and read-back (``kvforge::cached_attention_int8``'s ONNX
+translation: onnx folds the scales into scores and probabilities, exact dequantizes) give the
+pure-torch reference's codes and scales bit for bit and its attention output within 1e-5;
+:func:`reference.quantize_rows` is symmetric ``max|x| / 127`` per row with round-half-to-even
+codes, and its round trip is within half a scale; the artifact records the 8-bit cache (manifest
+schema 4, ``kv_cache`` int8 with its scale shape, the bytes) and the engine allocates an int8
+cache plus float32 scales (~0.31 of the float32 KV bytes at head size 16) bound in place; the
+greedy tokens of three prompts (16 each) are identical to the float cache's (same onnx lowering),
+and the prefill logits are within 5e-3 of them (a logit range of about ±0.5 on this random
+model); rows moved by in-flight batching's compaction keep their answers; a KV block exported and
+imported carries the scales (the continued prefill equals a from-scratch one within 1e-5; the
+file round trip is byte for byte, format version 2), the prefix pool hits and keeps the uncached
+tokens, a saved session continues as the uninterrupted one, and an in-process hand-off resumes
+with the colocated tokens; a block of the other KV dtype is refused both ways, as are GPU
+targets, the gqa lowering, hybrid families, ``kv_shared`` and exports into caller memory.
 """
 
 from __future__ import annotations
@@ -159,6 +160,15 @@ def test_greedy_tokens_and_logits_against_the_float_cache(int8, floats):
     np.testing.assert_allclose(ours, theirs, atol=5e-3, rtol=0)
     for a, b in zip(int8.generate(PROMPTS, GREEDY_TOKENS), floats.generate(PROMPTS, GREEDY_TOKENS)):
         assert a.token_ids == b.token_ids and len(a.token_ids) == GREEDY_TOKENS
+
+
+def test_compaction_moves_the_scales_with_the_rows(int8):
+    """The first request finishes first and the last one moves into its row (one cache copy of
+    its codes and scales): each answer equals its solo greedy run."""
+    solo = [int8.generate([p], n)[0].token_ids for p, n in zip(PROMPTS, [2, 12, 12])]
+    with int8.scheduler() as sched:
+        handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, [2, 12, 12])]
+        assert [h.result(timeout=60).token_ids for h in handles] == solo
 
 
 # ------------------------------------------------------------------ blocks, pool, sessions, hand-off
