@@ -110,8 +110,9 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         "--kv-dtype",
         choices=["float", "int8"],
         default="float",
-        help="KV cache precision: float (default, --dtype) or int8 (a float32 scale per cached row and head: "
-        "~1/4 of float32's KV bytes; CPU target, onnx/exact lowering, onnx by default; docs/performance.md measures it)",
+        help="KV cache precision: float (default, --dtype) or int8 (a float32 scale per cached row and "
+        "head: ~1/4 of float32's KV bytes; CPU target, onnx/exact lowering, onnx by default; "
+        "docs/performance.md measures it)",
     )
     p.add_argument(
         "--no-optimize",
