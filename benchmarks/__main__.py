@@ -36,6 +36,7 @@ FEATURES = {
     "llamacpp": ("peer_llamacpp", "kvforge vs llama.cpp (built from source) vs genai on SmolLM2 and a 1.39B shape"),
     "openvino": ("peer_openvino", "kvforge vs OpenVINO GenAI (its own venv) on SmolLM2 and the 1.39B shape"),
     "quality": ("quality", "perplexity per precision on Genesis, kvforge against transformers and llama.cpp"),
+    "kv-int8": ("kv_int8", "the 8-bit KV cache against the float cache: perplexity, greedy agreement, decode"),
     "speculative": ("speculative", "speculative decoding (ngram, draft model) against plain decoding, A/B rounds"),
     "spec-peers": ("spec_peers", "speculative decoding against llama.cpp's prompt lookup and genai"),
     "ngram-replay": ("ngram_replay", "the n-gram drafter replayed on greedy outputs, priced by measured call widths"),

@@ -63,6 +63,10 @@ def _example_past(loaded: LoadedModel, num_layers: int | None = None) -> list[to
     dtype = next(loaded.model.parameters()).dtype
     shape = (_EXAMPLE_BATCH, d.num_kv_heads, _EXAMPLE_CAPACITY, d.head_dim)
     layout = loaded.state_layout
+    if layout.quantized_kv:  # int8 KV of every layer, then its float32 scales [B, H_kv, S_max, 1]
+        count = 2 * (num_layers or d.num_layers)
+        kv = [torch.zeros(shape, dtype=torch.int8) for _ in range(count)]
+        return kv + [torch.zeros((*shape[:3], 1), dtype=torch.float32) for _ in range(count)]
     if not layout.has_state:
         return [torch.zeros(shape, dtype=dtype) for _ in range(2 * (num_layers or d.num_layers))]
     kv = [torch.zeros(shape, dtype=dtype) for _ in range(2 * len(layout.attention))]
@@ -74,6 +78,8 @@ def _past_shapes(loaded: LoadedModel, batch, capacity, num_layers: int | None = 
     """The dynamic shapes of :func:`_example_past`'s tensors: KV ``{0: batch, 2: capacity}``, a
     state ``{0: batch}``."""
     layout = loaded.state_layout
+    if layout.quantized_kv:  # KV and scales alike
+        return tuple({0: batch, 2: capacity} for _ in range(4 * (num_layers or loaded.dims.num_layers)))
     if not layout.has_state:
         return tuple({0: batch, 2: capacity} for _ in range(2 * (num_layers or loaded.dims.num_layers)))
     kv = tuple({0: batch, 2: capacity} for _ in range(2 * len(layout.attention)))
@@ -83,7 +89,10 @@ def _past_shapes(loaded: LoadedModel, batch, capacity, num_layers: int | None = 
 def _names_layout(loaded: LoadedModel, num_layers: int):
     """What :mod:`kvforge.graphs.contract`'s name functions take for this trace: the layout of a
     family with state, else the number of (attention) layers traced."""
-    return loaded.state_layout if loaded.state_layout.has_state else num_layers
+    layout = loaded.state_layout
+    if layout.quantized_kv and not layout.has_state:  # the scale names, over the layers traced
+        return contract.Layout(tuple(range(num_layers)), kv_dtype=layout.kv_dtype)
+    return layout if layout.has_state else num_layers
 
 
 def _dims(max_batch: int, max_seq: int) -> tuple[object, object, object]:
@@ -309,8 +318,10 @@ def export_general(
     times = times if times is not None else ExportTimes()
     n = loaded.dims.num_layers
     module = GeneralGraph(loaded.model, loaded.spec, loaded.layout).eval()
-    # a family with state layers is traced whole: its layers are not one computation
-    plan = replicate.plan(loaded.model, n, full_trace or loaded.state_layout.has_state)
+    # a family with state layers is traced whole: its layers are not one computation; 8-bit KV too
+    # (the layer copies map each layer's key and value inputs, not yet its scales)
+    layout = loaded.state_layout
+    plan = replicate.plan(loaded.model, n, full_trace or layout.has_state or layout.quantized_kv)
     model, optimized = None, False
     if plan.stack is not None:
         with replicate.truncated(loaded.model, plan.stack, plan.traced):

@@ -124,8 +124,10 @@ def measure(
     np_dtype = np.float16 if dtype == torch.float16 else np.float32
     shape = (1, dims.num_kv_heads, CAPACITY, dims.head_dim)
     layout = layout if layout is not None else contract.Layout.all_attention(dims.num_layers)
-    past = [np.zeros(shape, np_dtype) for _ in range(2 * len(layout.attention))]
+    kv_dtype = np.int8 if layout.quantized_kv else np_dtype
+    past = [np.zeros(shape, kv_dtype) for _ in range(2 * len(layout.attention))]
     past += [np.zeros((1, *t.shape), np.dtype(t.dtype)) for _, t in layout.state_tensors()]
+    past += [np.zeros((*shape[:3], 1), np.float32) for _ in contract.kv_scale_past_names(layout)]
     past_names = contract.past_names(layout)
     ours = []
     start, count = 0, PROMPT_TOKENS

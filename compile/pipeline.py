@@ -92,6 +92,7 @@ class CompileOptions:
     symmetric: bool = True  # quantize: symmetric blocks (False: a zero point per block)
     quantize_lm_head: bool = True  # quantize: the lm_head too (False: it stays in the model's dtype)
     lm_head: str | None = None  # quantize: "int4" | "int8" | "float"; None: the scheme's (quantize.DEFAULT_LM_HEAD)
+    kv_dtype: str = "float"  # contract.KV_DTYPES: "int8" = 8-bit KV rows with a float32 scale each
 
     def lm_head_precision(self) -> str:
         """--quantize's lm_head: "int4" | "int8" | "float" (--no-quantize-lm-head: "float")."""
@@ -124,6 +125,23 @@ class CompileOptions:
             )
         if self.lm_head is not None:
             quantize_stage.check_lm_head(self.lm_head, self.quantize, self.quantize_lm_head)
+        self._check_kv_dtype()
+
+    def _check_kv_dtype(self) -> None:
+        if self.kv_dtype not in contract.KV_DTYPES:
+            raise ValueError(f"unknown KV dtype {self.kv_dtype!r}; choose one of {', '.join(contract.KV_DTYPES)}")
+        if self.kv_dtype == "float":
+            return
+        if self.target != "cpu":
+            raise ValueError(
+                f"--kv-dtype int8 runs on ONNX Runtime's CPU provider only, not --target {self.target} "
+                "(the GPU backends bind a float cache); compile for --target cpu, or keep --kv-dtype float"
+            )
+        if self.lowering == "gqa":
+            raise ValueError(
+                "--kv-dtype int8 cannot use --lowering gqa: ONNX Runtime's GroupQueryAttention takes a float "
+                "cache only; use --lowering onnx (the default with int8) or exact"
+            )
 
 
 class OutputDirError(ValueError):
@@ -160,6 +178,7 @@ def compile_model(
     symmetric: bool = True,
     quantize_lm_head: bool = True,
     lm_head: str | None = None,
+    kv_dtype: str = "float",
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
     """Compile ``model_dir`` into ``out_dir``; returns the manifest written there.
@@ -178,6 +197,9 @@ def compile_model(
     with symmetric blocks unless ``symmetric=False`` (a zero point per block), the lm_head included
     unless ``quantize_lm_head=False``; ``lm_head`` ("int4" | "int8" | "float") gives the lm_head its
     own precision (default int8, under int4 too: quantize.DEFAULT_LM_HEAD; docs/performance.md measures each).
+    ``kv_dtype`` "int8" keeps the KV cache in 8 bits (a float32 scale per cached row and head,
+    :mod:`kvforge.graphs.contract`; CPU target, ``onnx`` or ``exact`` lowering, ``onnx`` by default;
+    not for families whose layers keep a state); "float" (default) keeps it in ``dtype``.
     ``optimize`` also writes ONNX Runtime-optimized ``<graph>.ort.onnx`` graphs (CPU target only).
     ``target`` ("cpu" | "cuda" | "tensorrt") sets the defaults of ``dtype`` and ``lowering``
     (:data:`TARGETS`); "tensorrt" also builds the engine at once when this machine has a GPU
@@ -222,6 +244,9 @@ def compile_model(
     scratch = out.parent / f".{out.name}.source-kvforge"  # a GGUF file's conversion, removed after
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    if lowering is None and kv_dtype == "int8" and TARGETS[target][1] == "gqa":
+        lowering = "onnx"  # GroupQueryAttention takes a float cache only: the standard-op lowering
+        say("--kv-dtype int8: lowering onnx (GroupQueryAttention takes a float cache only)")
     options = CompileOptions(
         dtype=dtype or TARGETS[target][0],
         max_batch=max_batch,
@@ -239,6 +264,7 @@ def compile_model(
         symmetric=symmetric,
         quantize_lm_head=quantize_lm_head,
         lm_head=lm_head,
+        kv_dtype=kv_dtype,
     )
     options.check()  # before a Hub download or a GGUF conversion
     with source_stage.resolve(model_dir, revision, scratch, say) as source:
@@ -380,8 +406,11 @@ def _compile_into(
     heap.freeze_survivors()  # the libraries imported so far: loading's collections skip them
     heap.map_large_allocations()  # freed weights go back to the system (bounded peak RSS)
     stages.start("load", f"loading {model_dir} ({options.dtype})")
-    stream = not options.full_trace and source.gguf is None
+    # 8-bit KV traces every layer (kvforge.compile.export), so every layer is loaded
+    stream = not options.full_trace and source.gguf is None and options.kv_dtype == "float"
     loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq, stream)
+    if options.kv_dtype != "float":
+        loaded = _with_kv_dtype(loaded, options.kv_dtype)
     dims, loaded_spec, layout = loaded.dims, loaded.spec, loaded.state_layout
     if loaded.streamed is not None:
         say(
@@ -408,6 +437,8 @@ def _compile_into(
             heap.unfreeze()
             gc.collect()
             loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
+            if options.kv_dtype != "float":
+                loaded = _with_kv_dtype(loaded, options.kv_dtype)
             times = export_stage.ExportTimes()
             general = export_stage.export_general(
                 loaded, options.lowering, options.max_batch, options.max_seq, times, options.full_trace
@@ -479,7 +510,8 @@ def _compile_into(
     stages.start("parity", "checking parity against transformers")
     run_file = optimized.get("prefill", "prefill.onnx")  # what the runtime runs
     parity = parity_stage.measure(tmp, run_file, reference, dims, torch_dtype, layout)
-    if not loaded_spec.verified and not options.quantize and not (kept and kept.nodes):
+    quantized = options.quantize or options.kv_dtype != "float"  # parity then measures the quantization too
+    if not loaded_spec.verified and not quantized and not (kept and kept.nodes):
         problem = parity_stage.failure(parity, options.dtype)
         if problem:
             raise UnsupportedArchitectureError(
@@ -494,6 +526,20 @@ def _compile_into(
     mf.write(manifest, tmp)
     stages.end()
     return manifest
+
+
+def _with_kv_dtype(loaded: load_stage.LoadedModel, kv_dtype: str) -> load_stage.LoadedModel:
+    """``loaded`` with its layout's KV in ``kv_dtype``; refused for a family with state layers
+    (their states stay float, and their KV path has no 8-bit variant yet)."""
+    layout = loaded.state_layout
+    if layout.has_state:
+        kinds = "/".join(sorted({e.kind for e in layout.states}))
+        raise ValueError(
+            f"--kv-dtype {kv_dtype} is not available for {loaded.spec.architecture}: its layers "
+            f"{[e.layer for e in layout.states]} keep a {kinds} state beside the KV cache, and the 8-bit KV "
+            "covers models whose every layer attends; compile it with --kv-dtype float"
+        )
+    return dataclasses.replace(loaded, layout=dataclasses.replace(layout, kv_dtype=kv_dtype))
 
 
 def _keep_gguf_blocks(
@@ -600,13 +646,25 @@ def _manifest(
         )
     attention = len(layout.attention)  # KV only for the layers that attend
     shape = contract.cache_shape(attention, options.max_batch, dims.num_kv_heads, options.max_seq, dims.head_dim)
-    itemsize = load_stage.DTYPES[options.dtype].itemsize
+    itemsize = 1 if layout.quantized_kv else load_stage.DTYPES[options.dtype].itemsize
     numel = 1
     for d in shape:
         numel *= d
+    kv_cache = {
+        "layout": "[layers, 2 (key, value), max_batch, kv_heads, max_seq, head_dim]",
+        "shape": list(shape),
+        "dtype": "int8" if layout.quantized_kv else options.dtype,
+        "bytes": numel * itemsize,
+        **({"layers": list(layout.attention)} if layout.has_state else {}),
+    }
+    if layout.quantized_kv:  # a float32 scale per cached row and head, beside the KV (schema 4)
+        scales = contract.scale_shape(attention, options.max_batch, dims.num_kv_heads, options.max_seq)
+        kv_cache["scale_shape"] = list(scales)
+        kv_cache["scale_dtype"] = contract.KV_SCALE_DTYPE
+        kv_cache["bytes"] += (numel // dims.head_dim) * 4
     tool_parser, reasoning_parser = chat_format.detect_artifact(tmp)  # from the copied tokenizer files
     return mf.Manifest(
-        schema_version=mf.SCHEMA_VERSION,
+        schema_version=mf.KV_INT8_SCHEMA if layout.quantized_kv else mf.SCHEMA_VERSION,
         kvforge_version=mf.kvforge_version(),
         created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         source={
@@ -629,13 +687,7 @@ def _manifest(
         dtype=options.dtype,
         limits=mf.Limits(options.max_batch, options.max_seq, options.max_prompt or options.max_seq),
         lowering=options.lowering,
-        kv_cache={
-            "layout": "[layers, 2 (key, value), max_batch, kv_heads, max_seq, head_dim]",
-            "shape": list(shape),
-            "dtype": options.dtype,
-            "bytes": numel * itemsize,
-            **({"layers": list(layout.attention)} if layout.has_state else {}),
-        },
+        kv_cache=kv_cache,
         state=[entry.to_dict() for entry in layout.states],
         graphs=graphs,
         weights=mf.FileRef(weights_file, hashes[weights_file], (tmp / weights_file).stat().st_size),

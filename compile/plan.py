@@ -105,6 +105,7 @@ class ModelShape:
     weights_source: str  # how weights_bytes was found
     kv_layers: int | None = None  # layers that keep KV (a hybrid artifact's); None: every layer
     state_row_bytes: int = 0  # one row's state tensors (a hybrid artifact's), bytes
+    kv_int8: bool = False  # an 8-bit KV artifact's (--kv-dtype int8): D int8 values + a float32 scale per row and head
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,8 @@ def model_shape_from_artifact(manifest: mf.Manifest, root: Path) -> ModelShape:
         intermediate = int(json.loads(config.read_text()).get("intermediate_size") or intermediate)
     engine = mf.engine_record(manifest)
     state = _state_fields(manifest.layout) if manifest.layout.has_state else {}
+    if manifest.layout.quantized_kv:
+        state["kv_int8"] = True
     if engine:
         return ModelShape(dims, intermediate, engine.plan_bytes, f"TensorRT plan {engine.plan_file}", **state)
     return ModelShape(
@@ -244,7 +247,10 @@ def make_plan(
     def need(batch: int, seq: int, prompt: int) -> tuple[int, int]:
         d, item = shape.dims, ITEMSIZE[dtype]
         layers = d.num_layers if shape.kv_layers is None else shape.kv_layers
-        kv = kv_cache_bytes(layers, batch, d.num_kv_heads, seq, d.head_dim, item) * (1 if aliased else 2)
+        if shape.kv_int8:  # int8 rows and their float32 scales
+            kv = kv_cache_bytes(layers, batch, d.num_kv_heads, seq, d.head_dim + 4, 1) * (1 if aliased else 2)
+        else:
+            kv = kv_cache_bytes(layers, batch, d.num_kv_heads, seq, d.head_dim, item) * (1 if aliased else 2)
         act = engine_activation_bytes
         if act is None:
             act = activation_bytes(

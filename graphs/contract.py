@@ -39,6 +39,16 @@ last position that gets logits: ``input_lengths - 1`` in prefill). The runtime b
 state input and its present output to the same buffer: every reader of the past state in the
 graph precedes the node that writes the present (the present is computed from it), so the update
 is in place.
+
+8-bit KV (``kvforge compile --kv-dtype int8``, :attr:`Layout.kv_dtype` "int8"). The KV allocation
+is ``[L_attn, 2, B_max, H_kv, S_max, D]`` int8, and a second allocation ``[L_attn, 2, B_max, H_kv,
+S_max]`` float32 (:func:`scale_shape`) holds one scale per cached row of each head: the row's
+values are ``int8 · scale``, ``scale = max|x| / 127`` over the row's ``D`` values (symmetric,
+per token and head; :func:`kvforge.graphs.reference.quantize_rows`). The graph quantizes the new
+rows it writes and dequantizes the rows it reads; each layer's scales are graph inputs
+``past_key_values.{l}.key_scale|value_scale`` ``[B, H_kv, S_max, 1]`` and outputs
+``present.{l}.key_scale|value_scale``, after every other past/present name (KV, then states,
+then scales), bound in place like the KV.
 """
 
 from __future__ import annotations
@@ -55,6 +65,9 @@ LOGITS = "logits"  # [B, V]: logits of each row's last real token ([B, S, V] sco
 # verify (schema 2): the traced general graph itself, logits at ``logit_indices``; prefill, decode and
 # speculative verification are all its cases, so the runtime's one session can serve them all.
 GRAPHS = ("prefill", "decode", "score", "verify")
+# --kv-dtype: "float" = the model's dtype; "int8" = int8 rows with a float32 scale per row and head
+KV_DTYPES = ("float", "int8")
+KV_SCALE_DTYPE = "float32"
 
 
 # State kinds: what each per-layer entry is. "attention" is KV; the others are not position-indexed.
@@ -114,6 +127,11 @@ class Layout:
 
     attention: tuple[int, ...]
     states: tuple[StateEntry, ...] = field(default=())
+    kv_dtype: str = "float"  # one of KV_DTYPES: "int8" adds the scale inputs/outputs (module docstring)
+
+    @property
+    def quantized_kv(self) -> bool:
+        return self.kv_dtype == "int8"
 
     @classmethod
     def all_attention(cls, num_layers: int) -> Layout:
@@ -162,6 +180,30 @@ def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
 
 
+def past_scale_name(layer: int, kind: str) -> str:
+    """``kind`` "key" or "value": the 8-bit KV's scale input of ``layer``."""
+    return f"past_key_values.{layer}.{kind}_scale"
+
+
+def present_scale_name(layer: int, kind: str) -> str:
+    return f"present.{layer}.{kind}_scale"
+
+
+def kv_scale_past_names(layers: int | Layout) -> list[str]:
+    """The 8-bit KV's scale inputs (layer a key, layer a value, ...); [] for a float KV cache."""
+    layout = _layout(layers)
+    if not layout.quantized_kv:
+        return []
+    return [past_scale_name(layer, kind) for layer in layout.attention for kind in ("key", "value")]
+
+
+def kv_scale_present_names(layers: int | Layout) -> list[str]:
+    layout = _layout(layers)
+    if not layout.quantized_kv:
+        return []
+    return [present_scale_name(layer, kind) for layer in layout.attention for kind in ("key", "value")]
+
+
 def kv_past_names(layers: int | Layout) -> list[str]:
     """Past KV input names in graph order: layer a key, layer a value, layer b key, ... over the
     attention layers (``layers``: a layer count, every layer attending, or a :class:`Layout`)."""
@@ -174,17 +216,18 @@ def kv_present_names(layers: int | Layout) -> list[str]:
 
 
 def past_names(layers: int | Layout) -> list[str]:
-    """Every past input in graph order: the attention layers' KV, then each state tensor."""
+    """Every past input in graph order: the attention layers' KV, then each state tensor, then
+    (8-bit KV) the KV scales."""
     layout = _layout(layers)
     states = [past_state_name(e.layer, t.part) for e, t in layout.state_tensors()]
-    return [*kv_past_names(layout), *states]
+    return [*kv_past_names(layout), *states, *kv_scale_past_names(layout)]
 
 
 def present_names(layers: int | Layout) -> list[str]:
     """Every present output, in the same order as :func:`past_names`."""
     layout = _layout(layers)
     states = [present_state_name(e.layer, t.part) for e, t in layout.state_tensors()]
-    return [*kv_present_names(layout), *states]
+    return [*kv_present_names(layout), *states, *kv_scale_present_names(layout)]
 
 
 def prefill_input_names(layers: int | Layout) -> list[str]:
@@ -220,3 +263,15 @@ def cache_shape(
 ) -> tuple[int, int, int, int, int, int]:
     """Shape of the one KV allocation: ``[L, 2, B_max, H_kv, S_max, D]``."""
     return (num_layers, 2, max_batch, num_kv_heads, max_seq, head_dim)
+
+
+def scale_shape(num_layers: int, max_batch: int, num_kv_heads: int, max_seq: int) -> tuple[int, int, int, int, int]:
+    """Shape of the 8-bit KV's scale allocation: ``[L, 2, B_max, H_kv, S_max]`` float32."""
+    return (num_layers, 2, max_batch, num_kv_heads, max_seq)
+
+
+def kv_row_bytes(layout: Layout, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes one position of one row takes in the KV cache, every attention layer's key and value
+    (scales included for 8-bit KV; ``dtype_bytes``: the model dtype's item size)."""
+    per_head = head_dim + 4 if layout.quantized_kv else head_dim * dtype_bytes
+    return len(layout.attention) * 2 * num_kv_heads * per_head

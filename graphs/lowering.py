@@ -28,6 +28,16 @@ head that attends no value, :func:`reference.attention`) reach the op as its ``s
 and ``exact`` spell such a layer out, concatenating the sink column before ``Softmax`` and slicing it
 off after (``Attention`` has no sinks); ``gqa`` passes them as ``GroupQueryAttention``'s ``head_sink``.
 
+8-bit KV (``--kv-dtype int8``): the layer's cache is int8 with a float32 scale per row and head
+(:mod:`kvforge.graphs.contract`), and the attention function calls ``kvforge::cached_attention_int8``
+instead: it quantizes the new key and value rows (:func:`reference.quantize_rows`), scatters codes
+and scales into their caches (``TensorScatter``, as above), and reads only the filled rows
+``[0, max(write_indices) + S)`` (``Slice``): ``onnx`` casts their codes to floats and folds the
+scales into the scores and the probabilities (:func:`_scaled_attention`: no dequantized copy of
+the cache); ``exact`` dequantizes them (``Cast``, ``Mul``) for its own attention. ``gqa`` has no
+int8 translation: ORT's ``GroupQueryAttention`` takes a float cache only, so compile refuses
+``--lowering gqa`` with int8 KV and defaults to ``onnx``.
+
 The op is functional (it returns new present tensors, it never mutates its inputs) because the
 exporter requires it; "in place" is a property of the runtime binding (past and present share a
 buffer), not of the graph.
@@ -79,6 +89,162 @@ def cached_attention(
 def _(query, key, value, past_key, past_value, write_indices, mask, scale, softcap, window, sinks=None):
     # Contiguous like the real op's outputs (empty_like would copy the strides of a transposed query)
     return query.new_empty(query.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
+
+
+@torch.library.custom_op("kvforge::cached_attention_int8", mutates_args=())
+def cached_attention_int8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    past_key_scale: torch.Tensor,
+    past_value_scale: torch.Tensor,
+    write_indices: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cached_attention` over an 8-bit cache: past_key/past_value ``[B, H_kv, S_max, D]``
+    int8, past_key_scale/past_value_scale ``[B, H_kv, S_max, 1]`` float32; key/value in the
+    model's dtype, quantized per row and head on write (:func:`reference.quantize_rows`), the
+    cache dequantized on read. Returns ``(output, present_key, present_value, present_key_scale,
+    present_value_scale)``."""
+    key_codes, key_scale = reference.quantize_rows(key)
+    value_codes, value_scale = reference.quantize_rows(value)
+    present_key = reference.update(past_key, key_codes, write_indices)
+    present_value = reference.update(past_value, value_codes, write_indices)
+    present_key_scale = reference.update(past_key_scale, key_scale, write_indices)
+    present_value_scale = reference.update(past_value_scale, value_scale, write_indices)
+    keys = reference.dequantize_rows(present_key, present_key_scale, query.dtype)
+    values = reference.dequantize_rows(present_value, present_value_scale, query.dtype)
+    output = reference.attention(query, keys, values, mask, scale, softcap, sinks)
+    return output, present_key, present_value, present_key_scale, present_value_scale
+
+
+@cached_attention_int8.register_fake
+def _(query, key, value, past_key, past_value, past_key_scale, past_value_scale, *args, **kwargs):
+    return (
+        query.new_empty(query.shape),
+        past_key.new_empty(past_key.shape),
+        past_value.new_empty(past_value.shape),
+        past_key_scale.new_empty(past_key_scale.shape),
+        past_value_scale.new_empty(past_value_scale.shape),
+    )
+
+
+def _int8_translation(exact: bool = False) -> Callable:
+    """``kvforge::cached_attention_int8`` in standard ops, for the ``onnx`` (``exact``: the
+    ``exact``) lowering: quantize (:func:`reference.quantize_rows`), ``TensorScatter`` the codes and
+    scales, dequantize the filled rows ``[0, T)``, ``T = max(write_indices) + S``, then the lowering's
+    attention on them."""
+    from onnxscript import ir, values
+
+    op = values.Opset("", 24)
+
+    def quantize(x, name: str):
+        xf = op.Cast(x, to=ir.DataType.FLOAT)
+        amax = op.ReduceMax(op.Abs(xf), op.Constant(value_ints=[-1]), keepdims=1)  # (B, H_kv, S, 1)
+        scale = _named(op.Div(amax, op.Constant(value_float=127.0)), f"attention/{name}/scale")
+        safe = op.Max(scale, op.Constant(value_float=reference.SCALE_FLOOR))
+        low, high = op.Constant(value_float=-127.0), op.Constant(value_float=127.0)
+        codes = _named(
+            op.Cast(op.Clip(op.Round(op.Div(xf, safe)), low, high), to=ir.DataType.INT8), f"attention/{name}/codes"
+        )
+        return codes, scale
+
+    def live_rows(codes, scale, live):
+        start, axis = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
+        return op.Slice(codes, start, live, axis), op.Slice(scale, start, live, axis)  # (B, H_kv, T, D|1)
+
+    def dequantize(codes, scale, like, name: str):
+        rows = op.Mul(op.Cast(codes, to=ir.DataType.FLOAT), scale)
+        return _named(op.CastLike(rows, like), f"attention/{name}/dequantized")
+
+    def cached_attention_int8_onnx(
+        query,
+        key,
+        value,
+        past_key,
+        past_value,
+        past_key_scale,
+        past_value_scale,
+        write_indices,
+        mask,
+        scale,
+        softcap,
+        window,
+        sinks=None,
+    ):
+        key_codes, key_scale = quantize(key, "key")
+        value_codes, value_scale = quantize(value, "value")
+        present_key = op.TensorScatter(past_key, key_codes, write_indices, axis=-2)
+        present_value = op.TensorScatter(past_value, value_codes, write_indices, axis=-2)
+        present_key_scale = op.TensorScatter(past_key_scale, key_scale, write_indices, axis=-2)
+        present_value_scale = op.TensorScatter(past_value_scale, value_scale, write_indices, axis=-2)
+        kv_heads = past_key.shape[1]  # static
+        live = op.Add(op.ReduceMax(write_indices, keepdims=1), op.Shape(query, start=2, end=3))  # (1,): T
+        key_codes, key_scale = live_rows(present_key, present_key_scale, live)  # (B, H_kv, T, D), (B, H_kv, T, 1)
+        value_codes, value_scale = live_rows(present_value, present_value_scale, live)
+        live_mask = op.Slice(mask, op.Constant(value_ints=[0]), live, op.Constant(value_ints=[3]))  # (B, 1, S, T)
+        if exact:
+            keys = dequantize(key_codes, key_scale, query, "key")  # (B, H_kv, T, D)
+            values = dequantize(value_codes, value_scale, query, "value")
+            output = _exact_attention(
+                op, query, keys, values, write_indices, live_mask, scale, softcap, kv_heads, sinks
+            )
+        else:
+            output = _scaled_attention(
+                op, query, key_codes, key_scale, value_codes, value_scale, live_mask, scale, softcap, kv_heads, sinks
+            )
+        return output, present_key, present_value, present_key_scale, present_value_scale
+
+    return cached_attention_int8_onnx
+
+
+def _scaled_attention(
+    op, query, key_codes, key_scale, value_codes, value_scale, mask, scale: float, softcap: float, kv_heads: int, sinks
+):
+    """:func:`_spelled_attention` over int8 rows whose scales are folded into the scores and the
+    probabilities instead of into the rows: ``q·(c_t·s_t) = s_t·(q·c_t)`` and
+    ``Σ p_t·(c_t·s_t) = Σ (p_t·s_t)·c_t``, so the only pass over the cache is the ``Cast`` of its
+    codes (after a ``Transpose`` of the int8 keys, a quarter of the bytes of a float transpose);
+    the scales multiply ``[.., T]`` vectors. key_codes/value_codes ``[B, H_kv, T, D]`` int8,
+    key_scale/value_scale ``[B, H_kv, T, 1]`` float32, mask ``[B, 1, S, T]``; output
+    ``[B, H_q, S, D]`` in the query's dtype."""
+    from onnxscript import ir
+
+    num_heads, head_dim = query.shape[1], query.shape[3]  # static ints
+    model_dtype = query.dtype
+    group_axis = op.Constant(value_ints=[2])
+    per_key = op.Constant(value_ints=[0, 0, 1, 1, -1])  # (B, H_kv, T, 1) -> (B, H_kv, 1, 1, T): a free reshape
+    grouped = op.Reshape(query, op.Constant(value_ints=[0, kv_heads, num_heads // kv_heads, -1, head_dim]))
+    grouped = _named(grouped, "attention/int8/group_query_heads")  # (B, H_kv, G, S, D)
+    keys_t = _named(op.Transpose(key_codes, perm=[0, 1, 3, 2]), "attention/int8/keys_transposed")  # (B, H_kv, D, T)
+    keys_t = _named(op.CastLike(op.Unsqueeze(keys_t, group_axis), query), "attention/int8/keys")  # (B, H_kv, 1, D, T)
+    values = _named(op.CastLike(op.Unsqueeze(value_codes, group_axis), query), "attention/int8/values")
+    scores = _named(op.MatMul(grouped, keys_t), "attention/int8/qk")  # (B, H_kv, G, S, T) in codes
+    key_scale = op.Mul(op.Reshape(key_scale, per_key), op.Constant(value_float=scale))  # (B, H_kv, 1, 1, T)
+    scores = _named(op.Mul(scores, op.CastLike(key_scale, query)), "attention/int8/scale")
+    if softcap > 0.0:
+        cap = op.CastLike(op.Constant(value_float=softcap), query)
+        scores = _named(op.Mul(op.Tanh(op.Div(scores, cap)), cap), "attention/int8/softcap")
+    if model_dtype != ir.DataType.FLOAT:  # transformers' softmax upcasts to float32
+        scores = _named(op.Cast(scores, to=ir.DataType.FLOAT), "attention/int8/softmax/upcast")
+    allowed = _named(op.Unsqueeze(mask, op.Constant(value_ints=[1])), "attention/int8/mask_per_group")
+    masked = _named(op.Where(allowed, scores, op.Constant(value_float=float("-inf"))), "attention/int8/mask")
+    if sinks is not None:
+        column = op.Reshape(sinks, op.Constant(value_ints=[1, kv_heads, num_heads // kv_heads, 1, 1]))
+        probs = _with_sinks(op, masked, column, "attention/int8")
+    else:
+        probs = _named(op.Softmax(masked, axis=-1), "attention/int8/softmax")
+    probs = _named(op.Mul(probs, op.Reshape(value_scale, per_key)), "attention/int8/value_scale")  # float32
+    if model_dtype != ir.DataType.FLOAT:
+        probs = _named(op.Cast(probs, to=model_dtype), "attention/int8/softmax/downcast")
+    output = _named(op.MatMul(probs, values), "attention/int8/pv")  # (B, H_kv, G, S, D)
+    return op.Reshape(output, op.Constant(value_ints=[0, num_heads, -1, head_dim]))  # (B, H_q, S, D)
 
 
 def _onnx_translation(exact: bool = False) -> Callable:
@@ -342,8 +508,13 @@ def translation_table(lowering: str) -> dict:
     """``custom_translation_table`` for ``torch.onnx.export`` under the given lowering."""
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; choose one of {', '.join(LOWERINGS)}")
-    translate = _gqa_translation() if lowering == "gqa" else _onnx_translation(exact=lowering == "exact")
-    return {torch.ops.kvforge.cached_attention.default: translate}
+    if lowering == "gqa":  # no int8 KV translation: GroupQueryAttention takes a float cache only
+        return {torch.ops.kvforge.cached_attention.default: _gqa_translation()}
+    exact = lowering == "exact"
+    return {
+        torch.ops.kvforge.cached_attention.default: _onnx_translation(exact=exact),
+        torch.ops.kvforge.cached_attention_int8.default: _int8_translation(exact=exact),
+    }
 
 
 @dataclass
@@ -360,6 +531,9 @@ class LayerCaches:
     seq_len: int
     present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # 8-bit KV: layer index -> (key_scale, value_scale) [B, H_kv, S_max, 1] float32; None: a float cache
+    scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    present_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
@@ -441,19 +615,39 @@ def kvforge_attention(
     repeats = past_key.shape[1] // key.shape[1]
     if repeats > 1:  # fewer KV heads than the cache's: each head repeated (query head h still reads its own)
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    output, present_key, present_value = cached_attention(
-        _pad_heads(query, width),
-        _pad_heads(key.to(past_key.dtype), width),
-        _pad_heads(value.to(past_value.dtype), width),
-        past_key,
-        past_value,
-        kvforge_caches.write_indices,
-        kvforge_caches.mask(int(sliding_window) if sliding_window else None),
-        scale,
-        float(softcap or 0.0),
-        int(sliding_window or 0),
-        s_aux,
-    )
+    mask = kvforge_caches.mask(int(sliding_window) if sliding_window else None)
+    if kvforge_caches.scales is not None:  # 8-bit KV: the new rows stay in the query's dtype until quantized
+        past_key_scale, past_value_scale = kvforge_caches.scales[layer]
+        output, present_key, present_value, key_scale, value_scale = cached_attention_int8(
+            _pad_heads(query, width),
+            _pad_heads(key.to(query.dtype), width),
+            _pad_heads(value.to(query.dtype), width),
+            past_key,
+            past_value,
+            past_key_scale,
+            past_value_scale,
+            kvforge_caches.write_indices,
+            mask,
+            scale,
+            float(softcap or 0.0),
+            int(sliding_window or 0),
+            s_aux,
+        )
+        kvforge_caches.present_scales[layer] = (key_scale, value_scale)
+    else:
+        output, present_key, present_value = cached_attention(
+            _pad_heads(query, width),
+            _pad_heads(key.to(past_key.dtype), width),
+            _pad_heads(value.to(past_value.dtype), width),
+            past_key,
+            past_value,
+            kvforge_caches.write_indices,
+            mask,
+            scale,
+            float(softcap or 0.0),
+            int(sliding_window or 0),
+            s_aux,
+        )
     kvforge_caches.present[layer] = (present_key, present_value)
     if value_dim != width:
         output = output[..., :value_dim]  # (B, H_q, S, D_v)

@@ -22,7 +22,12 @@ SCHEMA_VERSION = 3
 # ``state`` (the per-layer state entries of a hybrid family, kvforge.graphs.contract) and
 # ``kv_cache.layers`` (the layers that keep KV); a schema-1 or -2 artifact has neither and means
 # what it always meant: every layer attends.
-READABLE_SCHEMAS = (1, 2, 3)
+# 4: the 8-bit KV cache (kv_cache.dtype "int8", kv_cache.scale_shape / scale_dtype: a float32 scale
+# per cached row and head, graph inputs past_key_values.{l}.key_scale|value_scale); written only for
+# an artifact compiled with --kv-dtype int8 (a float-KV artifact stays schema 3), so a kvforge that
+# cannot bind the scales refuses it by its schema.
+KV_INT8_SCHEMA = 4
+READABLE_SCHEMAS = (1, 2, 3, 4)
 MANIFEST_FILE = "manifest.json"
 # How a model writes tool calls and reasoning (the server's parsers, kvforge.tools.serve.parsers):
 # chosen at compile time from the chat template and the special tokens (kvforge.compile.chat_format).
@@ -109,7 +114,13 @@ class Manifest:
         """Which layers keep KV (``kv_cache.layers``; every layer before schema 3) and which a state."""
         layers = self.kv_cache.get("layers")
         attention = tuple(layers) if layers is not None else tuple(range(self.model.num_layers))
-        return contract.Layout(attention, tuple(contract.StateEntry.from_dict(e) for e in self.state))
+        states = tuple(contract.StateEntry.from_dict(e) for e in self.state)
+        return contract.Layout(attention, states, kv_dtype=self.kv_dtype)
+
+    @property
+    def kv_dtype(self) -> str:
+        """ "int8" for an 8-bit KV cache (``--kv-dtype int8``), else "float" (the cache in ``dtype``)."""
+        return "int8" if self.kv_cache.get("dtype") == "int8" else "float"
 
     def to_json(self) -> str:
         return json.dumps({"format": "kvforge", **asdict(self)}, indent=2) + "\n"
@@ -208,7 +219,14 @@ def check_schema(data: dict[str, Any]) -> None:
     cache = data["kv_cache"]
     attention = _check_state(data, cache)
     shape = [len(attention), 2, limits["max_batch"], model["num_kv_heads"], limits["max_seq"], model["head_dim"]]
-    if cache.get("shape") != shape or cache.get("dtype") != dtype:
+    int8 = cache.get("dtype") == "int8" and data.get("schema_version", 0) >= KV_INT8_SCHEMA
+    if int8 and (cache.get("scale_shape") != shape[:-1] or cache.get("scale_dtype") != contract.KV_SCALE_DTYPE):
+        raise ArtifactError(
+            f"manifest is inconsistent: kv_cache.scale_shape is {cache.get('scale_shape')!r} "
+            f"{cache.get('scale_dtype')!r}, but the 8-bit KV cache {shape} needs {shape[:-1]} "
+            f"{contract.KV_SCALE_DTYPE}; the manifest was edited or corrupted: recompile the model"
+        )
+    if cache.get("shape") != shape or (cache.get("dtype") != dtype and not int8):
         raise ArtifactError(
             f"manifest is inconsistent: kv_cache is {cache.get('shape')!r} {cache.get('dtype')!r}, but the model's "
             f"dims and limits make {shape} {dtype}; the manifest was edited or corrupted: recompile the model"

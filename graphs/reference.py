@@ -44,6 +44,26 @@ def update(past: torch.Tensor, new: torch.Tensor, write_indices: torch.Tensor) -
     return present.scatter_(-2, index, new)
 
 
+# ---------------------------------------------------------------- 8-bit KV (contract: --kv-dtype int8)
+# The smallest scale the quantizer divides by: a row of zeros gets scale 0 and codes 0.
+SCALE_FLOOR = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each row (last axis) of ``x [..., D]``: returns
+    ``(codes [..., D] int8, scale [..., 1] float32)`` with ``scale = max|x| / 127`` and
+    ``codes = round(x / max(scale, SCALE_FLOOR))`` (half to even, as ONNX ``Round``), in float32."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0  # (..., 1)
+    codes = torch.round(xf / scale.clamp_min(SCALE_FLOOR)).clamp(-127, 127)
+    return codes.to(torch.int8), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes [..., D]`` int8 times ``scale [..., 1]`` float32, in ``dtype``."""
+    return (codes.float() * scale).to(dtype)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -52,6 +52,8 @@ class _CausalLMGraph(torch.nn.Module):
         self.model = model
         self.spec = spec
         self.layout = layout if layout is not None and layout.has_state else None  # None: every layer attends
+        # 8-bit KV: the pasts end with each layer's key and value scales (contract order)
+        self.kv_int8 = layout is not None and layout.quantized_kv
         self.final_softcap = spec.final_logit_softcap(model.config)
         self.logit_scale = spec.logit_scale(model.config)
 
@@ -67,10 +69,16 @@ class _CausalLMGraph(torch.nn.Module):
         ``[B]``: real new tokens per row, where a family's state is taken (state families only)."""
         if self.layout is not None:
             return self._run_with_state(input_ids, position_ids, write_indices, past, lengths)
+        scales = None
+        if self.kv_int8:  # past = KV of n layers, then their scales
+            n = len(past) // 4
+            past, rest = past[: 2 * n], past[2 * n :]
+            scales = {i: (rest[2 * i], rest[2 * i + 1]) for i in range(n)}
         caches = LayerCaches(
             past={i: (past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)},
             write_indices=write_indices,
             seq_len=input_ids.shape[1],
+            scales=scales,
         )
         decoder = decoder_of(self.model)
         with lowering.active(caches):  # the attention function reads the caches from this context
@@ -83,6 +91,8 @@ class _CausalLMGraph(torch.nn.Module):
                 use_cache=False,
             )
         presents = [t for layer in range(len(caches.past)) for t in caches.present[layer]]
+        if scales is not None:
+            presents += [t for layer in range(len(caches.past)) for t in caches.present_scales[layer]]
         return out.last_hidden_state, presents
 
     def _run_with_state(self, input_ids, position_ids, write_indices, past, lengths):

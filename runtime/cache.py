@@ -29,6 +29,12 @@ and its present output to the same view, so the graph updates a state in place, 
 valid at its row's length only: the KV block paths (:meth:`read_positions` and co.) carry KV,
 and the engine's export adds a row's ``states`` to a block that ends at the row's length
 (:mod:`kvforge.runtime.kv.transfer`).
+
+8-bit KV (``--kv-dtype int8``): ``buffer`` is int8 and ``scales`` one more allocation
+``[L, 2, B_max, H_kv, S_max]`` float32 (a scale per cached row and head,
+:mod:`kvforge.graphs.contract`); :meth:`views` adds each layer's ``[batch, H_kv, S_max, 1]`` scale
+views (a free reshape), bound in place like the KV, :meth:`copy_row` moves them with the rows, and
+:meth:`read_scales` / :meth:`write_scales` are the block paths' scale side.
 """
 
 from __future__ import annotations
@@ -50,6 +56,13 @@ class KVCache:
         if manifest.dtype not in NP_DTYPES:
             raise ArtifactError(f"the CPU runtime has no {manifest.dtype} buffers; recompile with --dtype float32")
         self.layout = manifest.layout
+        if self.layout.quantized_kv and shared:
+            raise ArtifactError(
+                "kv_shared=True lends KV rows to another process, and this artifact's KV cache is 8-bit with "
+                "per-row scales (--kv-dtype int8), which lent rows do not carry yet; load it without kv_shared"
+            )
+        self.model_dtype = np.dtype(NP_DTYPES[manifest.dtype])  # the activations' and logits' dtype
+        kv_dtype = np.int8 if self.layout.quantized_kv else self.model_dtype
         self.attention_layers = self.layout.attention  # the layers whose KV buffer[i] holds, in order
         self.shape = contract.cache_shape(
             len(self.attention_layers), limits.max_batch, m.num_kv_heads, limits.max_seq, m.head_dim
@@ -63,10 +76,15 @@ class KVCache:
         if shared:
             from kvforge.runtime.kv.lend import SharedCache
 
-            self.segment = SharedCache(self.shape, NP_DTYPES[manifest.dtype])
+            self.segment = SharedCache(self.shape, kv_dtype)
             self.buffer = self.segment.buffer
         else:
-            self.buffer = zeroed_pages(self.shape, NP_DTYPES[manifest.dtype])
+            self.buffer = zeroed_pages(self.shape, kv_dtype)
+        # 8-bit KV: [L, 2, B_max, H_kv, S_max] float32, a scale per cached row and head; None: float KV
+        self.scales: np.ndarray | None = None
+        if self.layout.quantized_kv:
+            scale_shape = contract.scale_shape(self.num_layers, limits.max_batch, m.num_kv_heads, limits.max_seq)
+            self.scales = zeroed_pages(scale_shape, np.float32)
         if shared and self.layout.has_state:
             raise ArtifactError(
                 "kv_shared=True lends KV rows to another process, and this artifact's layers also keep a "
@@ -85,7 +103,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.nbytes + self.state_nbytes
+        return self.buffer.nbytes + self.state_nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     @property
     def state_nbytes(self) -> int:
@@ -108,6 +126,10 @@ class KVCache:
             views[contract.past_value_name(layer)] = self.buffer[i, 1, first : first + batch]
         for name, state in self.states.items():  # [batch, *shape], contiguous rows
             views[name] = state[first : first + batch]
+        if self.scales is not None:  # [batch, H_kv, S_max, 1]: contiguous rows, a trailing unit axis
+            for i, layer in enumerate(self.attention_layers):
+                views[contract.past_scale_name(layer, "key")] = self.scales[i, 0, first : first + batch, ..., None]
+                views[contract.past_scale_name(layer, "value")] = self.scales[i, 1, first : first + batch, ..., None]
         return views
 
     def present_views(self, batch: int, first: int = 0) -> dict[str, np.ndarray]:
@@ -121,6 +143,8 @@ class KVCache:
         row ``src`` (valid at ``length``) moves to ``dst`` whole."""
         if needs_row_copy(src, dst, length, self.max_batch, self.max_seq):
             self.buffer[:, :, dst, :, :length] = self.buffer[:, :, src, :, :length]
+            if self.scales is not None:
+                self.scales[:, :, dst, :, :length] = self.scales[:, :, src, :, :length]
             for state in self.states.values():
                 state[dst] = state[src]
 
@@ -168,6 +192,19 @@ class KVCache:
                     piece = self.buffer[layer, kv, row, head, start:stop]
                     np.copyto(piece, data[layer, kv, head])
                     each(piece)
+
+    def read_scales(self, row: int, start: int, stop: int) -> np.ndarray | None:
+        """8-bit KV: the scales of positions ``[start, stop)`` of cache row ``row`` as a new
+        contiguous ``[L, 2, H_kv, stop - start]`` float32 array (a block's scales); None for a
+        float cache."""
+        if self.scales is None:
+            return None
+        return np.ascontiguousarray(self.scales[:, :, row, :, start:stop])
+
+    def write_scales(self, row: int, start: int, scales: np.ndarray) -> None:
+        """Write ``scales`` ``[L, 2, H_kv, n]`` into positions ``[start, start + n)`` of cache row
+        ``row`` (the inverse of :meth:`read_scales`)."""
+        self.scales[:, :, row, :, start : start + scales.shape[3]] = scales
 
     def close(self) -> None:
         """Unlink a shared buffer's segment (views mapped by other processes stay valid)."""

@@ -144,7 +144,8 @@ class StepEngine(KVTransfer):
         self._dec_pos = np.zeros(b, dtype=np.int64)
         self._dec_write = np.zeros(b, dtype=np.int64)
         self._dec_lengths = np.ones(b, dtype=np.int64)  # a decode step through the prefill graph
-        self._logits = np.zeros(b * vocab, dtype=self.cache.buffer.dtype)
+        # in the model's dtype: the cache's, except for an 8-bit KV cache (int8)
+        self._logits = np.zeros(b * vocab, dtype=getattr(self.cache, "model_dtype", self.cache.buffer.dtype))
         # The verify graph's one logit position per row: each row's last real token (prefill), 0 (decode).
         self._pre_picks = np.zeros(b, dtype=np.int64)
         self._dec_picks = np.zeros(b, dtype=np.int64)
@@ -268,6 +269,12 @@ class StepEngine(KVTransfer):
         manifest = mf.read(root, verify=verify)
         if manifest.layout.has_state:
             _check_state_options(manifest, device, kv_shared)
+        if manifest.layout.quantized_kv and (device != "cpu" or kv_shared):
+            raise ValueError(
+                f"{'kv_shared=True' if kv_shared else f'device={device!r}'}: this artifact's KV cache is 8-bit "
+                "with per-row scales (--kv-dtype int8), which only the CPU backend binds and lent rows do not carry "
+                "yet; load it with device='cpu' and without kv_shared, or recompile with --kv-dtype float"
+            )
         if spec is not None:
             setup.check_artifact(manifest, device, one_session)
         if device == "cuda":

@@ -200,7 +200,7 @@ class Session:
         with self.engine._lock:
             block = self.engine.export_kv(self.row, self._tokens[: self._cached], with_state=with_state)
         meta = {"kind": SESSION_KIND, "pending_tokens": self._tokens[self._cached :]}
-        return KVBlock(block.fingerprint, 0, block.token_ids, block.data, meta, block.state).save(path)
+        return KVBlock(block.fingerprint, 0, block.token_ids, block.data, meta, block.state, block.scales).save(path)
 
     def restore(self, path: str | Path) -> None:
         """Replace the conversation with the one :meth:`save` wrote to ``path`` (its KV imported

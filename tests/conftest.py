@@ -51,6 +51,17 @@ def llama_onnx_artifact(llama_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_int8_artifact(llama_dir, tmp_path_factory) -> Path:
+    """The same model with an 8-bit KV cache (``--kv-dtype int8``: the onnx lowering); its float twin
+    is ``llama_onnx_artifact``."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "llama-int8"
+    compile_model(llama_dir, out, max_batch=4, max_seq=96, kv_dtype="int8", progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def gemma2_onnx_artifact(tmp_path_factory) -> Path:
     """The tiny Gemma-2 of tests/families.py (attention soft-cap 5.0, 2 layers) under the onnx
     lowering; graphs only: no score graph, no ORT-optimized copies."""

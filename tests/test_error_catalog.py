@@ -968,6 +968,49 @@ def _(c):
     return raised(lambda: c.engine.session(restore=path), KVBlockError)
 
 
+@trigger("kv-block-kv-dtype")
+def _(c, kvint8):
+    with Engine.load(kvint8, threads=1, prefix_cache=0) as engine:
+        return raised(lambda: engine.import_kv(_block(c), 0), KVBlockError)
+
+
+@trigger("kv-int8-export-out")
+def _(c, kvint8):
+    with Engine.load(kvint8, threads=1, prefix_cache=0) as engine:
+        engine.prefill([[1, 2, 3]])
+        return raised(lambda: engine.export_kv(0, [1, 2, 3], view=True))
+
+
+@trigger("kv-int8-handoff-scales")
+def _(c, kvint8):
+    from kvforge.runtime.kv.handoff import Handoff
+
+    with Engine.load(kvint8, threads=1, prefix_cache=0) as engine, engine.scheduler() as sched:
+        handoff = sched.submit([1, 2, 3], 4, hand_off=True).result(timeout=60).handoff
+    return raised(lambda: Handoff.from_parts(handoff.header(), handoff.block.data), KVBlockError)
+
+
+@trigger("kv-int8-load")
+def _(c, kvint8):
+    return raised(lambda: Engine.load(kvint8, kv_shared=True))
+
+
+@trigger("kv-dtype-target")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "kv8", kv_dtype="int8", target="cuda", progress=None))
+
+
+@trigger("kv-dtype-gqa")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "kv8", kv_dtype="int8", lowering="gqa", progress=None))
+
+
+@trigger("kv-dtype-state")
+def _(c, lfm2):
+    source = mf.read(lfm2, verify=False).source["path"]
+    return raised(lambda: compile_model(source, c.tmp / "kv8", kv_dtype="int8", max_seq=64, progress=None))
+
+
 @trigger("prefix-cache-size")
 def _(c):
     return raised(lambda: Engine.load(c.artifact, prefix_cache="lots"))
@@ -1044,6 +1087,8 @@ def test_documented_message_is_printed(row_id, ctx, request, monkeypatch):
         kwargs["monkeypatch"] = monkeypatch
     if "lfm2" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
         kwargs["lfm2"] = request.getfixturevalue("lfm2_artifact")  # a hybrid artifact (state layers)
+    if "kvint8" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
+        kwargs["kvint8"] = request.getfixturevalue("llama_int8_artifact")  # an 8-bit KV artifact
     message = fn(ctx, **kwargs)
     assert message, f"{row_id}: no message"
     at = 0

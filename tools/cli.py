@@ -107,6 +107,14 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         "--no-quantize-lm-head (docs/performance.md weighs each one's perplexity against its decode step)",
     )
     p.add_argument(
+        "--kv-dtype",
+        choices=["float", "int8"],
+        default="float",
+        help="KV cache precision: float (default, --dtype) or int8 (a float32 scale per cached row and "
+        "head: ~1/4 of float32's KV bytes; CPU target, onnx/exact lowering, onnx by default; "
+        "docs/performance.md measures it)",
+    )
+    p.add_argument(
         "--no-optimize",
         dest="optimize",
         action="store_false",
@@ -171,6 +179,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         symmetric=args.symmetric,
         quantize_lm_head=args.quantize_lm_head,
         lm_head=args.lm_head,
+        kv_dtype=args.kv_dtype,
         progress=None if args.quiet else stderr_progress,
     )
     parity = manifest.parity

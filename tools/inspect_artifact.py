@@ -358,7 +358,9 @@ def format_report(result: dict[str, Any]) -> str:
             f"  model: {d['architecture']} ({d['model_type']}), {d['num_layers']} layers, hidden {d['hidden_size']}, "
             f"{d['num_heads']} heads / {d['num_kv_heads']} KV heads, head_dim {d['head_dim']}, vocab {d['vocab_size']}",
             f"  dtype {m['dtype']}, lowering {m['lowering']}, max_batch {lim['max_batch']}, max_seq {lim['max_seq']}; "
-            f"KV cache {kv.get('shape')} = {_size(kv.get('bytes', 0))}",
+            f"KV cache {kv.get('shape')} {kv.get('dtype')}"
+            + (f" + scales {kv.get('scale_shape')} {kv.get('scale_dtype')}" if kv.get("dtype") == "int8" else "")
+            + f" = {_size(kv.get('bytes', 0))}",
             *_state_lines(m.get("state") or [], lim["max_batch"]),
             f"  compiled by kvforge {m['kvforge_version']} at {m['created_utc']} from {m['source_path']}",
             "  versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),

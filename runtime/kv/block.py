@@ -17,6 +17,11 @@ row's ``[*shape]`` in its own dtype), since a state is valid at exactly one posi
 without ``state`` restores KV only: on a hybrid it can only be followed by one that carries the
 state at the row's end (the prefix pool's chain of whole blocks, then a snapshot).
 
+8-bit KV (``--kv-dtype int8``): ``data`` is int8 and ``scales`` ``[L, 2, H_kv, n]`` float32 holds
+each position's scale per layer, key/value and head (None for a float cache); the fingerprint then
+has ``kv_dtype`` "int8", and an engine refuses a block of the other KV dtype. Saved as format
+version 2 (the scales follow the data); a float block without state is still version 1.
+
 Header. ``fingerprint`` (:func:`fingerprint`: the source model's config and weights hashes, the
 dtype, layers, KV heads, head size and attention lowering, and on a hybrid its layout: which
 layers attend and each state tensor's layer, kind, shape and dtype: what makes two artifacts'
@@ -27,7 +32,8 @@ there); version 2 adds ``state``: each state tensor's name, shape and dtype, in 
 File (``save``/``load``)::
 
     b"KVFBLOCK"  u32 version  u64 header length  header (UTF-8 JSON)  data (n·L·2·H_kv·D values)
-    [version 2: each state tensor's values, in the header's order]
+    [version 2: 8-bit KV's scales (n·L·2·H_kv float32), then each state tensor's values, in the
+    header's order]
     sha256 of everything before it (32 bytes)
 
 A block without state is written as version 1 (readable by a kvforge without state support),
@@ -52,7 +58,7 @@ from kvforge.graphs.contract import past_state_name
 from kvforge.graphs.manifest import Manifest
 
 MAGIC = b"KVFBLOCK"
-VERSION = 2  # 2: a block may carry its row's state (a hybrid); a block without state is written as 1
+VERSION = 2  # 2: a block may carry 8-bit KV's scales or its row's state; a block with neither is written as 1
 VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
 _DIGEST = 32  # sha256
@@ -81,6 +87,8 @@ def fingerprint(manifest: Manifest) -> dict[str, Any]:
     if layout.has_state:  # a hybrid: which layers' KV a block holds, and the state it carries
         found["attention_layers"] = list(layout.attention)
         found["state"] = [entry.to_dict() for entry in layout.states]
+    if manifest.kv_dtype != "float":  # absent for a float cache: blocks saved before 8-bit KV still match
+        found["kv_dtype"] = manifest.kv_dtype
     return found
 
 
@@ -106,6 +114,7 @@ class KVBlock:
     data: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
     state: dict[str, np.ndarray] | None = None
+    scales: np.ndarray | None = None  # 8-bit KV: [L, 2, H_kv, n] float32; None: a float cache's block
 
     def __post_init__(self) -> None:
         if self.data.ndim != 5 or self.data.shape[1] != 2 or self.data.shape[3] != len(self.token_ids):
@@ -113,6 +122,16 @@ class KVBlock:
                 f"KV data of shape {self.data.shape} does not hold {len(self.token_ids)} positions "
                 "as [L, 2, H_kv, n, D]"
             )
+        if self.scales is not None and self.scales.shape != self.data.shape[:4]:
+            raise KVBlockError(
+                f"KV scales of shape {self.scales.shape} do not match the data's {self.data.shape[:4]} "
+                "([L, 2, H_kv, n])"
+            )
+
+    @property
+    def kv_dtype(self) -> str:
+        """ "int8" for a block of an 8-bit KV cache (it has scales), else "float"."""
+        return "float" if self.scales is None else "int8"
 
     @property
     def n(self) -> int:
@@ -125,8 +144,8 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of KV data and state."""
-        return self.data.nbytes + self.state_nbytes
+        """Bytes of KV data, scales and state."""
+        return self.data.nbytes + self.state_nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     @property
     def state_nbytes(self) -> int:
@@ -140,7 +159,10 @@ class KVBlock:
             raise ValueError(f"positions [{start}, {stop}) are not inside this block's [{self.start}, {self.stop})")
         a, b = start - self.start, stop - self.start
         state = self.state if stop == self.stop else None
-        return KVBlock(self.fingerprint, start, self.token_ids[a:b], self.data[:, :, :, a:b], dict(self.meta), state)
+        scales = None if self.scales is None else self.scales[:, :, :, a:b]
+        return KVBlock(
+            self.fingerprint, start, self.token_ids[a:b], self.data[:, :, :, a:b], dict(self.meta), state, scales
+        )
 
     def check_state(self, expected: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
         """Refuse (KVBlockError) a block whose state tensors are not ``expected`` (the engine's
@@ -185,19 +207,21 @@ class KVBlock:
             "token_ids": [int(t) for t in self.token_ids],
             "meta": self.meta,
         }
-        states = []
+        parts = [memoryview(np.ascontiguousarray(self.data)).cast("B")]
+        if self.scales is not None:
+            header["scales"] = {"shape": list(self.scales.shape), "dtype": "float32"}
+            parts.append(memoryview(np.ascontiguousarray(self.scales, dtype=np.float32)).cast("B"))
         if self.state is not None:
             header["state"] = [
                 {"name": k, "shape": list(a.shape), "dtype": a.dtype.name} for k, a in self.state.items()
             ]
-            states = [memoryview(np.ascontiguousarray(a)).cast("B") for a in self.state.values()]
-        version = VERSION if self.state is not None else 1
+            parts += [memoryview(np.ascontiguousarray(a)).cast("B") for a in self.state.values()]
+        version = VERSION if self.state is not None or self.scales is not None else 1
         head = json.dumps(header, separators=(",", ":")).encode()
-        data = np.ascontiguousarray(self.data)
         digest = hashlib.sha256()
         path = Path(path)
         with path.open("wb") as f:
-            for part in (_PREFIX.pack(MAGIC, version, len(head)), head, memoryview(data).cast("B"), *states):
+            for part in (_PREFIX.pack(MAGIC, version, len(head)), head, *parts):
                 digest.update(part)
                 f.write(part)
             f.write(digest.digest())
@@ -230,19 +254,28 @@ class KVBlock:
         payload = memoryview(raw)[_PREFIX.size + head_len : body]
         specs = [(s["name"], tuple(s["shape"]), np.dtype(DTYPES[s["dtype"]])) for s in header.get("state", [])]
         kv_bytes = int(np.prod(shape)) * dtype.itemsize
+        scale_shape = tuple(header["scales"]["shape"]) if "scales" in header else None
+        scale_bytes = 0 if scale_shape is None else int(np.prod(scale_shape)) * 4
         sizes = [int(np.prod(s)) * d.itemsize for _, s, d in specs]
-        if len(payload) != kv_bytes + sum(sizes):
+        if len(payload) != kv_bytes + scale_bytes + sum(sizes):
             raise KVBlockError(
-                f"{where}: {len(payload)} bytes of KV data and state, the header's shapes need {kv_bytes + sum(sizes)}"
+                f"{where}: {len(payload)} bytes of KV data, scales and state, the header's shapes need "
+                f"{kv_bytes + scale_bytes + sum(sizes)}"
             )
         data = np.frombuffer(payload[:kv_bytes], dtype=dtype).reshape(shape)
-        state, at = None, kv_bytes
+        at = kv_bytes
+        scales = None
+        if scale_shape is not None:
+            scales = np.frombuffer(payload[at : at + scale_bytes], dtype=np.float32).reshape(scale_shape)
+            at += scale_bytes
+        state = None
         if "state" in header:
             state = {}
             for (name, s, d), size in zip(specs, sizes):
                 state[name] = np.frombuffer(payload[at : at + size], dtype=d).reshape(s)
                 at += size
-        return cls(header["fingerprint"], int(header["start"]), tuple(header["token_ids"]), data, header["meta"], state)
+        token_ids = tuple(header["token_ids"])
+        return cls(header["fingerprint"], int(header["start"]), token_ids, data, header["meta"], state, scales)
 
 
 def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:

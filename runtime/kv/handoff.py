@@ -92,16 +92,23 @@ class Handoff:
                 "state": None
                 if self.block.state is None
                 else [{"name": k, "shape": list(a.shape), "dtype": a.dtype.name} for k, a in self.block.state.items()],
+                # 8-bit KV: the block's scales travel beside its data (from_parts' scales)
+                **({"scales_shape": list(self.block.scales.shape)} if self.block.scales is not None else {}),
             },
         }
 
     @classmethod
     def from_parts(
-        cls, header: Mapping[str, Any], data: np.ndarray, state: Mapping[str, np.ndarray] | None = None
+        cls,
+        header: Mapping[str, Any],
+        data: np.ndarray,
+        state: Mapping[str, np.ndarray] | None = None,
+        scales: np.ndarray | None = None,
     ) -> Handoff:
-        """The hand-off of ``header`` (from :meth:`header`) with ``data`` as its block's data and
-        ``state`` as its state (kept as is: a view stays a view). KVBlockError when the header is
-        not one this kvforge reads, or ``data`` or ``state`` are not the arrays it describes."""
+        """The hand-off of ``header`` (from :meth:`header`) with ``data`` as its block's data,
+        ``state`` as its state (kept as is: a view stays a view), and ``scales`` its scales when the
+        KV is 8-bit. KVBlockError when the header is not one this kvforge reads, or ``data``,
+        ``state`` or ``scales`` are not the arrays it describes."""
         if not isinstance(header, Mapping) or header.get("version") != HEADER_VERSION:
             got = header.get("version") if isinstance(header, Mapping) else type(header).__name__
             raise KVBlockError(
@@ -122,10 +129,19 @@ class Handoff:
                 f"the hand-off's state is {got}, its header says {b.get('state')}: the state does not belong to "
                 "this header"
             )
+        want = b.get("scales_shape")
+        if (want is None) != (scales is None) or (scales is not None and tuple(scales.shape) != tuple(want)):
+            raise KVBlockError(
+                f"the hand-off's header says its KV scales are {want!r} (8-bit KV: [L, 2, H_kv, n] float32; None: a "
+                f"float cache), the scales given are {None if scales is None else tuple(scales.shape)!r}: pass the "
+                "block's scales with its data (a transport that moves the data only cannot carry 8-bit KV yet)"
+            )
         prompt = [int(t) for t in header["prompt_ids"]]
         start = int(b["start"])
         ids = tuple(prompt[start : start + data.shape[3]])
-        block = KVBlock(b["fingerprint"], start, ids, data, dict(b["meta"]), None if state is None else dict(state))
+        block = KVBlock(
+            b["fingerprint"], start, ids, data, dict(b["meta"]), None if state is None else dict(state), scales
+        )
         lp = header["first_logprobs"]
         first_lp = (
             None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), [(int(t), float(v)) for t, v in lp[2]])

@@ -32,10 +32,13 @@ class KVTransfer:
 
     def kv_nbytes(self, positions: int) -> int:
         """Bytes of a :class:`KVBlock` of ``positions`` positions (``L × 2 × H_kv × n × D`` values,
-        ``L`` the layers that attend) with, on a hybrid, the row's state it may carry."""
+        ``L`` the layers that attend; an 8-bit cache's block also holds ``L × 2 × H_kv × n`` float32
+        scales) with, on a hybrid, the row's state it may carry."""
         m = self.manifest.model
         layers = len(self.manifest.layout.attention)
         kv = layers * 2 * m.num_kv_heads * int(positions) * m.head_dim * self.cache.buffer.dtype.itemsize
+        if getattr(self.cache, "scales", None) is not None:
+            kv += layers * 2 * m.num_kv_heads * int(positions) * 4
         return kv + self.manifest.layout.state_row_bytes()
 
     def _kv_shape(self, positions: int) -> tuple[int, ...]:
@@ -70,6 +73,13 @@ class KVTransfer:
         states = getattr(self.cache, "states", {})
         if view and states:
             raise ValueError("export_kv(view=True) lends KV positions only; this artifact's rows also keep a state")
+        scaled = getattr(self.cache, "scales", None) is not None
+        if scaled and (out is not None or view):
+            raise ValueError(
+                "export_kv: this artifact's KV cache is 8-bit with per-row scales (--kv-dtype int8), and an export "
+                "into caller memory (out=) or as a view of the row (view=True: shared-memory hand-offs, lent rows) "
+                "does not carry the scales yet; export by copy (neither), or recompile with --kv-dtype float"
+            )
         nbytes = self.kv_nbytes(len(ids))
         if out is not None:
             if memoryview(out).nbytes < nbytes or memoryview(out).readonly:
@@ -112,13 +122,24 @@ class KVTransfer:
                         at += piece.nbytes
                     if digest is not None:
                         digest.update(state[name])
-        return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data, state=state)
+            scales = self.cache.read_scales(row, start, stop) if scaled else None
+            if scales is not None and digest is not None:
+                digest.update(scales)  # after the data: what import_kv's checksum reads in the same order
+        return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data, state=state, scales=scales)
 
     def check_kv(self, block: KVBlock, state_follows: bool = False) -> None:
         """Raise :class:`~kvforge.runtime.kv.KVBlockError` when ``block`` cannot be imported into
         this engine's cache: another artifact or dtype, a state of another layout, longer than a
         row, or (a hybrid's) a block of KV without the state of its end position, unless
         ``state_follows`` (see the module docstring)."""
+        ours = self.manifest.kv_dtype
+        if block.kv_dtype != ours or block.fingerprint.get("kv_dtype", "float") != ours:
+            theirs = "8-bit (int8 with per-row scales)" if block.kv_dtype == "int8" else "float"
+            raise KVBlockError(
+                f"this KV block holds {theirs} KV, and this artifact's KV cache is "
+                f"{'8-bit (--kv-dtype int8)' if ours == 'int8' else 'float (--kv-dtype float)'}: a block is "
+                "imported only into an engine of the same compiled model and KV dtype; prefill the tokens instead"
+            )
         block.check_compatible(self.kv_fingerprint)
         want = self._kv_shape(block.n)
         if block.data.shape != want or block.data.dtype != self.cache.buffer.dtype:
@@ -163,6 +184,10 @@ class KVTransfer:
                     f"[0, {int(self.lengths[row])}): import the blocks before it first"
                 )
             self.cache.write_positions(row, block.start, block.data, each=None if digest is None else digest.update)
+            if block.scales is not None:
+                self.cache.write_scales(row, block.start, block.scales)
+                if digest is not None:
+                    digest.update(block.scales)
             if digest is not None:
                 for value in (block.state or {}).values():  # hashed before it is copied: a mismatch writes none
                     digest.update(value)
