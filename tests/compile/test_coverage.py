@@ -29,7 +29,7 @@ def test_the_sample_gives_each_family_its_expected_result(coverage, tmp_path):
         assert phrase in detail, f"{model_type}: {detail!r} does not say {phrase!r}"
     doc = coverage.markdown(results, "python benchmarks/coverage.py --sample", {"transformers": "x"}, 1.0)
     assert "| token-exact | 5 |" in doc and "| refused | 2 |" in doc and "| **total** | 8 |" in doc
-    assert "| mamba | MambaForCausalLM | refused: " in doc
+    assert "| rwkv | RwkvForCausalLM | refused: " in doc
 
 
 def test_tiny_configs_keep_one_layer_of_each_type(coverage):
