@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 KEY = "test-key"  # the API key of the test servers (tests/tools/test_serve.py's ``running``)
@@ -150,3 +151,50 @@ def check_state_features(artifact, prompt: list[int], turn: list[int], new: int 
     assert (a.token_ids, b.token_ids) == (first.token_ids, second.token_ids)
     assert a.drafted_tokens > 0, "the continuation in the lead prompt should have been drafted"
     assert b.cached_tokens >= len(lead) + len(first.token_ids) - 1, b.cached_tokens
+
+
+# ------------------------------------------------------------------ checks every stateful family runs
+
+
+def check_chunked_prefill(engine, prompt: list[int], cuts, label: str = "") -> None:
+    """``prompt`` prefilled in the chunks each of ``cuts`` ends at (a cut is the chunks' stop
+    positions, the last one ``len(prompt)``) gives the logits of one prefill, within 1e-5 and the
+    same argmax, and the decode step after it the same logits: the state (and KV) a chunk leaves is
+    the one the next chunk continues from."""
+    whole = engine.prefill([prompt])[0].copy()
+    after_whole = engine.decode([5])[0].copy()
+    for cut in cuts:
+        start = 0
+        for stop in cut:
+            logits = engine.prefill([prompt[start:stop]], start=[start])[0].copy()
+            start = stop
+        np.testing.assert_array_equal(logits.argmax(), whole.argmax())
+        assert_close(logits, whole, 1e-5, 1e-5, f"{label}chunks {cut}")
+        assert_close(engine.decode([5])[0], after_whole, 1e-5, 1e-5, f"{label}decode after chunks {cut}")
+
+
+def check_greedy_at_both_ends_of_max_seq(engine, reference, label: str = "") -> None:
+    """Greedy output equals transformers' for a 1-token prompt run to the row's last position and
+    for a prompt as long as the row (one token, finish reason "length")."""
+    max_seq = engine.max_seq
+    [short] = engine.generate([[9]], max_new_tokens=max_seq - 1)
+    assert short.token_ids == hf_greedy(reference, [9], max_seq - 1), label
+    full = [(7 * i + 3) % 256 for i in range(max_seq)]
+    [last] = engine.generate([full], max_new_tokens=4)
+    assert last.token_ids == hf_greedy(reference, full, 1) and last.finish_reason == "length", label
+
+
+def check_in_flight_batching(engine, reference, prompts, new, prefill_chunk: int = 4, label: str = "") -> None:
+    """More requests than rows through the scheduler, long prompts prefilled in chunks of
+    ``prefill_chunk`` beside decoding rows, queued requests taking finished rows (whose state and
+    KV are compacted with them): each request gets transformers' greedy tokens."""
+    expected = [hf_greedy(reference, p, n) for p, n in zip(prompts, new)]
+    engine.prefill_chunk = prefill_chunk
+    try:
+        with engine.scheduler() as sched:
+            handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(prompts, new)]
+            results = [h.result(timeout=120) for h in handles]
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    for i, (result, tokens) in enumerate(zip(results, expected)):
+        assert result.token_ids == tokens, f"{label}request {i}"

@@ -11,7 +11,6 @@ cache (a chat's next turn resuming from a state snapshot) give the tokens of a p
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -19,7 +18,14 @@ import transformers
 
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
-from tests.helpers import assert_close, check_state_features, hf_greedy
+from tests.helpers import (
+    assert_close,
+    check_chunked_prefill,
+    check_greedy_at_both_ends_of_max_seq,
+    check_in_flight_batching,
+    check_state_features,
+    hf_greedy,
+)
 
 ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64], [7, 5, 9, 250, 31], [11, 2], [40, 41, 42, 43, 44, 45]]
@@ -69,40 +75,18 @@ def test_prefill_and_decode_logits_match_transformers(engine, reference):
 
 
 def test_chunked_prefill_equals_one_shot_prefill(engine):
-    whole = engine.prefill([LONG])[0].copy()
-    after_whole = engine.decode([5])[0].copy()
-    for cut in ((1, 70), (30, 64, 70), (65, 70), (3, 4, 70)):  # chunks on, across and past a 64-token chunk
-        start = 0
-        for stop in cut:
-            logits = engine.prefill([LONG[start:stop]], start=[start])[0].copy()
-            start = stop
-        np.testing.assert_array_equal(logits.argmax(), whole.argmax())
-        assert_close(logits, whole, 1e-5, 1e-5, f"chunks {cut}")
-        assert_close(engine.decode([5])[0], after_whole, 1e-5, 1e-5, f"decode after chunks {cut}")
+    # chunks on, across and past a 64-token chunk of the delta rule
+    check_chunked_prefill(engine, LONG, ((1, 70), (30, 64, 70), (65, 70), (3, 4, 70)))
 
 
 def test_greedy_equals_transformers_at_both_ends_of_max_seq(engine, reference):
-    max_seq = engine.max_seq
-    [short] = engine.generate([[9]], max_new_tokens=max_seq - 1)  # fills the row to its last position
-    assert short.token_ids == hf_greedy(reference, [9], max_seq - 1)
-    full = [(7 * i + 3) % 256 for i in range(max_seq)]  # a prompt as long as the row: one token
-    [last] = engine.generate([full], max_new_tokens=4)
-    assert last.token_ids == hf_greedy(reference, full, 1) and last.finish_reason == "length"
+    check_greedy_at_both_ends_of_max_seq(engine, reference)
 
 
 def test_ragged_batches_and_in_flight_batching_give_each_request_its_solo_result(engine, reference):
-    expected = [hf_greedy(reference, p, n) for p, n in zip(PROMPTS, NEW)]
     batch = engine.generate([LONG, PROMPTS[1]], max_new_tokens=8)  # ragged: 70 and 5 tokens, one prefill
     assert [r.token_ids for r in batch] == [hf_greedy(reference, LONG, 8), hf_greedy(reference, PROMPTS[1], 8)]
-    engine.prefill_chunk = 4  # long prompts are prefilled in chunks beside decoding rows
-    try:
-        with engine.scheduler() as sched:  # 4 requests on 2 rows: queued ones take finished rows
-            handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
-            results = [h.result(timeout=120) for h in handles]
-    finally:
-        engine.prefill_chunk = engine.manifest.limits.max_prompt
-    for i, (result, tokens) in enumerate(zip(results, expected)):
-        assert result.token_ids == tokens, f"request {i}"
+    check_in_flight_batching(engine, reference, PROMPTS, NEW)
 
 
 def test_drafting_and_the_prefix_cache_give_plain_tokens(qwen35_artifact):

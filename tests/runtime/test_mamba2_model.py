@@ -12,7 +12,6 @@ Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_famili
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -21,7 +20,14 @@ import transformers
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from tests import families
-from tests.helpers import assert_close, check_state_features, hf_greedy
+from tests.helpers import (
+    assert_close,
+    check_chunked_prefill,
+    check_greedy_at_both_ends_of_max_seq,
+    check_in_flight_batching,
+    check_state_features,
+    hf_greedy,
+)
 
 ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64, 5, 88, 23, 41, 9, 200, 7], [7, 5, 9, 250, 31]]
@@ -98,41 +104,19 @@ def test_logits_and_greedy_tokens_equal_transformers_for_a_ragged_batch(family):
 
 def test_chunked_prefill_equals_one_shot_prefill(family):
     case, engine, _ = family
-    prompt = PROMPTS[0]
-    whole = engine.prefill([prompt])[0].copy()
-    after_whole = engine.decode([5])[0].copy()
-    for cut in ((1, 19), (3, 11, 19), (9, 10, 19)):  # chunks shorter and longer than chunk_size 8
-        start = 0
-        for stop in cut:
-            logits = engine.prefill([prompt[start:stop]], start=[start])[0].copy()
-            start = stop
-        np.testing.assert_array_equal(logits.argmax(), whole.argmax())
-        assert_close(logits, whole, 1e-5, 1e-5, f"{case}: chunks {cut}")
-        assert_close(engine.decode([5])[0], after_whole, 1e-5, 1e-5, f"{case}: decode after chunks {cut}")
+    # chunks shorter and longer than chunk_size 8
+    check_chunked_prefill(engine, PROMPTS[0], ((1, 19), (3, 11, 19), (9, 10, 19)), f"{case}: ")
 
 
 def test_greedy_equals_transformers_at_both_ends_of_max_seq(family):
     case, engine, reference = family
-    [short] = engine.generate([[9]], max_new_tokens=MAX_SEQ - 1)  # fills the row to its last position
-    assert short.token_ids == hf_greedy(reference, [9], MAX_SEQ - 1), case
-    full = [(7 * i + 3) % 256 for i in range(MAX_SEQ)]  # a prompt as long as the row: one token
-    [last] = engine.generate([full], max_new_tokens=4)
-    assert last.token_ids == hf_greedy(reference, full, 1) and last.finish_reason == "length", case
+    check_greedy_at_both_ends_of_max_seq(engine, reference, case)
 
 
 def test_in_flight_batching_moves_states_with_their_rows(family):
     case, engine, reference = family
     prompts = [PROMPTS[0], PROMPTS[1], [11, 2], [40, 41, 42, 43, 44, 45, 46]]
-    new = [12, 5, 14, 8]
-    expected = [hf_greedy(reference, p, n) for p, n in zip(prompts, new)]
-    engine.prefill_chunk = 6  # long prompts are prefilled in chunks beside decoding rows
-    try:
-        with engine.scheduler() as sched:  # 4 requests on 2 rows: queued ones take finished rows
-            handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(prompts, new)]
-            results = [h.result(timeout=120) for h in handles]
-    finally:
-        engine.prefill_chunk = engine.manifest.limits.max_prompt
-    assert [r.token_ids for r in results] == expected, case
+    check_in_flight_batching(engine, reference, prompts, [12, 5, 14, 8], prefill_chunk=6, label=f"{case}: ")
 
 
 @pytest.mark.parametrize("case", CASES)

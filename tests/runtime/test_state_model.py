@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import onnx
 import pytest
 import transformers
 
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine, SamplingParams
-from tests.helpers import assert_close, hf_greedy
+from tests.helpers import (
+    assert_close,
+    check_chunked_prefill,
+    check_greedy_at_both_ends_of_max_seq,
+    check_in_flight_batching,
+    hf_greedy,
+)
 
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64], [7, 5, 9, 250, 31], [11, 2], [40, 41, 42, 43, 44, 45, 46]]
 NEW = [20, 6, 25, 12]
@@ -63,41 +68,17 @@ def test_manifest_records_the_state_and_kv_only_where_layers_attend(lfm2_artifac
 
 
 def test_chunked_prefill_equals_one_shot_prefill(engine):
-    prompt = PROMPTS[0]
-    whole = engine.prefill([prompt])[0].copy()
-    after_whole = engine.decode([5])[0].copy()
-    for cut in ((1, 12), (2, 5, 12), (4, 7, 11, 12)):  # chunks shorter and longer than the kernel
-        start = 0
-        for stop in cut:
-            logits = engine.prefill([prompt[start:stop]], start=[start])[0].copy()
-            start = stop
-        np.testing.assert_array_equal(logits.argmax(), whole.argmax())
-        assert_close(logits, whole, 1e-5, 1e-5, f"chunks {cut}")
-        assert_close(engine.decode([5])[0], after_whole, 1e-5, 1e-5, f"decode after chunks {cut}")
+    check_chunked_prefill(engine, PROMPTS[0], ((1, 12), (2, 5, 12), (4, 7, 11, 12)))  # chunks < and > the kernel
 
 
 def test_greedy_equals_transformers_at_both_ends_of_max_seq(engine, reference):
-    max_seq = engine.max_seq
-    [short] = engine.generate([[9]], max_new_tokens=max_seq - 1)  # fills the row to its last position
-    assert short.token_ids == hf_greedy(reference, [9], max_seq - 1)
-    full = [(7 * i + 3) % 256 for i in range(max_seq)]  # a prompt as long as the row: one token
-    [last] = engine.generate([full], max_new_tokens=4)
-    assert last.token_ids == hf_greedy(reference, full, 1) and last.finish_reason == "length"
+    check_greedy_at_both_ends_of_max_seq(engine, reference)
 
 
 def test_in_flight_batching_moves_states_with_their_rows(engine, reference):
-    expected = [hf_greedy(reference, p, n) for p, n in zip(PROMPTS, NEW)]
-    engine.prefill_chunk = 4  # long prompts are prefilled in chunks beside decoding rows
-    try:
-        with engine.scheduler() as sched:  # 4 requests on 2 rows: queued ones take finished rows
-            handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
-            results = [h.result(timeout=120) for h in handles]
-    finally:
-        engine.prefill_chunk = engine.manifest.limits.max_prompt
-    for i, (result, tokens) in enumerate(zip(results, expected)):
-        assert result.token_ids == tokens, f"request {i}"
+    check_in_flight_batching(engine, reference, PROMPTS, NEW)
     batch = engine.generate(PROMPTS[:2], max_new_tokens=10)  # a ragged batch of 2
-    assert [r.token_ids for r in batch] == [expected[0][:10], hf_greedy(reference, PROMPTS[1], 10)]
+    assert [r.token_ids for r in batch] == [hf_greedy(reference, p, 10) for p in PROMPTS[:2]]
 
 
 def test_score_of_equal_rows_runs_and_ragged_rows_are_refused(engine, reference):
