@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvforge.graphs import kernel_swap
 from kvforge.graphs import state as export_state
 
 CHUNK = 64  # tokens per chunk (transformers' default chunk_size); a power of two
@@ -218,24 +219,10 @@ class ExportRecurrentGatedDeltaRule(torch.nn.Module):
         )
 
 
-class _InProcessRepository:
-    """A ``kernels`` repository (its ``RepositoryProtocol``: ``load()`` returns the layer class)
-    whose layer is defined here rather than fetched from the Hub."""
-
-    def __init__(self, layer: type[torch.nn.Module]) -> None:
-        self._layer = layer
-
-    def load(self) -> type[torch.nn.Module]:
-        return self._layer
-
-    def __str__(self) -> str:
-        return f"kvforge's {self._layer.__name__}"
-
-
-# transformers' hub name of each kernel -> the repository of its replacement
-_REPOSITORIES = {
-    "chunk_gated_delta_rule": _InProcessRepository(ExportChunkGatedDeltaRule),
-    "fused_recurrent_gated_delta_rule": _InProcessRepository(ExportRecurrentGatedDeltaRule),
+# transformers' hub name of each kernel -> its replacement
+_LAYERS = {
+    "chunk_gated_delta_rule": ExportChunkGatedDeltaRule,
+    "fused_recurrent_gated_delta_rule": ExportRecurrentGatedDeltaRule,
 }
 
 
@@ -246,27 +233,8 @@ def use_export_kernels(model: torch.nn.Module) -> None:
     and ``kernelize`` (the extension point transformers registers them with). Only ``model``'s own
     kernel wrappers change: another instance of the family (the parity reference) keeps
     transformers' kernels."""
-    import logging
-
-    from kernels import Mode, kernelize, use_kernel_mapping
-
-    mapping = {name: {"cpu": repository} for name, repository in _REPOSITORIES.items()}
-    # kernelize warns once for every other hub-registered layer (norms, convs) that it keeps as it is
-    kernels_logger = logging.getLogger("kernels")
-    level = kernels_logger.level
-    kernels_logger.setLevel(logging.ERROR)
-    try:
-        with use_kernel_mapping(mapping, inherit_mapping=False):
-            kernelize(model, mode=Mode.INFERENCE, device="cpu")
-    finally:
-        kernels_logger.setLevel(level)
-    kernels = [  # every gated delta rule kernel wrapper of the model's layers, by its hub name
-        (type(f).kernel_layer_name, f)
-        for module in model.modules()
-        for f in getattr(module, "_kernel_funcs", {}).values()
-        if getattr(type(f), "kernel_layer_name", None) in _REPOSITORIES
-    ]
-    if not kernels or any(f.__dict__.get("_kernel_repo") is not _REPOSITORIES[name] for name, f in kernels):
+    counts = kernel_swap.kernelize(model, _LAYERS)
+    if not all(counts.values()):
         raise RuntimeError(
             f"{type(model).__name__}'s Gated DeltaNet layers do not all run the gated delta rule through kernels "
             "that kernels.kernelize swapped (their transformers modules must register torch_chunk_gated_delta_rule "

@@ -28,14 +28,12 @@ row's last real token.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 from collections.abc import Callable
 
 import torch
 
-from kvforge.graphs import state
+from kvforge.graphs import kernel_swap, state
 
 # Bytes of one chunk's [D, N, L, L] decay matrix per row that the chunk length is chosen to fit.
 CHUNK_BUDGET = 8 << 20
@@ -224,53 +222,14 @@ class ChunkedMambaScan(torch.nn.Module):
         return y.to(hidden_states.dtype)
 
 
-class _InProcess:
-    """A ``kernels`` repository (``load()`` -> the layer class) for a kernel defined here."""
-
-    def __init__(self, layer: type[torch.nn.Module]):
-        self.layer = layer
-
-    def load(self) -> type[torch.nn.Module]:
-        return self.layer
-
-    def __str__(self) -> str:
-        return f"kvforge {self.layer.__name__}"
-
-
-_REPOSITORY = _InProcess(ChunkedMambaScan)
-
-
 def use_chunked_scan(model: torch.nn.Module) -> None:
     """Swap :class:`ChunkedMambaScan` into every Mamba mixer of ``model`` (a transformers model of
     a family whose mixers call ``mamba_scan_forward``) with ``kernels.kernelize`` and a mapping of
     that name alone; the model's other kernel hooks keep their forwards. Raises when no mixer
     took it (a transformers version whose mixers no longer expose the hook)."""
-    from kernels import Mode, kernelize, use_kernel_mapping
-
-    mapping = {KERNEL_NAME: {"cpu": _REPOSITORY, "cuda": _REPOSITORY}}
-    device = next(model.parameters()).device.type
-    with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_kernels():
-        kernelize(model, mode=Mode.INFERENCE, device="cuda" if device == "cuda" else "cpu")
-    swapped = [
-        m
-        for m in model.modules()
-        if (f := getattr(m, "_kernel_funcs", {}).get(KERNEL_NAME)) is not None
-        and getattr(f.forward, "__func__", None) is ChunkedMambaScan.forward
-    ]
+    swapped = kernel_swap.kernelize(model, {KERNEL_NAME: ChunkedMambaScan})[KERNEL_NAME]
     if not swapped:
         raise RuntimeError(
             f"no layer of {type(model).__name__} exposes transformers' {KERNEL_NAME!r} kernel hook, where kvforge "
             "swaps in its chunked selective scan; this transformers version is not one kvforge was tested with"
         )
-
-
-@contextlib.contextmanager
-def _quiet_kernels():
-    """``kernelize`` warns once per hook that has no mapping (every other hook of the model here)."""
-    logger = logging.getLogger("kernels")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

@@ -32,13 +32,10 @@ Shapes: b batch, s/t positions, h heads, p head dim, g groups, n state size.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
 import torch
 import torch.nn.functional as F
 
-from kvforge.graphs import state
+from kvforge.graphs import kernel_swap, state
 
 SCAN_FUNCTION = "mamba2_scan_forward"  # transformers' kernel-hub name of the Mamba2 scan
 
@@ -148,40 +145,8 @@ class Mamba2Scan(torch.nn.Module):
         return scan_forward(module, hidden_states, B, C, dt, cache)
 
 
-class _Repository:
-    """A ``kernels`` repository (its protocol: ``load()`` returns the layer class) that holds
-    :class:`Mamba2Scan`, in kvforge itself: nothing is downloaded."""
-
-    def load(self) -> type[torch.nn.Module]:
-        return Mamba2Scan
-
-    def __str__(self) -> str:
-        return "kvforge.graphs.mamba2"
-
-
-_REPOSITORY = _Repository()
-
-
 def kernelize(model: torch.nn.Module) -> int:
     """Put :class:`Mamba2Scan` in place of ``mamba2_scan_forward`` in every Mamba2 mixer of
     ``model`` (in place, through the ``kernels`` package's mapping; every other kernel-hub
     function keeps transformers' own forward). Returns how many mixers took it."""
-    from kernels import Mode, use_kernel_mapping
-    from kernels import kernelize as kernels_kernelize
-
-    with _quiet("kernels"), use_kernel_mapping({SCAN_FUNCTION: {"cpu": _REPOSITORY}}, inherit_mapping=False):
-        kernels_kernelize(model, mode=Mode.INFERENCE, device="cpu")
-    funcs = [getattr(m, "_kernel_funcs", {}).get(SCAN_FUNCTION) for m in model.modules()]
-    return sum(1 for f in funcs if f is not None and f.__dict__.get("_kernel_repo") is _REPOSITORY)
-
-
-@contextlib.contextmanager
-def _quiet(name: str):
-    """The ``kernels`` package logs a warning for every kernel-hub function it leaves as it was."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return kernel_swap.kernelize(model, {SCAN_FUNCTION: Mamba2Scan})[SCAN_FUNCTION]
