@@ -49,7 +49,7 @@ SAMPLE = {
     "olmoe": (TOKEN_EXACT, ""),  # MoE on the generic path (experts exported with batched_mm)
     "cohere": (TOKEN_EXACT, ""),  # logits * config.logit_scale, read from the family's forward
     "modernbert-decoder": (TOKEN_EXACT, ""),  # a prediction head between the decoder and the output embeddings
-    "rwkv": (REFUSED, "recurrent/state-space layers"),  # refused before export
+    "rwkv": (REFUSED, "WKV recurrence on the CPU"),  # refused before export
     "moshi": (REFUSED, "generation cache keeps only their last 8 keys"),  # refused at load, by the shape probe
     "bert": (NOT_DECODER, "encoder"),  # an encoder the mapping lists for causal LM
 }

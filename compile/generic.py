@@ -71,7 +71,29 @@ _STATE_FAMILY_REFUSALS = {
         "with its own KV passed per call as layer_idx, which kvforge's attention function, keyed by the "
         "module's layer_idx, cannot tell apart (its Mamba2 layers alone would export)"
     ),
+    # The three below keep states kvforge's contract has kinds for ([B, H, D, D], [B, D], [B, C, K-1]);
+    # what stops them is that transformers computes their recurrence inline, behind no kernel hook.
+    "minimax": (
+        "its lightning-attention layers (MiniMaxLightningAttention) run their linear-attention recurrence "
+        "inline, in Python loops over blocks and, once a state exists, over every token, behind no kernel hook "
+        "(use_kernelized_func) where kvforge could swap in a chunked op: a graph with a dynamic sequence length "
+        "cannot be traced through them without patching transformers"
+    ),
+    "recurrent_gemma": (
+        "its recurrent blocks keep their convolution and RG-LRU states in module attributes (conv1d_state, "
+        "rg_lru.recurrent_states) that forward reads and overwrites, not in the cache passed to forward, and the "
+        "RG-LRU loops over tokens in Python behind no kernel hook: kvforge can neither bind those states as graph "
+        "inputs nor trace a dynamic sequence length without patching transformers"
+    ),
+    "rwkv": (
+        "its WKV recurrence on the CPU (rwkv_linear_attention_cpu) loops over tokens in Python behind no kernel "
+        "hook (the hub kernel it can load is CUDA-only), and its state is a list of tensors passed as state=, not "
+        "a transformers cache: a graph with a dynamic sequence length cannot be traced through it without "
+        "patching transformers"
+    ),
 }
+# A sparse-attention indexer module (Qwen4-exp's QSA) that the config does not name by _SPARSE_INDEXER's keys.
+_INDEXER_CLASS = re.compile(r"^class (\w*Indexer)\(", re.MULTILINE)
 _NON_ATTENTION_LAYER = re.compile(r"mamba|linear|conv|recurrent|ssm|rnn|lstm|delta", re.IGNORECASE)
 
 
@@ -131,6 +153,12 @@ def refusal(config: dict, model_class: type) -> str | None:
             "which kvforge's KV contract has no place for"
         )
     source = _module_source(model_class)
+    indexers = sorted(set(_INDEXER_CLASS.findall(source)))
+    if indexers:
+        return (
+            f"it uses sparse attention whose indexer ({', '.join(indexers)}) selects each query's keys from a key "
+            "cache of its own, which kvforge's KV contract has no place for"
+        )
     if _SCORE_BIAS.search(source):
         return (
             "its attention adds a learned relative-position bias to the scores (position_bias, passed to the "

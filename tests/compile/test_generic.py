@@ -53,7 +53,10 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
     ("architecture", "model_type", "message"),
     [
         ("BertForMaskedLM", "bert", "not a decoder-only causal LM that transformers .* knows"),
-        ("RwkvForCausalLM", "rwkv", r"recurrent/state-space layers \(RwkvBlock, RwkvFeedForward"),
+        ("RwkvForCausalLM", "rwkv", r"WKV recurrence on the CPU \(rwkv_linear_attention_cpu\) loops over tokens"),
+        ("MiniMaxForCausalLM", "minimax", r"lightning-attention layers \(MiniMaxLightningAttention\) run"),
+        ("RecurrentGemmaForCausalLM", "recurrent_gemma", r"module attributes \(conv1d_state, rg_lru"),
+        ("Qwen4ExpForCausalLM", "qwen4_exp_text", r"sparse attention whose indexer \(Qwen4ExpTextQSAIndexer\)"),
         ("InklingForCausalLM", "inkling_text", r"learned relative-position bias to the scores \(position_bias"),
         ("ZambaForCausalLM", "zamba", r"Mamba mixers \(ZambaMambaMixer\) call transformers' selective scan directly"),
         ("Zamba2ForCausalLM", "zamba2", r"shared transformer blocks run one attention module \(layer_idx -1\)"),
