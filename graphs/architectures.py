@@ -136,6 +136,22 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             notes="Gated DeltaNet state beside sliding-window (RoPE) and full (no positions) attention layers; "
             "MoE experts with batched_mm",
         ),
+        # KDA (Kimi Delta Attention): the gated delta rule with a decay per key channel, beside latent attention
+        ArchSpec(
+            "KimiLinearForCausalLM",
+            state="gated_delta",
+            experts_implementation=_MOE,
+            notes="KDA layers keep a conv state [3·H·D, K-1] and a recurrent state [H, D, D] (float32), their "
+            "kernels swapped at export for kvforge's per-channel chunked rule; latent (MLA) attention layers "
+            "cache expanded keys and values; MoE experts with batched_mm",
+        ),
+        ArchSpec(
+            "BailingHybridForCausalLM",
+            state="gated_delta",
+            experts_implementation=_MOE,
+            notes="KDA state (bounded sigmoid forget gate) beside latent attention with RoPE; MoE experts with "
+            "batched_mm",
+        ),
         ArchSpec(
             "Lfm3ForCausalLM",
             state="conv",
@@ -243,10 +259,13 @@ class Dims:
         # nominal head of the hidden size (Mamba); no KV is allocated for it (its layout lists no attention layer)
         num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        if getattr(config, "kv_lora_rank", None):  # latent attention: keys and values expanded to every head
+            head_dim, num_kv_heads = max(config.qk_head_dim, config.v_head_dim), num_heads
         return cls(
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
@@ -303,11 +322,16 @@ def _gated_delta_layout(config: Any, dtype: str) -> Layout:
     """Gated DeltaNet families: ``layer_types[i] == "linear_attention"`` keeps the causal conv's
     last ``K-1`` inputs over its channels (query, key and value: ``2·Hk·Dk + Hv·Dv``), in the
     model's dtype, and the delta rule's state ``[Hv, Dk, Dv]`` in float32 (transformers' kernels
-    run it in float32); every other layer attends."""
+    run it in float32); every other layer attends. KDA families (Kimi-Linear, Bailing-hybrid) name
+    one head count and size for queries, keys and values (``linear_num_heads``, ``linear_head_dim``)."""
     n = config.num_hidden_layers
     linear = [i for i, t in enumerate(config.layer_types[:n]) if t == "linear_attention"]
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    if hasattr(config, "linear_key_head_dim"):
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    else:  # KDA
+        dk = dv = config.linear_head_dim
+        hk = hv = config.linear_num_heads
     conv = StateTensor("conv", (2 * hk * dk + hv * dv, config.linear_conv_kernel_dim - 1), dtype)
     recurrent = StateTensor("recurrent", (hv, dk, dv), "float32")
     entries = tuple(StateEntry(i, "gated_delta", (conv, recurrent)) for i in linear)

@@ -124,6 +124,80 @@ def _(query, key, value, g, beta, state):
     return value.new_empty(value.shape), state.new_empty(state.shape)
 
 
+# ---------------------------------------------------------------- KDA: a decay per key channel
+
+KDA_CHUNK = 16  # tokens per chunk of the per-channel rule: its decays are (C, C, Dk) per chunk, not (C, C)
+KDA_LEVELS = KDA_CHUNK.bit_length() - 1
+
+
+def chunked_kda_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi Delta Attention (KDA): :func:`chunked_rule` with a log decay per key channel, g
+    ``[B, H, S, Dk]`` (Kimi-Linear, Bailing-hybrid). The state ``[B, H, Dk, Dv]`` decays row by row
+    (``state[k, :] *= exp(g[k])``), so the decay between positions ``j <= i`` of a chunk is a vector
+    ``exp(cum_i - cum_j) [Dk]`` and the within-chunk products ``A`` and ``intra`` weigh each key
+    channel by it before summing over channels: a ``(C, C, Dk)`` tensor per chunk, with every
+    exponent ``<= 0`` (no ``exp(-cum)`` factor that overflows when a gate forgets hard). Chunks of
+    ``min(S, KDA_CHUNK)`` keep that tensor small; across chunks the same state passing as the
+    per-head rule's, the chunk's decay a ``[Dk, 1]`` column."""
+    batch, heads, seq, _ = key.shape
+    dv = value.shape[-1]
+    chunk = min(seq, KDA_CHUNK)
+    chunks = -(-seq // chunk)
+    pad = chunks * chunk - seq
+    q, k, v, g = (F.pad(x, (0, 0, 0, pad)).reshape(batch, heads, chunks, chunk, -1) for x in (query, key, value, g))
+    beta = F.pad(beta, (0, pad)).reshape(batch, heads, chunks, chunk)  # (B, H, N, C)
+
+    cum = g.cumsum(-2)  # (B, H, N, C, Dk): per channel, log decay from the chunk's start
+    idx = torch.arange(chunk, device=key.device)
+    lower = (idx[:, None] >= idx[None, :])[..., None]  # (C, C, 1)
+    decay = torch.where(lower, cum[..., :, None, :] - cum[..., None, :, :], float("-inf")).exp()  # (B, H, N, C, C, Dk)
+    k_beta = k * beta[..., None]
+    strict = torch.where(
+        idx[:, None] > idx[None, :], (k_beta[..., :, None, :] * k[..., None, :, :] * decay).sum(-1), 0.0
+    )
+    t = unit_lower_inverse(strict)  # (B, H, N, C, C)
+    new_values = t @ (v * beta[..., None])  # (B, H, N, C, Dv)
+    k_cumdecay = t @ (k_beta * cum.exp())  # (B, H, N, C, Dk)
+    intra = (q[..., :, None, :] * k[..., None, :, :] * decay).sum(-1)  # (B, H, N, C, C), 0 above the diagonal
+    q_decayed = q * cum.exp()
+    k_decayed = k * (cum[..., -1:, :] - cum).exp()
+    chunk_decay = cum[..., -1, :].exp()[..., None]  # (B, H, N, Dk, 1)
+
+    outputs = []
+    for i in range(chunks):  # the state passes from chunk to chunk (ONNX: Scan)
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state  # (B, H, C, Dv)
+        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    output = torch.stack(outputs, 2).reshape(batch, heads, chunks * chunk, dv)[:, :, :seq]
+    return output, state
+
+
+@torch.library.custom_op("kvforge::kda_rule", mutates_args=())
+def kda_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunked_kda_rule` as one op for the exporter (:mod:`kvforge.graphs.gated_delta_onnx`)."""
+    output, final = chunked_kda_rule(query, key, value, g, beta, state)
+    return output.contiguous(), final.contiguous()
+
+
+@kda_rule.register_fake
+def _(query, key, value, g, beta, state):
+    return value.new_empty(value.shape), state.new_empty(state.shape)
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # transformers' (and FLA's) l2norm
 
@@ -152,6 +226,7 @@ def export_gated_delta_rule(
     if k_heads != v_heads:  # each query/key head serves v_heads // k_heads consecutive value heads
         query = query.repeat_interleave(v_heads // k_heads, dim=2)
         key = key.repeat_interleave(v_heads // k_heads, dim=2)
+    per_channel = g.dim() == 4  # KDA: g (B, S, H, Dk)
     query, key, value, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))  # (B, H, S, ...)
     if use_qk_l2norm_in_kernel:
         query, key = _l2norm(query), _l2norm(key)
@@ -160,11 +235,12 @@ def export_gated_delta_rule(
     if cache is not None:  # ragged rows: nothing past a row's last real token reaches its state
         real = torch.arange(seq, device=key.device)[None, :] < cache.lengths[:, None]  # (B, S)
         real = real[:, None, :]  # (B, 1, S)
-        g = torch.where(real, g, torch.zeros((), dtype=g.dtype))
+        g = torch.where(real[..., None] if per_channel else real, g, torch.zeros((), dtype=g.dtype))
         beta = torch.where(real, beta, torch.zeros((), dtype=beta.dtype))
     if initial_state is None:
         initial_state = torch.zeros(batch, v_heads, dk, dv, dtype=torch.float32, device=value.device)
-    output, final = gated_delta_rule(query, key, value, g, beta, initial_state.float())
+    rule = kda_rule if per_channel else gated_delta_rule
+    output, final = rule(query, key, value, g, beta, initial_state.float())
     output = output.transpose(1, 2).contiguous().to(dtype)  # (B, S, H, Dv)
     return output, (final if output_final_state else None)
 
@@ -219,24 +295,76 @@ class ExportRecurrentGatedDeltaRule(torch.nn.Module):
         )
 
 
-# transformers' hub name of each kernel -> its replacement
-_LAYERS = {
-    "chunk_gated_delta_rule": ExportChunkGatedDeltaRule,
-    "fused_recurrent_gated_delta_rule": ExportRecurrentGatedDeltaRule,
-}
+class ExportChunkKda(torch.nn.Module):
+    """What ``kernels.kernelize`` puts in place of KDA's ``chunk_kimi_delta_attention`` (g per key
+    channel, ``[B, S, H, Dk]``: :func:`export_gated_delta_rule` runs :func:`kda_rule` for it)."""
+
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        chunk_size: int = CHUNK,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return export_gated_delta_rule(
+            query, key, value, g, beta, chunk_size, initial_state, output_final_state, use_qk_l2norm_in_kernel
+        )
+
+
+class ExportRecurrentKda(torch.nn.Module):
+    """What ``kernels.kernelize`` puts in place of KDA's ``recurrent_kimi_delta_attention``."""
+
+    can_torch_compile = True
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None,
+        output_final_state: bool,
+        use_qk_l2norm_in_kernel: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return export_gated_delta_rule(
+            query, key, value, g, beta, CHUNK, initial_state, output_final_state, use_qk_l2norm_in_kernel
+        )
+
+
+# transformers' hub name of each kernel -> its replacement, in (chunked, recurrent) pairs: a family's
+# linear-attention layers register one pair (Gated DeltaNet's, or KDA's: Kimi-Linear, Bailing-hybrid)
+_PAIRS = (
+    {
+        "chunk_gated_delta_rule": ExportChunkGatedDeltaRule,
+        "fused_recurrent_gated_delta_rule": ExportRecurrentGatedDeltaRule,
+    },
+    {"chunk_kda": ExportChunkKda, "fused_recurrent_kda": ExportRecurrentKda},
+)
 
 
 def use_export_kernels(model: torch.nn.Module) -> None:
-    """Swap the gated delta rule kernels of every Gated DeltaNet layer of ``model`` (a CPU model
-    loaded for export, with at least one such layer) for :class:`ExportChunkGatedDeltaRule` and
-    :class:`ExportRecurrentGatedDeltaRule`, through the ``kernels`` package's mapping
-    and ``kernelize`` (the extension point transformers registers them with). Only ``model``'s own
-    kernel wrappers change: another instance of the family (the parity reference) keeps
-    transformers' kernels."""
-    counts = kernel_swap.kernelize(model, _LAYERS)
-    if not all(counts.values()):
+    """Swap the delta rule kernels of every linear-attention layer of ``model`` (a CPU model loaded
+    for export, with at least one such layer: Gated DeltaNet's or KDA's) for kvforge's
+    (:class:`ExportChunkGatedDeltaRule` and :class:`ExportRecurrentGatedDeltaRule`, or their KDA
+    twins), through the ``kernels`` package's mapping and ``kernelize`` (the extension point
+    transformers registers them with). Only ``model``'s own kernel wrappers change: another instance
+    of the family (the parity reference) keeps transformers' kernels."""
+    counts = kernel_swap.kernelize(model, {name: layer for pair in _PAIRS for name, layer in pair.items()})
+    swapped = [all(counts[name] for name in pair) for pair in _PAIRS]
+    partly = [any(counts[name] for name in pair) and not whole for pair, whole in zip(_PAIRS, swapped)]
+    if not any(swapped) or any(partly):
         raise RuntimeError(
-            f"{type(model).__name__}'s Gated DeltaNet layers do not all run the gated delta rule through kernels "
-            "that kernels.kernelize swapped (their transformers modules must register torch_chunk_gated_delta_rule "
-            "and torch_recurrent_gated_delta_rule with use_kernelized_func)"
+            f"{type(model).__name__}'s linear-attention layers do not run the delta rule through a pair of kernels "
+            "that kernels.kernelize swapped (their transformers modules must register the chunked and the recurrent "
+            f"rule with use_kernelized_func: {' or '.join(' and '.join(pair) for pair in _PAIRS)}); swapped: {counts}"
         )

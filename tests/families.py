@@ -45,6 +45,25 @@ GATED_DELTA = dict(
 GATED_DELTA_MOE = dict(
     GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
 )
+# KDA layers (a decay per key channel) beside one latent-attention layer, with MoE after the first layer
+KDA = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    linear_num_heads=2,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+)
 # the Mamba2 mixer of the hybrid families (Granite 4, Bamba, Falcon-H1): 8 heads of 16 over hidden 64 x 2
 MAMBA2_HYBRID = dict(
     mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8, mamba_expand=2
@@ -190,6 +209,15 @@ CASES: list[tuple[str, str, str, dict]] = [
     ("qwen3.5-moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", GATED_DELTA_MOE),
     ("qwen3-next", "Qwen3NextForCausalLM", "Qwen3NextConfig", GATED_DELTA_MOE),
     ("olmo-hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig", GATED_DELTA),
+    ("kimi-linear", "KimiLinearForCausalLM", "KimiLinearConfig", KDA),
+    (
+        "bailing-hybrid",
+        "BailingHybridForCausalLM",
+        "BailingHybridConfig",
+        # Bailing names KDA's sizes after its attention's (head_dim, num_attention_heads) and bounds
+        # its forget gate (kda_safe_gate: lower_bound * sigmoid)
+        {k: v for k, v in KDA.items() if not k.startswith("linear_")} | {"head_dim": 16, "short_conv_kernel_size": 4},
+    ),
     (
         "lara-mini-window",
         "LaraMiniForCausalLM",

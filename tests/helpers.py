@@ -133,9 +133,10 @@ def corrupt_head_size(graph_file: Path) -> None:
 def check_state_features(artifact, prompt: list[int], turn: list[int], new: int = 8) -> None:
     """A hybrid artifact (layers that keep a state) with the prefix cache on (its default) and
     prompt-lookup drafting gives the tokens of an engine with neither. The lead prompt is
-    ``prompt``, its greedy continuation, then ``prompt`` again, so prompt lookup drafts that
-    continuation (verified, rejected rows re-run what they kept); a chat's next turn (the lead,
-    its answer, ``turn``) resumes from the state snapshot the first answer left."""
+    ``prompt``, its greedy continuation, then ``prompt`` again, so prompt lookup may draft that
+    continuation; a prediction (the plain answer with one token changed halfway) is drafted for
+    certain, accepted up to the change and rejected there (the row re-runs what it kept); a chat's
+    next turn (the lead, its answer, ``turn``) resumes from the state snapshot the first answer left."""
     from kvforge.runtime import Engine, SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
@@ -145,11 +146,17 @@ def check_state_features(artifact, prompt: list[int], turn: list[int], new: int 
         [first] = plain.generate([lead], max_new_tokens=new, sampling=greedy)
         follow_up = lead + first.token_ids + turn
         [second] = plain.generate([follow_up], max_new_tokens=new, sampling=greedy)
+    wrong = list(first.token_ids)
+    wrong[new // 2] = (wrong[new // 2] + 1) % 256
     with Engine.load(artifact, threads=1, speculative="ngram:4") as engine:
         [a] = engine.generate([lead], max_new_tokens=new, sampling=greedy)
         [b] = engine.generate([follow_up], max_new_tokens=new, sampling=greedy)
-    assert (a.token_ids, b.token_ids) == (first.token_ids, second.token_ids)
-    assert a.drafted_tokens > 0, "the continuation in the lead prompt should have been drafted"
+        [c] = engine.generate([lead], max_new_tokens=new, sampling=SamplingParams(temperature=0.0, prediction=wrong))
+    assert (a.token_ids, b.token_ids, c.token_ids) == (first.token_ids, second.token_ids, first.token_ids)
+    assert c.prediction_accepted >= new // 2 - 1 and c.prediction_rejected > 0, (
+        c.prediction_accepted,
+        c.prediction_rejected,
+    )
     assert b.cached_tokens >= len(lead) + len(first.token_ids) - 1, b.cached_tokens
 
 

@@ -187,6 +187,79 @@ def test_kernel_swap_reaches_only_the_export_models_gated_delta_layers(monkeypat
     torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
 
 
+def _kda_inputs(b=2, s=7, h=3, d=8, seed=0, hard=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
+    decay = -torch.rand(b, s, h, d, generator=g)  # a log decay per key channel
+    if hard:  # gates that forget everything in some channels: a chunked form with exp(-cum) factors overflows
+        decay[..., ::2] = -60.0
+    beta = torch.rand(b, s, h, generator=g)
+    return q, k, v, decay, beta, torch.randn(b, h, d, d, generator=g)
+
+
+@pytest.mark.parametrize(("seq", "hard"), [(1, False), (7, False), (16, False), (40, False), (40, True)])
+def test_chunked_kda_rule_equals_transformers_kernels(seq, hard):
+    """KDA (a decay per key channel): kvforge's chunked rule (chunks of min(S, 16), every exponent
+    <= 0) against transformers' chunked and token-by-token Kimi-Linear kernels, from a state: one
+    token (decode), part of a chunk, a whole chunk, chunks with a padded tail, and gates that
+    forget hard (still finite and equal)."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import (
+        chunk_kimi_delta_attention,
+        recurrent_kimi_delta_attention,
+    )
+
+    from kvforge.graphs import gated_delta
+
+    q, k, v, decay, beta, initial = _kda_inputs(s=seq, hard=hard)
+    kwargs = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours, state = gated_delta.export_gated_delta_rule(q, k, v, decay, beta, **kwargs)
+    assert torch.isfinite(ours).all() and torch.isfinite(state).all()
+    for kernel in (chunk_kimi_delta_attention, recurrent_kimi_delta_attention):
+        expected, final = kernel(q, k, v, decay, beta, **kwargs)
+        torch.testing.assert_close(ours, expected, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(state, final, atol=2e-5, rtol=2e-5)
+
+
+def test_kda_rule_of_ragged_rows_and_chunks_keeps_each_rows_state():
+    """As for the per-head rule: padding past a row's length leaves its state as after its last real
+    token, and a prompt run in two calls (the second across a 16-token chunk) equals one call."""
+    from kvforge.graphs import gated_delta, state
+
+    q, k, v, decay, beta, initial = _kda_inputs(s=40)
+
+    def run(sl, start_state, lengths):
+        cache = ExportStateCache({}, torch.ones(2, dtype=torch.int64), lengths)
+        with state.active(cache):
+            return gated_delta.export_gated_delta_rule(
+                q[:, sl], k[:, sl], v[:, sl], decay[:, sl], beta[:, sl],
+                initial_state=start_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+
+    out, ragged = run(slice(0, 40), initial, torch.tensor([40, 19]))
+    _, alone = run(slice(0, 19), initial, torch.tensor([19, 19]))
+    torch.testing.assert_close(ragged[1], alone[1], atol=1e-5, rtol=1e-5)
+    first_out, first = run(slice(0, 10), initial, torch.tensor([10, 10]))
+    second_out, second = run(slice(10, 40), first, torch.tensor([30, 30]))
+    torch.testing.assert_close(second[0], ragged[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([first_out, second_out], 1)[0], out[0], atol=1e-5, rtol=1e-5)
+
+
+def test_kda_layout_keeps_a_conv_over_q_k_and_v_and_a_square_float32_state():
+    from transformers import KimiLinearConfig
+
+    from tests import families
+
+    [(_, architecture, _, overrides)] = [c for c in families.CASES if c[0] == "kimi-linear"]
+    config = KimiLinearConfig(**{**families.COMMON, **overrides})
+    layout = architectures.state_layout(architectures.ARCHITECTURES[architecture], config, "float16")
+    assert layout.attention == (1,)
+    conv = contract.StateTensor("conv", (3 * 2 * 16, 3), "float16")  # q, k and v: 2 heads of 16 each; K-1 inputs
+    recurrent = contract.StateTensor("recurrent", (2, 16, 16), "float32")
+    assert layout.states == tuple(contract.StateEntry(i, "gated_delta", (conv, recurrent)) for i in (0, 2, 3))
+    dims = architectures.Dims.from_config(config)  # latent attention: keys of 16 + 8, values of 16, every head
+    assert (dims.num_kv_heads, dims.head_dim) == (4, 24)
+
+
 def _qwen35_layout() -> contract.Layout:
     from transformers import Qwen3_5TextConfig
 
