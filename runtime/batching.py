@@ -22,7 +22,9 @@ One :meth:`BatchLoop.step`:
 Prefix cache (``engine.prefix_pool``, :mod:`kvforge.runtime.kv.prefix_pool`; None: off). A request
 that starts from an empty row looks up the longest cached prefix of its prompt when it is
 admitted; the blocks found are imported into its row (``Engine.import_kv``, one copy each) and only
-the rest of the prompt, at least its last token, is prefilled. Such a request is prefilled alone
+the rest of the prompt, at least its last token, is prefilled (with states, a snapshot at the whole
+prompt's end that kept its last position's logits leaves nothing to prefill: the first token is
+sampled from them). Such a request is prefilled alone
 (the ``filling`` path, ``start > 0``: ORT's GroupQueryAttention continues one row at a time), a
 request without a hit joins the ragged group as before. When a request finishes, the positions its
 row holds (prompt and generated tokens fed back, not the last sampled one) are offered to the
@@ -113,6 +115,7 @@ class BatchLoop:
         self.block_alloc = block_alloc  # nbytes -> writable buffer a hand-off's KV is exported into
         self.decoding: list[Generation] = []  # decoding[i] is in cache row first + i
         self.filling: Generation | None = None  # in row first + len(decoding), prompt partly cached
+        self._cached_logits: np.ndarray | None = None  # (1, V): the filling prompt's, when the pool held all of it
         self._next = np.zeros(engine.max_batch, dtype=np.int64)
         self.pool = engine.prefix_pool  # automatic prefix caching; None: off
         self._verifier: Verifier | None = None  # made when a request drafts (speculative decoding)
@@ -241,7 +244,7 @@ class BatchLoop:
             group.append(self.waiting.popleft())
         for j, g in enumerate(group):
             g.admit()
-            self._import_prefix(g, self.first + len(self.decoding) + j)  # a miss, counted (hits go alone)
+            self._import_prefix(g, self.first + len(self.decoding) + j, whole=False)  # a miss, counted (hits go alone)
         return group
 
     def _cached_prefix(self, gen: Generation) -> int:
@@ -249,14 +252,19 @@ class BatchLoop:
         that continues its own row)."""
         if self.pool is None or gen.prefilled > 0:
             return 0
-        return self.pool.match_length(gen.prompt_ids, limit=len(gen.prompt_ids) - 1)
+        return self.pool.match_length(gen.prompt_ids, whole=True)
 
-    def _import_prefix(self, gen: Generation, row: int) -> None:
+    def _import_prefix(self, gen: Generation, row: int, whole: bool = True) -> None:
         """Import the longest cached prefix of ``gen``'s prompt into ``row`` (its blocks pinned
-        while they are copied); ``gen`` then prefills only the rest."""
+        while they are copied); ``gen`` then prefills only the rest. ``whole``: the prefix may be
+        the whole prompt, with its logits (``_cached_logits``; only for the filling request, which
+        then prefills nothing)."""
         if self.pool is None or gen.prefilled > 0:
             return
-        hit = self.pool.acquire(gen.prompt_ids, limit=len(gen.prompt_ids) - 1)
+        if whole:
+            hit = self.pool.acquire(gen.prompt_ids, whole=True)
+        else:
+            hit = self.pool.acquire(gen.prompt_ids, limit=len(gen.prompt_ids) - 1)
         try:
             last = len(hit.blocks) - 1  # with states, the snapshot: it carries the row's state at hit.tokens
             for i, block in enumerate(hit.blocks):
@@ -264,6 +272,7 @@ class BatchLoop:
         finally:
             self.pool.release(hit)
         gen.prefilled = gen.cached_tokens = hit.tokens
+        self._cached_logits = None if hit.logits is None else hit.logits[None]  # (1, V): the whole prompt was cached
 
     def _offer(self, gen: Generation, row: int) -> None:
         """Offer the KV of a finished request's ``row`` to the prefix pool: the positions it
@@ -273,19 +282,23 @@ class BatchLoop:
         ids = [*gen.prompt_ids, *gen.token_ids]
         self._offer_row(ids[: min(int(self.engine.lengths[row]), len(ids) - 1)], row)
 
-    def _offer_prompt(self, gens: list[Generation], row0: int) -> None:
+    def _offer_prompt(self, gens: list[Generation], row0: int, logits: np.ndarray) -> None:
         """With states (``pool.needs_state``): offer the prefilled part of each prompt of ``gens``
         (in rows ``row0, row0 + 1, ...``) with the snapshot of its end, before the next chunk or
-        decoding moves the state on (a whole prompt, or a long one after each of its chunks)."""
+        decoding moves the state on (a whole prompt, or a long one after each of its chunks); a
+        whole prompt's with ``logits[j]``, its last position's (the same prompt again then hits
+        whole and prefills nothing)."""
         if self.pool is None or not self.pool.needs_state:
             return
         for j, g in enumerate(gens):
             if g.error is None and 0 < g.prefilled <= len(g.prompt_ids):
-                self._offer_row(g.prompt_ids[: g.prefilled], row0 + j)
+                whole = g.prefilled == len(g.prompt_ids)
+                self._offer_row(g.prompt_ids[: g.prefilled], row0 + j, logits[j] if whole else None)
 
-    def _offer_row(self, ids: list[int], row: int) -> None:
+    def _offer_row(self, ids: list[int], row: int, logits: np.ndarray | None = None) -> None:
         """Offer positions ``[0, len(ids))`` of ``row`` (which hold ``ids``) to the prefix pool;
-        with states, the snapshot at ``len(ids)`` too when the row's state is there."""
+        with states, the snapshot at ``len(ids)`` too when the row's state is there (with
+        ``logits``, its last position's, at a prompt's end)."""
         engine = self.engine
 
         def export(start: int, stop: int):
@@ -296,7 +309,7 @@ class BatchLoop:
                 return None  # the row's state is not at the end of ids
             return engine.export_kv(row, ids[start:], start=start, with_state=True)
 
-        self.pool.offer(ids, export, snapshot if self.pool.needs_state else None)
+        self.pool.offer(ids, export, snapshot if self.pool.needs_state else None, logits)
 
     def _prefill_group(self, group: list[Generation]) -> None:
         first = self.first + len(self.decoding)
@@ -309,22 +322,25 @@ class BatchLoop:
             return
         for g in group:
             g.prefilled = len(g.prompt_ids)
-        self._offer_prompt(group, first)
+        self._offer_prompt(group, first, logits)
         self.decoding.extend(group)
         self._pick(logits, group, len(self.decoding) - len(group))
 
     def _prefill_chunk(self, gen: Generation) -> None:
         """The next chunk of ``gen``'s prompt, in the row after the decoding ones."""
         row = self.first + len(self.decoding)
-        piece = gen.prompt_ids[gen.prefilled : gen.prefilled + self.chunk]
-        try:
-            logits = self.engine.prefill_rows([piece], [gen.prefilled], row)
-        except Exception as error:
-            gen.fail(error)
-            self.filling = None
-            return
-        gen.prefilled += len(piece)
-        self._offer_prompt([gen], row)  # with states: a snapshot at each chunk's end (a long document)
+        if gen.remaining_prompt == 0:  # the whole prompt came from the prefix pool, its logits with it
+            logits, self._cached_logits = self._cached_logits, None
+        else:
+            piece = gen.prompt_ids[gen.prefilled : gen.prefilled + self.chunk]
+            try:
+                logits = self.engine.prefill_rows([piece], [gen.prefilled], row)
+            except Exception as error:
+                gen.fail(error)
+                self.filling = None
+                return
+            gen.prefilled += len(piece)
+            self._offer_prompt([gen], row, logits)  # with states: a snapshot at each chunk's end (a long document)
         if gen.remaining_prompt == 0:
             self.filling = None
             self.decoding.append(gen)

@@ -13,7 +13,8 @@ key names a whole prefix, not a piece that happens to recur at another position 
 are stored after RoPE and valid only where they came from). Keys are Python hashes; an entry also
 keeps its tokens and its parent's key and a lookup compares them, so a hash collision is a miss,
 never a wrong block. Only full blocks are stored; a request that matches all of its prompt still
-prefills its last token (its logits are needed), taken from the last block's positions.
+prefills its last token (its logits are needed), taken from the last block's positions (with
+states, see "A prompt's own end" below).
 
 Budget and eviction. Each block is a :class:`~kvforge.runtime.kv.block.KVBlock` of its own (its
 bytes are freed when it is evicted); the pool holds at most ``budget_bytes`` of them. To make room
@@ -34,6 +35,13 @@ and the snapshot, whose state the import writes into the row. A snapshot's bytes
 and its state) count against the budget like a block's; a whole block with snapshots or blocks
 under it is not evicted, and a leaf block without a snapshot (useless here) goes first.
 
+A prompt's own end. A request must still compute the logits of its prompt's last position, and a
+state cannot be wound back one token, so a snapshot at the end of a prompt would never serve the
+same prompt again. The batch loop therefore offers the prompt's snapshot with those logits
+(``offer(..., logits=...)``, ``[vocab]`` float32, counted in the snapshot's bytes), and
+``acquire(..., whole=True)`` may then return the whole prompt with them (``PrefixHit.logits``):
+the request samples its first token from them and prefills nothing.
+
 Statistics (:meth:`PrefixPool.stats`), named as vLLM's: ``queries`` (prompt tokens looked up),
 ``hits`` (of those, found in the pool); per request ``requests``/``hit_requests``; ``evictions``,
 ``blocks``, ``bytes``, ``budget``. The pool is thread-safe (one lock) and knows nothing of the
@@ -47,6 +55,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvforge.runtime.kv.block import KVBlock
 
@@ -98,17 +108,24 @@ class _Entry:
     pins: int = 0
     children: int = 0  # entries (blocks, snapshots) under this one
     snapshot: bool = False  # a state snapshot: < block_tokens positions and the row's state at their end
+    logits: np.ndarray | None = None  # a snapshot at a prompt's end: the logits of its last position
+
+    @property
+    def nbytes(self) -> int:
+        return self.block.nbytes + (0 if self.logits is None else self.logits.nbytes)
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     """What :meth:`PrefixPool.acquire` found: ``blocks`` (in position order, the last one cut to
     ``tokens``; views of the pool's, read-only) covering positions ``[0, tokens)``. Pinned until
-    :meth:`PrefixPool.release`."""
+    :meth:`PrefixPool.release`. ``logits``: with ``acquire(..., whole=True)``, a hit of the whole
+    prompt carries the logits of its last position (read-only); otherwise None."""
 
     tokens: int
     blocks: tuple[KVBlock, ...]
     _entries: tuple[_Entry, ...]
+    logits: np.ndarray | None = None
 
 
 MISS = PrefixHit(0, (), ())
@@ -166,9 +183,10 @@ class PrefixPool:
             parent = entry.key
         return found
 
-    def _snapshot_chain(self, token_ids: Sequence[int], limit: int) -> tuple[list[_Entry], int]:
+    def _snapshot_chain(self, token_ids: Sequence[int], limit: int, whole: bool) -> tuple[list[_Entry], int]:
         """The whole blocks and the snapshot of the longest prefix of ``token_ids`` (at most
-        ``limit`` tokens) that ends at a state snapshot, and its length; ``([], 0)`` when none."""
+        ``limit`` tokens) that ends at a state snapshot, and its length; ``([], 0)`` when none.
+        ``whole``: a snapshot that ends at ``len(token_ids)`` counts only with that position's logits."""
         bt, chain = self.block_tokens, self._chain(token_ids, limit)
         for depth in range(len(chain), -1, -1):
             base = depth * bt
@@ -180,34 +198,43 @@ class PrefixPool:
                 snap = self._entries[key]
                 n = len(snap.tokens)
                 longer = base + n <= limit and (best is None or n > len(best.tokens))
+                longer = longer and (not whole or base + n < len(token_ids) or snap.logits is not None)
                 if longer and tuple(int(t) for t in token_ids[base : base + n]) == snap.tokens:
                     best = snap
             if best is not None:
                 return [*chain[:depth], best], base + len(best.tokens)
         return [], 0
 
-    def _find(self, token_ids: Sequence[int], limit: int) -> tuple[list[_Entry], int]:
+    def _find(self, token_ids: Sequence[int], limit: int, whole: bool = False) -> tuple[list[_Entry], int]:
         """The entries of the longest usable prefix (at most ``limit`` tokens) and its length."""
         if self.needs_state:
-            return self._snapshot_chain(token_ids, limit)
+            return self._snapshot_chain(token_ids, limit, whole)
         chain = self._chain(token_ids, limit)
         return chain, min(len(chain) * self.block_tokens, limit)
 
-    def match_length(self, token_ids: Sequence[int], limit: int | None = None) -> int:
-        """How many leading tokens of ``token_ids`` (at most ``limit``) the pool holds now (with
-        ``needs_state``: up to the longest matching snapshot); a peek (no pin, no statistics)."""
-        limit = len(token_ids) if limit is None else limit
-        with self._lock:
-            return self._find(token_ids, limit)[1]
+    def _limit(self, token_ids: Sequence[int], limit: int | None, whole: bool) -> int:
+        """``whole``: a prompt's lookup, which reaches its end only at a snapshot with logits."""
+        if whole:
+            return len(token_ids) if self.needs_state else len(token_ids) - 1
+        return len(token_ids) if limit is None else limit
 
-    def acquire(self, token_ids: Sequence[int], limit: int | None = None) -> PrefixHit:
-        """The longest cached prefix of ``token_ids``, at most ``limit`` tokens (a request passes
-        ``len(prompt) - 1``: its last token must be prefilled), pinned until :meth:`release`;
-        counted in the statistics. With ``needs_state`` the last block is the snapshot, which
-        carries the state at ``tokens``."""
-        limit = len(token_ids) if limit is None else limit
+    def match_length(self, token_ids: Sequence[int], limit: int | None = None, whole: bool = False) -> int:
+        """How many leading tokens of ``token_ids`` (at most ``limit``; ``whole``: as
+        :meth:`acquire`) the pool holds now (with ``needs_state``: up to the longest matching
+        snapshot); a peek (no pin, no statistics)."""
+        limit = self._limit(token_ids, limit, whole)
         with self._lock:
-            chain, tokens = self._find(token_ids, limit)
+            return self._find(token_ids, limit, whole)[1]
+
+    def acquire(self, token_ids: Sequence[int], limit: int | None = None, whole: bool = False) -> PrefixHit:
+        """The longest cached prefix of ``token_ids``, at most ``limit`` tokens, pinned until
+        :meth:`release`; counted in the statistics. With ``needs_state`` the last block is the
+        snapshot, which carries the state at ``tokens``. ``whole`` (a request's prompt, ``limit``
+        ignored): up to ``len - 1`` tokens (its last one must be prefilled for its logits), or, with
+        ``needs_state``, the whole prompt where a snapshot with those logits ends there."""
+        limit = self._limit(token_ids, limit, whole)
+        with self._lock:
+            chain, tokens = self._find(token_ids, limit, whole)
             self._requests += 1
             self._queries += limit
             self._hits += tokens
@@ -220,7 +247,8 @@ class PrefixPool:
         blocks = [e.block for e in chain]
         if blocks[-1].stop > tokens:
             blocks[-1] = blocks[-1].slice(blocks[-1].start, tokens)
-        return PrefixHit(tokens, tuple(blocks), tuple(chain))
+        logits = chain[-1].logits if whole and tokens == len(token_ids) else None
+        return PrefixHit(tokens, tuple(blocks), tuple(chain), logits)
 
     def release(self, hit: PrefixHit) -> None:
         """Unpin what :meth:`acquire` returned (idempotent per hit is not guaranteed: call once)."""
@@ -235,6 +263,7 @@ class PrefixPool:
         token_ids: Sequence[int],
         export: Callable[[int, int], KVBlock],
         snapshot: Callable[[int], KVBlock | None] | None = None,
+        logits: np.ndarray | None = None,
     ) -> int:
         """Keep the KV of ``token_ids`` (the positions ``[0, len)`` of a sequence): for each whole
         block not yet in the pool, ``export(start, stop)`` is called for that block's KV (one copy)
@@ -243,7 +272,9 @@ class PrefixPool:
         pool keeps nothing): the positions ``[start, len)`` after the last whole block as a block
         carrying the row's state at ``len`` (None when the row's state is not valid there), kept
         as a snapshot unless one is there already; the blocks this offer added are dropped again
-        when the snapshot does not fit. Returns how many blocks (and snapshots) were added."""
+        when the snapshot does not fit. ``logits`` (with a snapshot, at a prompt's end): the
+        logits of the last position, kept with the snapshot (a copy, added to one already there).
+        Returns how many blocks (and snapshots) were added."""
         if self.needs_state and snapshot is None:
             return 0
         bt, added, parent = self.block_tokens, 0, None
@@ -270,7 +301,7 @@ class PrefixPool:
                 parent = key
             else:  # every whole block is in the pool: the state snapshot after them
                 if self.needs_state:
-                    snap, fresh = self._offer_snapshot(token_ids, parent, snapshot)
+                    snap, fresh = self._offer_snapshot(token_ids, parent, snapshot, logits)
                     if snap is None:  # no state kept: the blocks this offer added cannot be found
                         for entry in reversed(new):
                             if entry.children == 0 and entry.pins == 0:
@@ -283,10 +314,14 @@ class PrefixPool:
                     self._entries.move_to_end(entry.key)
         return added
 
-    def _offer_snapshot(self, token_ids: Sequence[int], parent: int | None, snapshot) -> tuple[_Entry | None, bool]:
+    def _offer_snapshot(
+        self, token_ids: Sequence[int], parent: int | None, snapshot, logits: np.ndarray | None
+    ) -> tuple[_Entry | None, bool]:
         """The snapshot of ``token_ids`` under its last whole block ``parent`` (None: the root):
         the one there or a new one (``snapshot(start)``'s), and whether it is new; ``(None,
-        False)`` when none can be kept (no state there, or no room)."""
+        False)`` when none can be kept (no state there, or no room). ``logits`` join it where it
+        has none and they fit."""
+        logits = None if logits is None else np.array(logits, dtype=np.float32)  # a copy: engine buffers move on
         bt = self.block_tokens
         start = len(token_ids) // bt * bt
         if len(token_ids) == 0:
@@ -296,19 +331,23 @@ class PrefixPool:
         entry = self._entries.get(key)
         if entry is not None:
             ok = entry.snapshot and entry.parent == parent and entry.tokens == tokens
+            if ok and entry.logits is None and logits is not None and self._make_room(logits.nbytes, protect=key):
+                entry.logits = logits
+                self._bytes += logits.nbytes
             return (entry if ok else None), False  # not ok: a hash collision, keep what is there
         block = snapshot(start)
         if block is None or block.state is None or block.start != start or block.stop != len(token_ids):
             return None, False
-        if not self._make_room(block.nbytes, protect=parent):
+        entry = _Entry(key, parent, tokens, block, snapshot=True, logits=logits)
+        if not self._make_room(entry.nbytes, protect=parent):
             return None, False
-        entry = self._add(_Entry(key, parent, tokens, block, snapshot=True))
+        entry = self._add(entry)
         self._snapshots.setdefault(parent, set()).add(key)
         return entry, True
 
     def _add(self, entry: _Entry) -> _Entry:
         self._entries[entry.key] = entry
-        self._bytes += entry.block.nbytes
+        self._bytes += entry.nbytes
         if entry.parent is not None:
             self._entries[entry.parent].children += 1
         return entry
@@ -339,7 +378,7 @@ class PrefixPool:
 
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.key]
-        self._bytes -= entry.block.nbytes
+        self._bytes -= entry.nbytes
         if entry.snapshot:
             keys = self._snapshots[entry.parent]
             keys.discard(entry.key)

@@ -5,7 +5,8 @@ layer), each checked token for token against a run without it:
 * the prefix pool (unit): a hybrid's prefix is found only where a snapshot ends, the longest one
   wins, snapshot bytes count against the budget, and a leaf block without a snapshot goes first;
 * a chat's next turn hits the snapshot at the end of the last turn's answer, a prompt extending an
-  earlier prompt hits the one at its end, a prompt sharing part of a long prompt hits the one at
+  earlier prompt hits the one at its end, the same prompt again hits whole (the snapshot keeps its
+  last position's logits) and prefills nothing, a prompt sharing part of a long prompt hits the one at
   the end of a chunk of its prefill, and each answers exactly as without the prefix cache (and as
   transformers);
 * a block exported at its row's length carries the row's state; a saved session restores the
@@ -87,6 +88,30 @@ def test_a_hybrid_pool_finds_prefixes_only_where_a_snapshot_ends():
     assert pool.stats().blocks == 4
 
 
+def test_a_whole_prompt_is_found_only_with_its_last_positions_logits():
+    pool = PrefixPool(10**6, block_tokens=4, needs_state=True)
+    ids = [1, 2, 3, 4, 5, 6]
+    _offer(pool, ids[:5])  # a snapshot at 5 without logits (a chunk's end, a finished row)
+    _offer(pool, ids)
+    assert pool.match_length(ids, whole=True) == 5  # the one at 6 has no logits: not the whole prompt
+    before = pool.stats().bytes
+    logits = np.arange(8, dtype=np.float32)
+    assert pool.offer(ids, lambda a, b: _block(a, ids[a:b]), lambda a: _block(a, ids[a:], state=True), logits) == 0
+    assert pool.stats().bytes == before + logits.nbytes  # joined the snapshot there, counted
+    logits[:] = 0  # the pool kept a copy
+    hit = pool.acquire(ids, whole=True)
+    assert hit.tokens == 6 and hit.logits.tolist() == list(range(8)) and hit.blocks[-1].state is not None
+    pool.release(hit)
+    hit = pool.acquire([*ids, 7], whole=True)  # a longer prompt resumes at 6 and has no logits from it
+    assert hit.tokens == 6 and hit.logits is None
+    pool.release(hit)
+    pool.clear()
+    assert pool.stats().bytes == 0
+    plain = PrefixPool(10**6, block_tokens=4)  # without states a prompt's last token is always prefilled
+    plain.offer(ids[:4], lambda a, b: _block(a, ids[a:b]))
+    assert plain.match_length(ids[:4], whole=True) == 3 and plain.match_length(ids, whole=True) == 4
+
+
 def test_snapshot_bytes_count_against_the_budget_and_useless_blocks_go_first():
     one = _block(0, [1, 2, 3, 4]).nbytes  # 128 bytes of KV per whole block of 4
     snap = _block(4, [5, 6], state=True).nbytes  # 64 bytes of KV and 64 of state
@@ -121,14 +146,31 @@ def test_a_chats_next_turn_hits_the_snapshot_of_the_last_answer(engine, plain, r
 
 def test_a_prompt_extending_an_earlier_one_hits_the_snapshot_at_its_end(engine, plain):
     _fresh_pool(engine)
-    [a] = engine.generate([PROMPT], max_new_tokens=3, sampling=GREEDY)
+    engine.generate([PROMPT], max_new_tokens=3, sampling=GREEDY)
     longer = [*PROMPT, 40, 41, 42]
     [b] = engine.generate([longer], max_new_tokens=6, sampling=GREEDY)
     assert b.cached_tokens == len(PROMPT)  # the snapshot taken right after the first prompt's prefill
     [want] = plain.generate([longer], max_new_tokens=6, sampling=GREEDY)
     assert b.token_ids == want.token_ids
-    [again] = engine.generate([PROMPT], max_new_tokens=3, sampling=GREEDY)  # the same prompt: its last
-    assert again.token_ids == a.token_ids and again.cached_tokens == 0  # token is prefilled, no snapshot before
+
+
+def test_the_same_prompt_again_hits_whole_and_prefills_nothing(engine, plain, monkeypatch):
+    """The snapshot at a prompt's end keeps that position's logits: the same prompt again (greedy,
+    or seeded sampling) imports all of it, samples its first token from them, and prefills nothing."""
+    _fresh_pool(engine)
+    seeded = SamplingParams(temperature=0.9, seed=7)
+    [a] = engine.generate([PROMPT], max_new_tokens=5, sampling=GREEDY)
+    [s] = engine.generate([[*PROMPT, 3]], max_new_tokens=5, sampling=seeded)
+    calls = []
+    prefill_rows = engine.prefill_rows
+    monkeypatch.setattr(engine, "prefill_rows", lambda *args, **kw: calls.append(args[0]) or prefill_rows(*args, **kw))
+    [again] = engine.generate([PROMPT], max_new_tokens=5, sampling=GREEDY)
+    [s_again] = engine.generate([[*PROMPT, 3]], max_new_tokens=5, sampling=seeded)
+    assert (again.cached_tokens, s_again.cached_tokens) == (len(PROMPT), len(PROMPT) + 1)
+    assert calls == []  # nothing prefilled: the first tokens came from the kept logits, then decode steps
+    [want] = plain.generate([PROMPT], max_new_tokens=5, sampling=GREEDY)
+    [s_want] = plain.generate([[*PROMPT, 3]], max_new_tokens=5, sampling=seeded)
+    assert again.token_ids == a.token_ids == want.token_ids and s_again.token_ids == s.token_ids == s_want.token_ids
 
 
 def test_a_long_prompt_keeps_a_snapshot_at_each_chunks_end(engine, plain):

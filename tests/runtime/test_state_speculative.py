@@ -189,4 +189,5 @@ def test_every_batch_loop_feature_with_ngram_drafts_gives_each_request_its_solo_
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), name
     assert together["cancelled"].finish_reason == "cancelled"
     assert sum(r.drafted_tokens for r in together.values()) > 0  # drafts were verified beside the other rows
-    assert together["prefix"].cached_tokens == 6  # resumed from the snapshot its lead-in left
+    assert solo["prefix"].cached_tokens == 6  # resumed from the snapshot its lead-in left
+    assert together["prefix"].cached_tokens == 9  # its whole prompt, with the logits its solo run kept
