@@ -24,9 +24,11 @@ that starts from an empty row looks up the longest cached prefix of its prompt w
 admitted; the blocks found are imported into its row (``Engine.import_kv``, one copy each) and only
 the rest of the prompt, at least its last token, is prefilled (with states, a snapshot at the whole
 prompt's end that kept its last position's logits leaves nothing to prefill: the first token is
-sampled from them). Such a request is prefilled alone
-(the ``filling`` path, ``start > 0``: ORT's GroupQueryAttention continues one row at a time), a
-request without a hit joins the ragged group as before. When a request finishes, the positions its
+sampled from them). Such a request is prefilled alone (the ``filling`` path, ``start > 0``: ORT's
+GroupQueryAttention continues one row at a time), a request without a hit joins the ragged group
+as before. With states, a request's ``cache_points`` (the end of a chat's system prompt) past its
+cached prefix make it prefill alone too, in pieces that stop at them, each leaving a snapshot that
+later prompts sharing that much resume from. When a request finishes, the positions its
 row holds (prompt and generated tokens fed back, not the last sampled one) are offered to the
 pool before the row is reused or overwritten by compaction. On an artifact whose layers keep a
 state (``pool.needs_state``), a prefix resumes only where a state snapshot ends: each offer keeps
@@ -235,8 +237,9 @@ class BatchLoop:
         group: list[Generation] = []
         longest = 0
         while self.waiting and len(group) < free:
-            if self._cached_prefix(self.waiting[0]):
-                break  # prefilled alone after its import (see the module docstring)
+            cached = self._cached_prefix(self.waiting[0])
+            if cached or self._next_point(self.waiting[0], cached) is not None:
+                break  # prefilled alone after its import, or stopping at a cache point (module docstring)
             need = self.waiting[0].remaining_prompt
             if max(longest, need) * (len(group) + 1) > self.chunk:
                 break
@@ -253,6 +256,13 @@ class BatchLoop:
         if self.pool is None or gen.prefilled > 0:
             return 0
         return self.pool.match_length(gen.prompt_ids, whole=True)
+
+    def _next_point(self, gen: Generation, after: int) -> int | None:
+        """The first of ``gen``'s cache points past position ``after`` where its prefill must stop
+        to leave a state snapshot (None: none, or no pool of states to leave it in)."""
+        if self.pool is None or not self.pool.needs_state:
+            return None
+        return next((p for p in gen.cache_points if p > after), None)
 
     def _import_prefix(self, gen: Generation, row: int, whole: bool = True) -> None:
         """Import the longest cached prefix of ``gen``'s prompt into ``row`` (its blocks pinned
@@ -332,7 +342,9 @@ class BatchLoop:
         if gen.remaining_prompt == 0:  # the whole prompt came from the prefix pool, its logits with it
             logits, self._cached_logits = self._cached_logits, None
         else:
-            piece = gen.prompt_ids[gen.prefilled : gen.prefilled + self.chunk]
+            stop = gen.prefilled + self.chunk
+            point = self._next_point(gen, gen.prefilled)
+            piece = gen.prompt_ids[gen.prefilled : stop if point is None else min(stop, point)]
             try:
                 logits = self.engine.prefill_rows([piece], [gen.prefilled], row)
             except Exception as error:

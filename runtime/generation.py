@@ -172,6 +172,9 @@ class Generation:
         self.drafting = None  # a speculative.RowDrafting when this request drafts
         self.constraint = constraint  # the output's grammar (kvforge.runtime.constraints), None when free
         self.hand_off = False  # end with a Handoff after the first token (disaggregated prefill)
+        # prompt positions where a hybrid's prefill stops to leave a state snapshot in the prefix pool
+        # (the end of a chat's system prompt, shared by the conversations that follow it)
+        self.cache_points: tuple[int, ...] = ()
         self.handoff: Handoff | None = None
         self.resume_from: Handoff | None = None  # a resumed request's hand-off, its KV imported at admission
         self._handoff_chunk: StreamChunk | None = None

@@ -156,12 +156,17 @@ class Scheduler:
         sampling: SamplingParams | Mapping | None = None,
         stop: str | Sequence[str] | None = None,
         hand_off: bool = False,
+        cache_points: Sequence[int] = (),
     ) -> RequestHandle:
         """Queue one request (thread-safe); returns its :class:`RequestHandle` at once. Raises
         ValueError for bad parameters or prompts, RuntimeError after :meth:`close`. ``hand_off``:
-        stop after the first token with a hand-off for a decode worker (module docstring)."""
+        stop after the first token with a hand-off for a decode worker (module docstring).
+        ``cache_points``: prompt positions worth a state snapshot in the prefix cache (on an
+        artifact whose layers keep a state; e.g. the end of a shared system prompt): the prefill
+        stops there once to leave one, so later prompts sharing that much resume from it."""
         gen = self.engine.request(self.engine.encode(prompt), max_new_tokens, sampling, stop)
         gen.hand_off = bool(hand_off)
+        gen.cache_points = validate.cache_points(cache_points, len(gen.prompt_ids))
         return self._queue(gen)
 
     def resume(self, handoff: Handoff) -> RequestHandle:

@@ -66,6 +66,17 @@ def count(name: str, value: object, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def cache_points(value: object, prompt_length: int) -> tuple[int, ...]:
+    """Prompt positions (a sequence of ints, each ``1 <= p < prompt_length``) as a sorted tuple
+    without repeats."""
+    accepted = f"a list of prompt positions, each an integer from 1 to {prompt_length - 1} (the prompt's length - 1)"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise _refuse(WrongType, "cache_points", value, accepted)
+    if not all(is_int(p) and 1 <= int(p) < prompt_length for p in value):
+        raise _refuse(InvalidValue, "cache_points", value, accepted)
+    return tuple(sorted({int(p) for p in value}))
+
+
 def integer(name: str, value: object) -> int:
     """A Python or numpy int (any value; the caller checks the range), as an ``int``."""
     if not is_int(value):

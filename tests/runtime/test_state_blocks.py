@@ -173,6 +173,60 @@ def test_the_same_prompt_again_hits_whole_and_prefills_nothing(engine, plain, mo
     assert again.token_ids == a.token_ids == want.token_ids and s_again.token_ids == s.token_ids == s_want.token_ids
 
 
+def test_a_cache_point_leaves_a_snapshot_that_prompts_sharing_it_resume_from(engine, plain):
+    """A shared system prompt: without a cache point the next conversation finds nothing (the only
+    snapshot is at the first prompt's end); with one at the system prompt's end, the first request's
+    prefill stops there once, and the next conversation resumes from it, exactly."""
+    system = [(7 * i + 3) % 300 for i in range(10)]
+    first, second = [*system, 40, 41, 42, 43], [*system, 90, 91, 92]
+    [want] = plain.generate([second], max_new_tokens=6, sampling=GREEDY)
+    [want_first] = plain.generate([first], max_new_tokens=6, sampling=GREEDY)
+    for points, cached in (((), 0), ((len(system),), len(system))):
+        _fresh_pool(engine)
+        with engine.scheduler() as sched:
+            a = sched.submit(first, max_new_tokens=6, sampling=GREEDY, cache_points=points).result(timeout=120)
+            b = sched.submit(second, max_new_tokens=6, sampling=GREEDY).result(timeout=120)
+        assert (a.token_ids, b.token_ids, b.cached_tokens) == (want_first.token_ids, want.token_ids, cached), points
+    with engine.scheduler() as sched, pytest.raises(ValueError, match=r"cache_points=\[0\] is not accepted"):
+        sched.submit(first, max_new_tokens=2, cache_points=[0])
+
+
+def test_chats_sharing_a_system_prompt_resume_from_its_snapshot_through_the_openai_server(lfm2_dir, tmp_path):
+    """The server marks the end of a chat's system message as a cache point on a hybrid: the next
+    conversation with the same system prompt (through the official client) resumes from its
+    snapshot, reported as ``cached_tokens``, and answers as an engine without the prefix cache."""
+    import json
+    import shutil
+
+    import openai
+
+    from kvforge.compile import compile_model
+    from tests.conftest import CHATML_TEMPLATE
+    from tests.helpers import KEY
+    from tests.tools.test_serve import MODEL, running
+
+    model = tmp_path / "model"
+    shutil.copytree(lfm2_dir, model)
+    config = {
+        "chat_template": CHATML_TEMPLATE,
+        "eos_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    compile_model(model, tmp_path / "out", max_batch=2, max_seq=128, score_graph=False, progress=None)
+    system = {"role": "system", "content": "You answer in one short sentence about loops."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("What is a list", "Why use a for loop")]
+    with Engine.load(tmp_path / "out", threads=1, prefix_cache=0) as plain:
+        system_tokens = len(plain.chat_prompt([system], add_generation_prompt=False))
+        want = [plain.generate([plain.chat_prompt(c)], max_new_tokens=6, sampling=GREEDY)[0].text for c in chats]
+    with running(tmp_path / "out") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        answers = [client.chat.completions.create(model=MODEL, messages=c, max_tokens=6, temperature=0) for c in chats]
+    assert [a.choices[0].message.content for a in answers] == want
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    assert cached == [0, system_tokens] and 0 < system_tokens < answers[1].usage.prompt_tokens
+
+
 def test_a_long_prompt_keeps_a_snapshot_at_each_chunks_end(engine, plain):
     _fresh_pool(engine)
     document = [(11 * i + 5) % 300 for i in range(22)]

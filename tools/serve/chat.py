@@ -126,7 +126,27 @@ def prepare(server: ModelServer, req: p.ChatCompletionRequest) -> Prepared:
     output = chat_format.output(
         plan.tools, prompt=text, parse_calls=plan.parse_calls, answer_only=answer_only, forced=plan.forced
     )
-    return Prepared(choices(req, ids, max_tokens, base), len(ids), plan, output)
+    points = _system_cache_point(server, messages, tools, req, ids)
+    return Prepared(choices(req, ids, max_tokens, base, cache_points=points), len(ids), plan, output)
+
+
+def _system_cache_point(server: ModelServer, messages: list[dict], tools, req, ids: list[int]) -> tuple[int, ...]:
+    """On an artifact whose layers keep a state, with the prefix cache on: the end of the leading
+    system (or developer) messages in ``ids``, where a snapshot lets the next conversation with the
+    same system prompt resume (a state cannot resume anywhere else). Their rendering alone must be
+    a token prefix of ``ids``; otherwise (a template that renders them differently alone, or
+    refuses a conversation without a user turn) no point, and the request runs as any other."""
+    pool = getattr(server.engine, "prefix_pool", None)
+    lead = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")), len(messages))
+    if pool is None or not pool.needs_state or not 0 < lead < len(messages):
+        return ()
+    try:
+        kwargs = _template_kwargs(req)
+        text = server.chat_template.render(messages[:lead], add_generation_prompt=False, tools=tools, **kwargs)
+    except Exception:  # a boundary: any template failure here only means no cache point
+        return ()
+    prefix = server.encode(text, special=False)
+    return (len(prefix),) if 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix else ()
 
 
 def _chat_format(server: ModelServer) -> parsers.ChatFormat:

@@ -77,6 +77,7 @@ class SeqRequest:
     max_tokens: int
     sampling: SamplingParams
     stop: list[str] | None
+    cache_points: tuple[int, ...] = ()  # prompt positions worth a state snapshot (scheduler.submit)
 
 
 @dataclass
@@ -193,7 +194,12 @@ def prediction_tokens(result: Any) -> tuple[int, int]:
 
 
 def choices(
-    req: Any, ids: list[int], max_tokens: int, base: SamplingParams, count: int | None = None
+    req: Any,
+    ids: list[int],
+    max_tokens: int,
+    base: SamplingParams,
+    count: int | None = None,
+    cache_points: tuple[int, ...] = (),
 ) -> list[SeqRequest]:
     """The ``req.n`` (or ``count``) choices of one prompt, each its own scheduler request with
     ``base``'s sampling and ``req.stop``; choice ``j`` of a seeded request uses ``seed + j``
@@ -207,7 +213,9 @@ def choices(
             code="invalid_value",
         )
     return [
-        SeqRequest(ids, max_tokens, base if req.seed is None else replace(base, seed=req.seed + j), stop or None)
+        SeqRequest(
+            ids, max_tokens, base if req.seed is None else replace(base, seed=req.seed + j), stop or None, cache_points
+        )
         for j in range(req.n if count is None else count)
     ]
 
@@ -512,8 +520,9 @@ class ModelServer:
         flight = Flight(len(sequences))
         for index, seq in enumerate(sequences):
             try:
+                points = {"cache_points": seq.cache_points} if seq.cache_points else {}
                 handle = self.scheduler.submit(
-                    seq.prompt_ids, max_new_tokens=seq.max_tokens, sampling=seq.sampling, stop=seq.stop
+                    seq.prompt_ids, max_new_tokens=seq.max_tokens, sampling=seq.sampling, stop=seq.stop, **points
                 )
             except ValueError as e:
                 flight.cancel()
