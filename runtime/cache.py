@@ -193,13 +193,16 @@ class KVCache:
                     np.copyto(piece, data[layer, kv, head])
                     each(piece)
 
-    def read_scales(self, row: int, start: int, stop: int) -> np.ndarray | None:
+    def read_scales(self, row: int, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray | None:
         """8-bit KV: the scales of positions ``[start, stop)`` of cache row ``row`` as a new
-        contiguous ``[L, 2, H_kv, stop - start]`` float32 array (a block's scales); None for a
-        float cache."""
+        contiguous ``[L, 2, H_kv, stop - start]`` float32 array (a block's scales), or copied into
+        ``out`` (that shape) and returned; None for a float cache."""
         if self.scales is None:
             return None
-        return np.ascontiguousarray(self.scales[:, :, row, :, start:stop])
+        if out is None:
+            return np.ascontiguousarray(self.scales[:, :, row, :, start:stop])
+        np.copyto(out, self.scales[:, :, row, :, start:stop])
+        return out
 
     def write_scales(self, row: int, start: int, scales: np.ndarray) -> None:
         """Write ``scales`` ``[L, 2, H_kv, n]`` into positions ``[start, start + n)`` of cache row

@@ -974,7 +974,7 @@ def _(c, kvint8):
         return raised(lambda: engine.import_kv(_block(c), 0), KVBlockError)
 
 
-@trigger("kv-int8-export-out")
+@trigger("kv-int8-export-view")
 def _(c, kvint8):
     with Engine.load(kvint8, threads=1, prefix_cache=0) as engine:
         engine.prefill([[1, 2, 3]])

@@ -147,6 +147,11 @@ class KVBlock:
         """Bytes of KV data, scales and state."""
         return self.data.nbytes + self.state_nbytes + (0 if self.scales is None else self.scales.nbytes)
 
+    def tail(self) -> list[np.ndarray]:
+        """What follows the KV data in the block's bytes, in order (the file's, a hand-off's memory
+        and its checksum): 8-bit KV's scales, then each state tensor."""
+        return ([] if self.scales is None else [self.scales]) + list((self.state or {}).values())
+
     @property
     def state_nbytes(self) -> int:
         return sum(a.nbytes for a in self.state.values()) if self.state else 0

@@ -211,7 +211,7 @@ class SegmentAllocator:
         data, nbytes = block.data, handoff.nbytes  # a hybrid's state follows the KV data in the memory
         with self._lock:
             where = self._open.pop(data.ctypes.data, None) if data.flags.c_contiguous else None
-        if where is not None and block.state and not _follows(data, block.state):
+        if where is not None and block.tail() and not _follows(data, block.tail()):
             with self._lock:  # exported elsewhere, then cut apart: copied below, like any other
                 self._open[data.ctypes.data] = where
             where = None
@@ -219,7 +219,7 @@ class SegmentAllocator:
             buf = self(nbytes)
             np.copyto(buf[: data.nbytes].view(data.dtype).reshape(data.shape), data)
             at = data.nbytes
-            for value in (block.state or {}).values():
+            for value in block.tail():
                 np.copyto(buf[at : at + value.nbytes].view(value.dtype).reshape(value.shape), value)
                 at += value.nbytes
             with self._lock:
@@ -241,11 +241,11 @@ class SegmentAllocator:
             unlink(name)
 
 
-def _follows(data: np.ndarray, state: dict[str, np.ndarray]) -> bool:
-    """Whether ``state``'s arrays lie right after ``data`` in memory, in order (an export into
-    one buffer: the KV data, then each state tensor)."""
+def _follows(data: np.ndarray, tail: list[np.ndarray]) -> bool:
+    """Whether the ``tail`` arrays lie right after ``data`` in memory, in order (an export into
+    one buffer: the KV data, then 8-bit KV's scales and each state tensor)."""
     at = data.ctypes.data + data.nbytes
-    for value in state.values():
+    for value in tail:
         if value.ctypes.data != at or not value.flags.c_contiguous:
             return False
         at += value.nbytes
@@ -253,10 +253,11 @@ def _follows(data: np.ndarray, state: dict[str, np.ndarray]) -> bool:
 
 
 def block_checksum(block) -> str:
-    """The checksum of a hand-off block's bytes: its KV data, then its state (a hybrid's)."""
+    """The checksum of a hand-off block's bytes: its KV data, then 8-bit KV's scales and its state
+    (a hybrid's)."""
     digest = Digest()
     digest.update(block.data)
-    for value in (block.state or {}).values():
+    for value in block.tail():
         digest.update(value)
     return digest.value()
 
@@ -379,18 +380,23 @@ def take(ref: ShmRef, fingerprint: dict[str, Any] | None = None, verify: bool = 
     try:
         b = ref.header["block"]
         dtype = np.dtype(DTYPES.get(b["dtype"], b["dtype"]))
-        row_state = None  # a hybrid's state tensors, after the KV data
+        row_state = scales = None  # a hybrid's state tensors and 8-bit KV's scales, after the KV data
         if ref.cache is not None:
             data = raw
         else:
             kv = int(np.prod(b["shape"])) * dtype.itemsize
-            if kv > raw.nbytes:
+            scales_shape = b.get("scales_shape")
+            after = kv + (0 if scales_shape is None else int(np.prod(scales_shape)) * 4)
+            if after > raw.nbytes:
                 raise KVBlockError(
-                    f"this KV hand-off's {raw.nbytes} bytes cannot hold its KV data of {kv}: the ref is corrupted"
+                    f"this KV hand-off's {raw.nbytes} bytes cannot hold its KV data (and scales) of {after}: the ref "
+                    "is corrupted"
                 )
             data = raw[:kv].view(dtype).reshape(b["shape"])
-            row_state = split_state(ref.header, raw[kv:])
-        handoff = Handoff.from_parts(ref.header, data, row_state)  # reads no data
+            if scales_shape is not None:
+                scales = raw[kv:after].view(np.float32).reshape(scales_shape)
+            row_state = split_state(ref.header, raw[after:])
+        handoff = Handoff.from_parts(ref.header, data, row_state, scales)  # reads no data
         if fingerprint is not None:
             handoff.block.check_compatible(fingerprint)
         algorithm = algorithm_of(ref.checksum)

@@ -74,11 +74,11 @@ class KVTransfer:
         if view and states:
             raise ValueError("export_kv(view=True) lends KV positions only; this artifact's rows also keep a state")
         scaled = getattr(self.cache, "scales", None) is not None
-        if scaled and (out is not None or view):
+        if scaled and view:
             raise ValueError(
-                "export_kv: this artifact's KV cache is 8-bit with per-row scales (--kv-dtype int8), and an export "
-                "into caller memory (out=) or as a view of the row (view=True: shared-memory hand-offs, lent rows) "
-                "does not carry the scales yet; export by copy (neither), or recompile with --kv-dtype float"
+                "export_kv(view=True) lends a row's KV positions only, and this artifact's KV cache is 8-bit with "
+                "per-row scales (--kv-dtype int8) that a view does not carry; export by copy (into out= for shared "
+                "memory)"
             )
         nbytes = self.kv_nbytes(len(ids))
         if out is not None:
@@ -99,9 +99,15 @@ class KVTransfer:
                     f"positions [{start}, {stop}) of cache row {row} cannot carry its state, which is valid at "
                     f"position {held} only" + ("" if states else " (this artifact keeps no state)")
                 )
-            kv_out = None if out is None else out[: nbytes - self.manifest.layout.state_row_bytes()]
-            if kv_out is not None:
-                kv_out = kv_out.view(self.cache.buffer.dtype).reshape(self._kv_shape(len(ids)))
+            # out's bytes: the KV data, 8-bit KV's scales, then the state (KVBlock.tail's order)
+            kv_out = scales_out = None
+            if out is not None:
+                shape = self._kv_shape(len(ids))
+                kv_bytes = int(np.prod(shape)) * self.cache.buffer.dtype.itemsize
+                kv_out = out[:kv_bytes].view(self.cache.buffer.dtype).reshape(shape)
+                if scaled:
+                    scales_out = out[kv_bytes : kv_bytes + int(np.prod(shape[:4])) * 4].view(np.float32)
+                    scales_out = scales_out.reshape(shape[:4])
             if view:
                 data = self.cache.view_positions(row, start, stop)
                 if digest is not None:
@@ -109,9 +115,12 @@ class KVTransfer:
             else:
                 each = None if digest is None else digest.update
                 data = self.cache.read_positions(row, start, stop, out=kv_out, each=each)
+            scales = self.cache.read_scales(row, start, stop, out=scales_out) if scaled else None
+            if scales is not None and digest is not None:
+                digest.update(scales)  # after the data, before the state: the order import_kv's checksum reads
             state = None
             if carry:
-                state, at = {}, data.nbytes
+                state, at = {}, data.nbytes + (0 if scales is None else scales.nbytes)
                 for name, buffer in states.items():
                     piece = buffer[row]
                     if out is None:
@@ -122,9 +131,6 @@ class KVTransfer:
                         at += piece.nbytes
                     if digest is not None:
                         digest.update(state[name])
-            scales = self.cache.read_scales(row, start, stop) if scaled else None
-            if scales is not None and digest is not None:
-                digest.update(scales)  # after the data: what import_kv's checksum reads in the same order
         return KVBlock(self.kv_fingerprint, int(start), tuple(ids), data, state=state, scales=scales)
 
     def check_kv(self, block: KVBlock, state_follows: bool = False) -> None:

@@ -236,6 +236,60 @@ def test_in_process_hand_off_resumes_with_the_colocated_tokens(llama_int8_artifa
     assert result.token_ids == expected and result.token_ids[0] == handoff.first_token
 
 
+def test_a_hand_off_through_shared_memory_carries_the_scales(llama_int8_artifact, int8):
+    """A prefill scheduler exporting into a shared-memory arena (a disaggregated prefill worker's
+    way): the block's data, scales and checksum lie in one slot, taken without a copy on the
+    other side and resumed with the colocated tokens; a hand-off in a segment of its own whose
+    scales were corrupted in transit is refused by its checksum."""
+    from kvforge.runtime.kv import shm
+
+    expected = int8.generate([PROMPTS[0]], 10)[0].token_ids
+    alloc = shm.SegmentAllocator(arena_bytes=2**20)
+    try:
+        with Engine.load(llama_int8_artifact, prefix_cache=0) as decode:
+            with int8.scheduler(block_alloc=alloc) as sp:
+                handoff = sp.submit(PROMPTS[0], 10, hand_off=True).result(timeout=60).handoff
+            ref = alloc.put(handoff)  # exported into the arena: no copy
+            assert ref.slot is not None and ref.nbytes == int8.kv_nbytes(len(PROMPTS[0]))
+            taken = shm.take(ref, decode.kv_fingerprint, verify=False)
+            np.testing.assert_array_equal(taken.block.scales, handoff.block.scales)
+            with decode.scheduler() as sd:
+                result = sd.resume(taken).result(timeout=60)
+            assert result.token_ids == expected
+            own = shm.put(handoff)  # copied into a segment of its own: data, then scales
+            with open(shm.SHM_DIR / own.name, "r+b") as f:
+                f.seek(handoff.block.data.nbytes)
+                first = f.read(1)
+                f.seek(handoff.block.data.nbytes)
+                f.write(bytes([first[0] ^ 0xFF]))
+            with pytest.raises(KVBlockError, match=r"does not match its \w+ checksum: the data was corrupted"):
+                shm.take(own, decode.kv_fingerprint)
+    finally:
+        alloc.close()
+
+
+def test_the_disaggregated_server_hands_8bit_kv_from_prefill_to_decode(llama_int8_artifact, int8):
+    import httpx
+
+    from kvforge.tools.serve.disagg.router import DisaggServer
+    from tests.helpers import KEY
+    from tests.tools.test_serve import metric, serving
+
+    expected = int8.generate([PROMPTS[0], PROMPTS[1]], 10)
+    # lend_rows defaults to on: an 8-bit cache's prefill worker exports into its arena instead
+    server = DisaggServer.load(
+        llama_int8_artifact, threads_per_worker=1, model_name="int8", prefill_workers=1, decode_workers=1
+    )
+    with serving(server) as url:
+        headers = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "int8", "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 10, "temperature": 0}
+        answer = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert [c["text"] for c in answer.json()["choices"]] == [e.text for e in expected]
+        metrics = httpx.get(url + "/metrics", headers=headers).text
+    assert metric(metrics, "kvforge_handoffs_total") >= 1
+
+
 # ------------------------------------------------------------------ refusals
 
 
@@ -250,7 +304,7 @@ def test_block_of_the_other_kv_dtype_is_refused(int8, floats):
     int8_block = int8.export_kv(0, PROMPTS[0])
     with pytest.raises(KVBlockError, match=r"holds 8-bit \(int8 with per-row scales\) KV, .* is float"):
         floats.import_kv(int8_block, 1)
-    with pytest.raises(ValueError, match=r"into caller memory \(out=\) or as a view of the row"):
+    with pytest.raises(ValueError, match=r"export_kv\(view=True\) lends a row's KV positions only, .* scales"):
         int8.export_kv(0, PROMPTS[0], view=True)
 
 

@@ -138,7 +138,7 @@ def _system_cache_point(server: ModelServer, messages: list[dict], tools, req, i
     refuses a conversation without a user turn) no point, and the request runs as any other."""
     pool = getattr(server.engine, "prefix_pool", None)
     lead = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")), len(messages))
-    if pool is None or not pool.needs_state or not 0 < lead < len(messages):
+    if not getattr(pool, "needs_state", False) or not 0 < lead < len(messages):  # a router's pools: none
         return ()
     try:
         kwargs = _template_kwargs(req)

@@ -60,7 +60,7 @@ class RayRef:
 
     name: str
     header: dict[str, Any]
-    block: Any  # ray.ObjectRef of (the block's [L, 2, H_kv, n, D] array, its state dict or None)
+    block: Any  # ray.ObjectRef of (the block's [L, 2, H_kv, n, D] array, its state dict or None, its scales or None)
     nbytes: int
     slot: None = None
 
@@ -119,7 +119,7 @@ class _Role:
             started = time.perf_counter()
             handoff = result.handoff
             # the numpy arrays into the object store: the KV, and a hybrid's state (None: KV only)
-            block = ray.put((handoff.block.data, handoff.block.state))
+            block = ray.put((handoff.block.data, handoff.block.state, handoff.block.scales))
             ref = RayRef(f"ray-{secrets.token_hex(6)}", handoff.header(), block, handoff.nbytes)
             payload = {"ref": ref, "nbytes": ref.nbytes, "export_s": time.perf_counter() - started}
             yield WorkerEvent(HANDOFF, seq, payload)
@@ -166,9 +166,9 @@ class DecodeRole(_Role):
             return
         try:
             started = time.perf_counter()
-            data, state = await ref.block  # read-only; zero-copy from this node's object store
-            handle = self.scheduler.resume(Handoff.from_parts(ref.header, data, state))  # KVBlockError: foreign
-            del data, state
+            data, state, scales = await ref.block  # read-only; zero-copy from this node's object store
+            handle = self.scheduler.resume(Handoff.from_parts(ref.header, data, state, scales))  # KVBlockError: foreign
+            del data, state, scales
             yield WorkerEvent("resumed", seq, {"import_s": time.perf_counter() - started})
             async for event in self._chunks(seq, handle):
                 yield event

@@ -52,9 +52,10 @@ def main(conn, spec: WorkerSpec) -> None:
     try:
         # A decode worker's prefix cache holds the rows it finished (a chat's previous turn), which the
         # router may send the next turn to directly (the prefill of its short rest runs there).
-        # The cache in shared memory: hand-offs lend their rows; not for a hybrid artifact (a lent row
-        # carries KV only, its state is exported with the KV into the arena instead).
-        lend = spec.role == PREFILL and spec.lend_rows and not read_manifest(spec.artifact_dir).layout.has_state
+        # The cache in shared memory: hand-offs lend their rows; not for a hybrid artifact nor an 8-bit KV
+        # cache (a lent row carries KV only: the state, or the scales, are exported with it into the arena).
+        layout = read_manifest(spec.artifact_dir).layout
+        lend = spec.role == PREFILL and spec.lend_rows and not layout.has_state and not layout.quantized_kv
         engine = Engine.load(spec.artifact_dir, threads=spec.threads, prefix_cache=spec.prefix_cache, kv_shared=lend)
     except Exception as e:
         conn.send(WorkerEvent("failed", None, f"{type(e).__name__}: {e}"))
