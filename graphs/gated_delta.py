@@ -60,6 +60,32 @@ def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _chunked(seq: int, size: int, *xs: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """``chunk = min(seq, size)`` and each ``x (B, H, S, *)`` zero padded to whole chunks and
+    reshaped to ``(B, H, N, chunk, *)`` (``[B, H, S]`` to ``(B, H, N, chunk)``)."""
+    chunk = min(seq, size)
+    chunks = -(-seq // chunk)
+    pad = chunks * chunk - seq
+    out = []
+    for x in xs:
+        widths = (0, 0, 0, pad) if x.dim() == 4 else (0, pad)
+        out.append(F.pad(x, widths).reshape(*x.shape[:2], chunks, chunk, *x.shape[3:]))
+    return chunk, out
+
+
+def _pass_state(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, seq: int):
+    """The state passing from chunk to chunk that both rules end with (ONNX: one ``Scan``):
+    per-chunk tensors ``(B, H, N, C, *)``, ``chunk_decay (B, H, N, 1 or Dk, 1)`` -> ``(output
+    [B, H, S, Dv], final state)``."""
+    batch, heads, chunks, chunk, dv = new_values.shape
+    outputs = []
+    for i in range(chunks):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state  # (B, H, C, Dv)
+        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    return torch.stack(outputs, 2).reshape(batch, heads, chunks * chunk, dv)[:, :, :seq], state
+
+
 def chunked_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -73,13 +99,7 @@ def chunked_rule(
     query/key ``[B, H, S, Dk]`` (L2-normalized, the query scaled by ``Dk**-0.5``, heads already
     repeated to the value heads), value ``[B, H, S, Dv]``, g ``[B, H, S]`` (log decay, <= 0), beta
     ``[B, H, S]``, state ``[B, H, Dk, Dv]``. Returns ``(output [B, H, S, Dv], final state)``."""
-    batch, heads, seq, _ = key.shape
-    dv = value.shape[-1]
-    chunk = min(seq, CHUNK)
-    chunks = -(-seq // chunk)
-    pad = chunks * chunk - seq
-    q, k, v = (F.pad(x, (0, 0, 0, pad)).reshape(batch, heads, chunks, chunk, -1) for x in (query, key, value))
-    g, beta = (F.pad(x, (0, pad)).reshape(batch, heads, chunks, chunk) for x in (g, beta))  # (B, H, N, C)
+    chunk, (q, k, v, g, beta) = _chunked(key.shape[2], CHUNK, query, key, value, g, beta)  # g, beta (B, H, N, C)
 
     cum = g.cumsum(-1)  # (B, H, N, C): log decay from the chunk's start through each position
     idx = torch.arange(chunk, device=key.device)
@@ -94,14 +114,7 @@ def chunked_rule(
     q_decayed = q * cum.exp()[..., None]
     k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
-
-    outputs = []
-    for i in range(chunks):  # the state passes from chunk to chunk (ONNX: Scan)
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state  # (B, H, C, Dv)
-        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
-    output = torch.stack(outputs, 2).reshape(batch, heads, chunks * chunk, dv)[:, :, :seq]
-    return output, state
+    return _pass_state(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, key.shape[2])
 
 
 @torch.library.custom_op("kvforge::gated_delta_rule", mutates_args=())
@@ -146,13 +159,7 @@ def chunked_kda_rule(
     exponent ``<= 0`` (no ``exp(-cum)`` factor that overflows when a gate forgets hard). Chunks of
     ``min(S, KDA_CHUNK)`` keep that tensor small; across chunks the same state passing as the
     per-head rule's, the chunk's decay a ``[Dk, 1]`` column."""
-    batch, heads, seq, _ = key.shape
-    dv = value.shape[-1]
-    chunk = min(seq, KDA_CHUNK)
-    chunks = -(-seq // chunk)
-    pad = chunks * chunk - seq
-    q, k, v, g = (F.pad(x, (0, 0, 0, pad)).reshape(batch, heads, chunks, chunk, -1) for x in (query, key, value, g))
-    beta = F.pad(beta, (0, pad)).reshape(batch, heads, chunks, chunk)  # (B, H, N, C)
+    chunk, (q, k, v, g, beta) = _chunked(key.shape[2], KDA_CHUNK, query, key, value, g, beta)  # beta (B, H, N, C)
 
     cum = g.cumsum(-2)  # (B, H, N, C, Dk): per channel, log decay from the chunk's start
     idx = torch.arange(chunk, device=key.device)
@@ -169,14 +176,7 @@ def chunked_kda_rule(
     q_decayed = q * cum.exp()
     k_decayed = k * (cum[..., -1:, :] - cum).exp()
     chunk_decay = cum[..., -1, :].exp()[..., None]  # (B, H, N, Dk, 1)
-
-    outputs = []
-    for i in range(chunks):  # the state passes from chunk to chunk (ONNX: Scan)
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state  # (B, H, C, Dv)
-        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
-    output = torch.stack(outputs, 2).reshape(batch, heads, chunks * chunk, dv)[:, :, :seq]
-    return output, state
+    return _pass_state(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, key.shape[2])
 
 
 @torch.library.custom_op("kvforge::kda_rule", mutates_args=())

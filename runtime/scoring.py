@@ -134,7 +134,7 @@ def score_next(engine: StepEngine, job: ScoreJob, first: int, free: int, chunk: 
         for b, ids in enumerate(group):
             lps, ranks, tops = position_scores(logits[b], ids[1:], job.top)
             job.results.append(PromptScores(ids, [None, *lps], [None, *ranks], [[], *tops]))
-            _offer(engine, ids, first + b)
+            _offer(engine, ids, first + b, logits[b, len(ids) - 1])
         job.done += len(group)
         return
     ids = prompts[0]  # longer than a chunk: alone, chunk after chunk in one row
@@ -147,12 +147,24 @@ def score_next(engine: StepEngine, job: ScoreJob, first: int, free: int, chunk: 
         ranks += part[1]
         tops += part[2]
     job.results.append(PromptScores(ids, [None, *lps], [None, *ranks], [[], *tops]))
-    _offer(engine, ids, first)
+    _offer(engine, ids, first, logits[-1])
     job.done += 1
 
 
-def _offer(engine: StepEngine, ids: list[int], row: int) -> None:
-    """The scored prompt's KV (every position was fed) to the prefix pool, if there is one."""
+def _offer(engine: StepEngine, ids: list[int], row: int, last: np.ndarray) -> None:
+    """The scored prompt's KV (every position was fed) to the prefix pool, if there is one; with
+    states, the snapshot at its end and ``last``, its last position's logits (the same prompt
+    generated from then hits whole)."""
     pool = engine.prefix_pool
-    if pool is not None:
-        pool.offer(ids, lambda start, stop: engine.export_kv(row, ids[start:stop], start=start))
+    if pool is None:
+        return
+
+    def snapshot(start: int):
+        if int(engine.lengths[row]) != len(ids):
+            return None  # the row's state is not at the prompt's end
+        return engine.export_kv(row, ids[start:], start=start, with_state=True)
+
+    def export(start: int, stop: int):
+        return engine.export_kv(row, ids[start:stop], start=start, with_state=False)
+
+    pool.offer(ids, export, snapshot if pool.needs_state else None, last if pool.needs_state else None)

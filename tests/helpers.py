@@ -163,6 +163,20 @@ def check_state_features(artifact, prompt: list[int], turn: list[int], new: int 
 # ------------------------------------------------------------------ checks every stateful family runs
 
 
+def check_prefill_and_decode_logits(engine, reference, prompt: list[int], atol: float, rtol: float, steps: int = 5):
+    """The prefill's logits and ``steps`` greedy decode steps' against transformers' one forward
+    over the prompt and the tokens fed back, within ``atol``/``rtol``."""
+    ours = [engine.prefill([prompt])[0].copy()]
+    tokens = [int(ours[0].argmax())]
+    for _ in range(steps):
+        ours.append(engine.decode([tokens[-1]])[0].copy())
+        tokens.append(int(ours[-1].argmax()))
+    with torch.no_grad():
+        theirs = reference(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].numpy()
+    for step, (got, want) in enumerate(zip(ours, theirs)):
+        assert_close(got, want, atol, rtol, f"step {step}")
+
+
 def check_chunked_prefill(engine, prompt: list[int], cuts, label: str = "") -> None:
     """``prompt`` prefilled in the chunks each of ``cuts`` ends at (a cut is the chunks' stop
     positions, the last one ``len(prompt)``) gives the logits of one prefill, within 1e-5 and the

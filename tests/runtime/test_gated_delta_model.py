@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import onnx
 import pytest
-import torch
 import transformers
 
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from tests.helpers import (
-    assert_close,
     check_chunked_prefill,
     check_greedy_at_both_ends_of_max_seq,
     check_in_flight_batching,
+    check_prefill_and_decode_logits,
     check_state_features,
     hf_greedy,
 )
@@ -62,16 +61,7 @@ def test_manifest_records_both_states_and_one_scan_per_linear_layer(qwen35_artif
 
 
 def test_prefill_and_decode_logits_match_transformers(engine, reference):
-    prompt = PROMPTS[0]
-    ours = [engine.prefill([prompt])[0].copy()]
-    tokens = [int(ours[0].argmax())]
-    for _ in range(5):
-        ours.append(engine.decode([tokens[-1]])[0].copy())
-        tokens.append(int(ours[-1].argmax()))
-    with torch.no_grad():
-        theirs = reference(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].numpy()
-    for step, (got, want) in enumerate(zip(ours, theirs)):
-        assert_close(got, want, ATOL, RTOL, f"step {step}")
+    check_prefill_and_decode_logits(engine, reference, PROMPTS[0], ATOL, RTOL)
 
 
 def test_chunked_prefill_equals_one_shot_prefill(engine):

@@ -173,6 +173,19 @@ def test_the_same_prompt_again_hits_whole_and_prefills_nothing(engine, plain, mo
     assert again.token_ids == a.token_ids == want.token_ids and s_again.token_ids == s.token_ids == s_want.token_ids
 
 
+def test_a_scored_prompt_leaves_a_snapshot_with_its_last_logits(engine, plain):
+    """``score`` on a hybrid offers the scored prompt with the snapshot at its end and its last
+    position's logits: generating that prompt then prefills nothing, a longer one only its rest."""
+    _fresh_pool(engine)
+    with engine.scheduler() as sched:
+        sched.score([PROMPT]).result(timeout=120)
+        whole = sched.submit(PROMPT, max_new_tokens=5, sampling=GREEDY).result(timeout=120)
+        longer = sched.submit([*PROMPT, 40, 41], max_new_tokens=5, sampling=GREEDY).result(timeout=120)
+    assert (whole.cached_tokens, longer.cached_tokens) == (len(PROMPT), len(PROMPT))
+    want = plain.generate([PROMPT, [*PROMPT, 40, 41]], max_new_tokens=5, sampling=GREEDY)
+    assert [whole.token_ids, longer.token_ids] == [w.token_ids for w in want]
+
+
 def test_a_cache_point_leaves_a_snapshot_that_prompts_sharing_it_resume_from(engine, plain):
     """A shared system prompt: without a cache point the next conversation finds nothing (the only
     snapshot is at the first prompt's end); with one at the system prompt's end, the first request's
