@@ -249,8 +249,10 @@ def export_gated_delta_rule(
 
 
 class ExportChunkGatedDeltaRule(torch.nn.Module):
-    """What ``kernels.kernelize`` puts in place of ``torch_chunk_gated_delta_rule``: a stateless layer
-    whose ``forward`` has the signature of the function it replaces (``kernels`` checks it)."""
+    """What ``kernels.kernelize`` puts in place of ``torch_chunk_gated_delta_rule``, and of KDA's
+    ``chunk_kimi_delta_attention``, whose signature is the same (g per key channel, ``[B, S, H, Dk]``:
+    :func:`export_gated_delta_rule` runs :func:`kda_rule` for it): a stateless layer whose ``forward``
+    has the signature of the function it replaces (``kernels`` checks it)."""
 
     can_torch_compile = True
 
@@ -295,30 +297,6 @@ class ExportRecurrentGatedDeltaRule(torch.nn.Module):
         )
 
 
-class ExportChunkKda(torch.nn.Module):
-    """What ``kernels.kernelize`` puts in place of KDA's ``chunk_kimi_delta_attention`` (g per key
-    channel, ``[B, S, H, Dk]``: :func:`export_gated_delta_rule` runs :func:`kda_rule` for it)."""
-
-    can_torch_compile = True
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        chunk_size: int = CHUNK,
-        initial_state: torch.Tensor | None = None,
-        output_final_state: bool = False,
-        use_qk_l2norm_in_kernel: bool = False,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return export_gated_delta_rule(
-            query, key, value, g, beta, chunk_size, initial_state, output_final_state, use_qk_l2norm_in_kernel
-        )
-
-
 class ExportRecurrentKda(torch.nn.Module):
     """What ``kernels.kernelize`` puts in place of KDA's ``recurrent_kimi_delta_attention``."""
 
@@ -348,17 +326,18 @@ _PAIRS = (
         "chunk_gated_delta_rule": ExportChunkGatedDeltaRule,
         "fused_recurrent_gated_delta_rule": ExportRecurrentGatedDeltaRule,
     },
-    {"chunk_kda": ExportChunkKda, "fused_recurrent_kda": ExportRecurrentKda},
+    {"chunk_kda": ExportChunkGatedDeltaRule, "fused_recurrent_kda": ExportRecurrentKda},
 )
 
 
 def use_export_kernels(model: torch.nn.Module) -> None:
     """Swap the delta rule kernels of every linear-attention layer of ``model`` (a CPU model loaded
     for export, with at least one such layer: Gated DeltaNet's or KDA's) for kvforge's
-    (:class:`ExportChunkGatedDeltaRule` and :class:`ExportRecurrentGatedDeltaRule`, or their KDA
-    twins), through the ``kernels`` package's mapping and ``kernelize`` (the extension point
-    transformers registers them with). Only ``model``'s own kernel wrappers change: another instance
-    of the family (the parity reference) keeps transformers' kernels."""
+    (:class:`ExportChunkGatedDeltaRule` for either chunked rule, :class:`ExportRecurrentGatedDeltaRule`
+    or :class:`ExportRecurrentKda` for the one-token step), through the ``kernels`` package's mapping
+    and ``kernelize`` (the extension point transformers registers them with). Only ``model``'s own
+    kernel wrappers change: another instance of the family (the parity reference) keeps
+    transformers' kernels."""
     counts = kernel_swap.kernelize(model, {name: layer for pair in _PAIRS for name, layer in pair.items()})
     swapped = [all(counts[name] for name in pair) for pair in _PAIRS]
     partly = [any(counts[name] for name in pair) and not whole for pair, whole in zip(_PAIRS, swapped)]
