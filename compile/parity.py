@@ -93,6 +93,28 @@ def reference(model: torch.nn.Module, dims: Dims) -> Reference:
     return Reference(tokens, np.ascontiguousarray(logits[PROMPT_TOKENS - 1 :]))
 
 
+def weight_cast_order(ort: Any, graph_file: str) -> Any:
+    """The node order that keeps a float16 graph's weight casts short-lived on the CPU provider.
+
+    The CPU provider runs most float16 nodes in float32 and casts each weight in a Cast node of
+    its own, whose output lives from that node to its consumer. Cast nodes of weights depend on
+    nothing, so the order decides how many float32 copies live at once (all of them: 2x the
+    float16 weights on top of their mapped pages; 25 GB at 7B):
+
+    * a graph as exported (``prefill.onnx``): ORT inserts the casts as it loads it, after every
+      node of the file. The priority order (ready nodes by index) runs each just before its
+      consumer; the default order (reverse depth-first) ran them all first. Measured on a 12-layer
+      float16 Llama: RSS grew by 1.16x the weights against 2.77x.
+    * a graph ORT optimized offline (``.ort.onnx``): the casts are saved at the front of the file,
+      so the priority order would run them first (3.2x), the default one beside their consumers
+      (1.3-1.5x).
+
+    float32 and int4 graphs have no weight casts; either order serves them."""
+    if graph_file.endswith(".ort.onnx"):
+        return ort.ExecutionOrder.DEFAULT
+    return ort.ExecutionOrder.PRIORITY_BASED
+
+
 def measure(
     out_dir: Path,
     graph_file: str,
@@ -117,6 +139,7 @@ def measure(
     # go back as each node ends), one thread (see reference()).
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.execution_order = weight_cast_order(ort, graph_file)
     options.enable_cpu_mem_arena = False
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(out_dir / graph_file), options, providers=["CPUExecutionProvider"])
