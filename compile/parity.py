@@ -140,6 +140,7 @@ def measure(
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.execution_order = weight_cast_order(ort, graph_file)
+    options.add_session_config_entry("session.set_denormal_as_zero", "1")  # as the runtime computes (OrtOptions)
     options.enable_cpu_mem_arena = False
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(out_dir / graph_file), options, providers=["CPUExecutionProvider"])

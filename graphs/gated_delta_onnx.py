@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from onnxscript import FLOAT, graph, ir, script, values
 
-from kvforge.graphs.gated_delta import CHUNK, KDA_CHUNK, KDA_LEVELS, LEVELS
+from kvforge.graphs.gated_delta import CHUNK, KDA_CHUNK, KDA_LEVELS, LEVELS, LOG_DECAY_FLOOR
 
 op = values.Opset("", 24)
 # The function's ops: the exporter builds at opset 18 and converts the model to 24 after inlining
@@ -105,6 +105,16 @@ def _chunks(key, size: int):
     return seq, chunk, chunked
 
 
+def _decay(log_decay):
+    """``gated_delta.decay``: ``Exp(Max(x, LOG_DECAY_FLOOR))``, never a denormal."""
+    return op.Exp(op.Max(log_decay, _scalar(LOG_DECAY_FLOOR)))
+
+
+def _masked_decay(mask, log_decay):
+    """``exp(log_decay)`` floored where ``mask`` holds, 0 elsewhere."""
+    return op.Where(mask, _decay(log_decay), _scalar(0.0))
+
+
 def _positions(chunk):
     """``(rows (C, 1), cols (1, C))``: a chunk's position indices, to build its masks."""
     idx = op.Range(op.Constant(value_int=0), op.Squeeze(chunk, _ints(0)), op.Constant(value_int=1))  # (C,)
@@ -139,21 +149,21 @@ def gated_delta_rule(query, key, value, g, beta, state):
     cum = op.CumSum(g, _ints(-1))  # (B, H, N, C): log decay from the chunk's start
     rows, cols = _positions(chunk)  # (C, 1), (1, C)
     diff = op.Sub(op.Unsqueeze(cum, _ints(-1)), op.Unsqueeze(cum, _ints(-2)))  # (B, H, N, C, C): cum_i - cum_j
-    pairwise = op.Exp(op.Where(op.GreaterOrEqual(rows, cols), diff, _scalar(float("-inf"))))
+    pairwise = _masked_decay(op.GreaterOrEqual(rows, cols), diff)
     beta = op.Unsqueeze(beta, _ints(-1))  # (B, H, N, C, 1)
     k_beta = op.Mul(k, beta)
     k_t = op.Transpose(k, perm=[0, 1, 2, 4, 3])  # (B, H, N, Dk, C)
     strict = op.Where(op.Greater(rows, cols), op.Mul(op.MatMul(k_beta, k_t), pairwise), zero)
     t = _unit_lower_inverse(strict, rows, cols, LEVELS)
 
-    exp_cum = op.Unsqueeze(op.Exp(cum), _ints(-1))  # (B, H, N, C, 1)
+    exp_cum = op.Unsqueeze(_decay(cum), _ints(-1))  # (B, H, N, C, 1)
     new_values = op.MatMul(t, op.Mul(v, beta))  # (B, H, N, C, Dv)
     k_cumdecay = op.MatMul(t, op.Mul(k_beta, exp_cum))  # (B, H, N, C, Dk)
     intra = op.Mul(op.MatMul(q, k_t), pairwise)  # (B, H, N, C, C)
     q_decayed = op.Mul(q, exp_cum)
     last = op.Slice(cum, _ints(-1), _ints(2**62), _ints(-1))  # (B, H, N, 1): the chunk's whole log decay
-    k_decayed = op.Mul(k, op.Unsqueeze(op.Exp(op.Sub(last, cum)), _ints(-1)))
-    chunk_decay = op.Unsqueeze(op.Exp(last), _ints(-1))  # (B, H, N, 1, 1)
+    k_decayed = op.Mul(k, op.Unsqueeze(_decay(op.Sub(last, cum)), _ints(-1)))
+    chunk_decay = op.Unsqueeze(_decay(last), _ints(-1))  # (B, H, N, 1, 1)
 
     final, outputs = chunk_scan(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay)
     output = op.Reshape(outputs, _ints(0, 0, -1, dv))  # (B, H, N*C, Dv)
@@ -173,7 +183,7 @@ def kda_rule(query, key, value, g, beta, state):
     rows, cols = _positions(chunk)  # (C, 1), (1, C)
     diff = op.Sub(op.Unsqueeze(cum, _ints(-2)), op.Unsqueeze(cum, _ints(-3)))  # (B, H, N, C, C, Dk)
     lower = op.Unsqueeze(op.GreaterOrEqual(rows, cols), _ints(-1))  # (C, C, 1)
-    decay = op.Exp(op.Where(lower, diff, _scalar(float("-inf"))))  # (B, H, N, C, C, Dk), 0 above the diagonal
+    decay = _masked_decay(lower, diff)  # (B, H, N, C, C, Dk), 0 above the diagonal
     k_j = op.Unsqueeze(k, _ints(-3))  # (B, H, N, 1, C, Dk)
     k_beta = op.Mul(k, beta)
     weighted = op.Mul(decay, k_j)  # (B, H, N, C, C, Dk): key j decayed to position i, per channel
@@ -184,14 +194,14 @@ def kda_rule(query, key, value, g, beta, state):
     )  # (B, H, N, C, C)
     t = _unit_lower_inverse(strict, rows, cols, KDA_LEVELS)
 
-    exp_cum = op.Exp(cum)  # (B, H, N, C, Dk)
+    exp_cum = _decay(cum)  # (B, H, N, C, Dk)
     new_values = op.MatMul(t, op.Mul(v, beta))  # (B, H, N, C, Dv)
     k_cumdecay = op.MatMul(t, op.Mul(k_beta, exp_cum))  # (B, H, N, C, Dk)
     intra = op.ReduceSum(op.Mul(op.Unsqueeze(q, _ints(-2)), weighted), _ints(-1), keepdims=0)  # (B, H, N, C, C)
     q_decayed = op.Mul(q, exp_cum)
     last = op.Slice(cum, _ints(-1), _ints(2**62), _ints(-2))  # (B, H, N, 1, Dk): the chunk's whole log decay
-    k_decayed = op.Mul(k, op.Exp(op.Sub(last, cum)))
-    chunk_decay = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # (B, H, N, Dk, 1)
+    k_decayed = op.Mul(k, _decay(op.Sub(last, cum)))
+    chunk_decay = op.Transpose(_decay(last), perm=[0, 1, 2, 4, 3])  # (B, H, N, Dk, 1)
 
     final, outputs = chunk_scan(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay)
     output = op.Reshape(outputs, _ints(0, 0, -1, dv))  # (B, H, N*C, Dv)

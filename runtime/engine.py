@@ -197,6 +197,7 @@ class StepEngine(KVTransfer):
         speculative: object = None,
         draft: str | Path | None = None,
         kv_shared: bool = False,
+        flush_denormals: bool = True,
     ) -> StepEngine:
         """Load an artifact on ONNX Runtime's CPU provider, or on a GPU.
 
@@ -206,7 +207,8 @@ class StepEngine(KVTransfer):
         (or TensorRT, or ORT's CUDA provider) they raise
         :class:`kvforge.graphs.environment.DeviceUnavailableError` naming what is missing.
 
-        ``threads``, ``spin``, ``prepack``, ``optimized``, ``mem_pattern``: ONNX Runtime session settings, see
+        ``threads``, ``spin``, ``prepack``, ``optimized``, ``mem_pattern``, ``flush_denormals``: ONNX Runtime
+        session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
         the weights into its kernels' layout, once per session). ``spin_stop`` (None: on with a
         ``draft`` model, for both engines, which take turns on the same cores; off otherwise): the
@@ -245,6 +247,7 @@ class StepEngine(KVTransfer):
             ("prepack", prepack),
             ("optimized", optimized),
             ("mem_pattern", mem_pattern),
+            ("flush_denormals", flush_denormals),
         ]:
             check.flag(name, value)
         if spin_stop is not None:
@@ -298,6 +301,7 @@ class StepEngine(KVTransfer):
             prepack=prepack,
             optimized=optimized,
             mem_pattern=mem_pattern,
+            flush_denormals=flush_denormals,
         )
         use_ort = {name for name, g in manifest.graphs.items() if optimized and g.ort_file}
         graph_files = {name: root / (g.ort_file if name in use_ort else g.file) for name, g in manifest.graphs.items()}
@@ -322,6 +326,7 @@ class StepEngine(KVTransfer):
                         prepack=prepack,
                         optimized=optimized,
                         verify=verify,
+                        flush_denormals=flush_denormals,
                     )
                 engine.enable_speculative(spec, drafter)
             except BaseException:

@@ -48,6 +48,14 @@ class OrtOptions:
     profile: a file prefix: ORT's profiler records every node of every run
         (``SessionOptions.enable_profiling``; ``session.end_profiling()`` writes the JSON and says
         where). Off by default; ``benchmarks/prefill_profile.py`` turns it on.
+    flush_denormals: compute with denormal floats flushed to zero (ORT's
+        ``session.set_denormal_as_zero``: the FTZ/DAZ flags of the session's pool threads and, in
+        the process's first session only, of the thread that creates it, which runs its share of
+        each call). A denormal operand costs the CPU ~100x a normal one; the recurrent families'
+        decays make them (the delta rules floor their decays in the graph,
+        ``gated_delta.LOG_DECAY_FLOOR``; Mamba's do not). Values under 1.2e-38 are too small to
+        move a logit. On by default; the flags stay on the loading thread, so numpy and torch
+        there flush denormals too; ``False`` leaves every flag as it is.
     """
 
     threads: int | None = None
@@ -59,6 +67,7 @@ class OrtOptions:
     profile: str | None = None
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     log_severity: int = 3  # errors only
+    flush_denormals: bool = True
 
 
 @dataclass
@@ -129,6 +138,8 @@ class OrtBackend:
         if not options.prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
         so.enable_mem_pattern = options.mem_pattern
+        if options.flush_denormals:
+            so.add_session_config_entry("session.set_denormal_as_zero", "1")
         if options.profile is not None:
             so.enable_profiling, so.profile_file_prefix = True, options.profile
         if name in self.preoptimized:

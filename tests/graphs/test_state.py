@@ -120,6 +120,73 @@ def test_chunked_gated_delta_rule_equals_transformers_kernels(seq):
         torch.testing.assert_close(state, final, atol=2e-5, rtol=2e-5)
 
 
+def _hard_gate_inputs(seq=130):
+    """Gates of Qwen3.5's range (-A * softplus: A = exp(A_log) up to 16): half the heads forget
+    ~20 nats a token, so a chunk's cumulative decay passes exp's denormal range (-87..-103)."""
+    q, k, v, decay, beta, initial = _delta_rule_inputs(s=seq)
+    decay[..., ::2] = -20.0 * torch.rand(decay[..., ::2].shape, generator=torch.Generator().manual_seed(3)) - 1.0
+    return q, k, v, decay, beta, initial
+
+
+def test_decays_are_floored_above_the_denormals_and_the_rule_stays_exact(tmp_path):
+    """``gated_delta.decay`` never returns a denormal (the CPU computes with them ~100x slower):
+    exp(x) for x >= LOG_DECAY_FLOOR, exp(floor) below it, 0 for -inf. With gates that forget hard,
+    the unfloored cumulative decays are denormal in places; kvforge's rule (torch, and its ONNX
+    translation in ONNX Runtime) still equals transformers' chunked and recurrent kernels."""
+    import numpy as np
+    import onnxruntime as ort
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    from kvforge.graphs import gated_delta, gated_delta_onnx
+
+    tiny = float(np.finfo(np.float32).tiny)
+    x = torch.tensor([-1000.0, -100.0, -87.5, -60.0, -1.0, 0.0, float("-inf")])
+    got = gated_delta.decay(x)
+    assert not ((got > 0) & (got < tiny)).any()
+    torch.testing.assert_close(got[3:6], x[3:6].exp())
+    assert torch.all(got[:3] == torch.tensor(gated_delta.LOG_DECAY_FLOOR).exp()) and got[6] == 0
+
+    q, k, v, decay, beta, initial = _hard_gate_inputs()
+    cum = torch.nn.functional.pad(decay.transpose(1, 2), (0, 62)).unflatten(-1, (-1, 64)).cumsum(-1)
+    unfloored = cum.exp()
+    assert ((unfloored > 0) & (unfloored < tiny)).any()  # the inputs reach the denormals
+    kwargs = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours, state = gated_delta.export_gated_delta_rule(q, k, v, decay, beta, **kwargs)
+    for kernel in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule):
+        expected, final = kernel(q, k, v, decay, beta, **kwargs)
+        torch.testing.assert_close(ours, expected, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(state, final, atol=2e-5, rtol=2e-5)
+
+    # The ONNX translation, on the op's own inputs ([B, H, S, D], heads repeated, L2-normalized).
+    def norm(t):
+        return torch.nn.functional.normalize(t, dim=-1).transpose(1, 2)
+
+    qh, kh = (norm(t).repeat_interleave(2, 1) for t in (q, k))
+    qh = qh * q.shape[-1] ** -0.5
+    args = (qh, kh, v.transpose(1, 2), decay.transpose(1, 2), beta.transpose(1, 2), initial)
+
+    class Rule(torch.nn.Module):
+        def forward(self, query, key, value, g, beta, state):
+            return torch.ops.kvforge.gated_delta_rule(query, key, value, g, beta, state)
+
+    seq = torch.export.Dim("seq", min=1, max=256)
+    shapes = ({2: seq}, {2: seq}, {2: seq}, {2: seq}, {2: seq}, None)
+    program = torch.export.export(Rule(), args, dynamic_shapes=shapes)
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, opset_version=24, custom_translation_table=gated_delta_onnx.translation_table()
+    )
+    path = tmp_path / "rule.onnx"
+    onnx_program.save(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out, final = session.run(None, dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in args])))
+    expected, expected_final = torch_chunk_gated_delta_rule(q, k, v, decay, beta, **kwargs)
+    np.testing.assert_allclose(out.transpose(0, 2, 1, 3), expected.numpy(), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(final, expected_final.numpy(), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_block_forward_substitution_inverts_a_unit_lower_triangular_matrix(chunk):
     from kvforge.graphs.gated_delta import unit_lower_inverse

@@ -51,3 +51,37 @@ def test_mem_pattern_flag_sets_the_session_option(llama_artifact):
             session = engine.backend.session("prefill")
             assert session.get_session_options().enable_mem_pattern is flag
             assert engine.generate([[1, 2, 3]], max_new_tokens=3)[0].token_ids  # it runs
+
+
+_DENORMALS_CHILD = r"""
+import sys
+import numpy as np
+from kvforge.runtime import Engine
+tiny = np.array([1e-39], np.float32)  # a denormal float32
+kwargs = {} if sys.argv[2] == "default" else {"flush_denormals": False}
+with Engine.load(sys.argv[1], threads=1, **kwargs) as engine:
+    options = engine.backend.session("prefill").get_session_options()
+    try:
+        entry = options.get_session_config_entry("session.set_denormal_as_zero")
+    except RuntimeError:  # ORT: no such entry
+        entry = None
+    tokens = engine.generate([[1, 2, 3]], max_new_tokens=3)[0].token_ids
+    print(entry, float((tiny * np.float32(1.0))[0]), len(tokens))
+"""
+
+
+@pytest.mark.parametrize("mode, entry, product", [("default", "1", 0.0), ("off", None, 1e-39)])
+def test_flush_denormals(llama_artifact, mode, entry, product):
+    """``flush_denormals`` (on by default) sets ORT's ``session.set_denormal_as_zero``, whose FTZ/DAZ
+    flags also stay on the loading thread: there numpy's float32 1e-39 * 1 is then 0. Each mode
+    runs in a process of its own (the flag outlives the engine in its thread)."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _DENORMALS_CHILD, str(llama_artifact), mode], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got_entry, got_product, tokens = done.stdout.split()
+    assert got_entry == str(entry)
+    assert float(got_product) == pytest.approx(product, rel=1e-3, abs=0)
+    assert int(tokens) == 3
