@@ -368,7 +368,10 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
         job = {"ov_dir": str(path), "threads": args.threads, "hints": {}}
         probes[precision] = pg.run_worker(ov_python, "openvino-probe", job, work, SCRIPT)
     quality = None
-    if args.ppl_tokens and "int4" in precisions:
+    if args.ppl_tokens and "int4" in precisions and not (model_dir / "tokenizer.json").exists():
+        # the random 1.39B shape has no tokenizer, and the perplexity of random weights says nothing
+        quality = {"skipped": f"{model} has random weights and no tokenizer: perplexity measures nothing here"}
+    elif args.ppl_tokens and "int4" in precisions:
         artifact = peers.ensure_kvforge_artifact(model_dir, work / f"kvforge-{model}-int4", "int4")
         sides = {
             "kvforge (int4)": ("kvforge", artifact, None),
