@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 # or install torch into the venv first (any installed torch in the supported range is kept).
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.kvforge-installed
-EXTRAS := dev,serve,gguf,structured
+EXTRAS := dev,serve,gguf,structured,openvino
 # The exact versions the suite last passed with (`make lock` writes it from a green environment).
 LOCK   := constraints.txt
 # setuptools' notice that an editable install maps folders onto the package (it always does here:

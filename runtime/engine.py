@@ -198,6 +198,7 @@ class StepEngine(KVTransfer):
         draft: str | Path | None = None,
         kv_shared: bool = False,
         flush_denormals: bool = True,
+        prefill: str = "ort",
     ) -> StepEngine:
         """Load an artifact on ONNX Runtime's CPU provider, or on a GPU.
 
@@ -239,6 +240,11 @@ class StepEngine(KVTransfer):
         CPU only. Only a lending scheduler keeps lent rows out of use (generate, sessions and other
         schedulers do not read the rows' state words; a taker refuses an overwritten row by its
         checksum). :meth:`close` unlinks the segment.
+
+        ``prefill="openvino"`` (CPU, ``pip install 'kvforge[openvino]'``): prefill calls of at least
+        32 tokens run the artifact's prefill graph on OpenVINO's CPU plugin at f32, bound to the same
+        cache; decode steps and shorter calls stay on ORT (:mod:`kvforge.runtime.ov_prefill`: what it
+        refuses, and why it pays for int4 artifacts on CPUs with AMX/VNNI). ``"ort"``: everything on ORT.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
@@ -261,6 +267,15 @@ class StepEngine(KVTransfer):
                 "both must be strings (device 'cpu' or 'cuda', backend 'ort' or 'tensorrt')"
             )
         backends.check_choice(device, backend)
+        if prefill not in ("ort", "openvino"):
+            raise check.InvalidValue(f"prefill={check.short_repr(prefill)} is not accepted: 'ort' or 'openvino'")
+        if prefill == "openvino" and (device != "cpu" or speculative is not None):
+            why = (
+                f"device={device!r}" if device != "cpu" else "speculative decoding runs every call on the verify graph"
+            )
+            raise ValueError(
+                f"prefill='openvino' runs the prefill graph on the CPU, and {why}; load it with prefill='ort'"
+            )
         budget = parse_bytes(DEFAULT_PREFIX_CACHE if prefix_cache is None and device == "cpu" else prefix_cache or 0)
         if budget and device == "cuda":
             raise ValueError(
@@ -312,6 +327,11 @@ class StepEngine(KVTransfer):
         step = "verify" if spec is not None else "prefill"
         lazy = tuple(name for name in graph_files if name != step)
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
+        if prefill == "openvino":
+            from kvforge.runtime import ov_prefill
+
+            ov_prefill.check_artifact(manifest)
+            backend.long_prefill = ov_prefill.OpenVinoPrefill(root / manifest.graphs["prefill"].file, threads)
         engine = cls(root, manifest, backend, decode_graph=step if one_session else "decode", kv_shared=kv_shared)
         engine.prefix_pool = PrefixPool(budget, needs_state=manifest.layout.has_state) if budget else None
         if spec is not None:

@@ -116,6 +116,7 @@ class OrtBackend:
         self.embedding_rows: dict[tuple[str, int, int], EmbeddingRows] = {}
         self._rows_of: dict[str, list[EmbeddingRows]] = {}
         self._rows_lock = threading.Lock()
+        self.long_prefill = None  # an OpenVinoPrefill that runs prefill calls of many tokens (Engine.load)
         for name in graph_files:
             if name not in lazy:
                 self.session(name)
@@ -209,7 +210,10 @@ class OrtBackend:
         return [o.name for o in self.session(graph).get_outputs()]
 
     def bind(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> Binding:
-        """Bind contiguous arrays by name. Outputs are written into the given arrays."""
+        """Bind contiguous arrays by name. Outputs are written into the given arrays. A prefill call
+        of many tokens is bound to the OpenVINO prefill when the engine has one."""
+        if self.long_prefill is not None and self.long_prefill.wants(graph, inputs):
+            return self.long_prefill.bind(graph, inputs, outputs)
         binding = self.session(graph).io_binding()
         for name, array in inputs.items():
             binding.bind_input(name, "cpu", 0, array.dtype.type, array.shape, _ptr(array))
@@ -218,6 +222,9 @@ class OrtBackend:
         return Binding(graph, binding, {**inputs, **outputs})
 
     def run(self, binding: Binding) -> None:
+        if not isinstance(binding, Binding):  # an OpenVINO prefill's binding
+            self.long_prefill.run(binding)
+            return
         session = self.session(binding.graph)
         tables = self._rows_of.get(binding.graph)
         if tables:
@@ -239,6 +246,9 @@ class OrtBackend:
         return [value.data_ptr() for value in binding.io_binding.get_outputs()]
 
     def close(self) -> None:
+        if self.long_prefill is not None:
+            self.long_prefill.close()
+            self.long_prefill = None
         self.sessions.clear()
         self._weights = None
         for rows in self.embedding_rows.values():

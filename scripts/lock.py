@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "constraints.txt"
-EXTRAS = ("dev", "serve", "gguf", "structured")  # the Makefile's `make setup` set
+EXTRAS = ("dev", "serve", "gguf", "structured", "openvino")  # the Makefile's `make setup` set
 UNPINNED = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")  # the torch build is the user's choice
 
 

@@ -1,0 +1,108 @@
+"""``Engine.load(prefill="openvino")``: prefill calls of many tokens on OpenVINO, decode on ORT, one
+cache. Against the ORT engine and transformers on the tiny Llama (fp32, gqa): logits and the cache
+rows a prefill wrote within fp32 tolerance, greedy tokens equal, ragged batches, a chunked
+continuation, short calls left on ORT, and the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvforge.runtime import Engine
+from kvforge.runtime.ov_prefill import MIN_TOKENS
+from tests.helpers import assert_close, hf_greedy, hf_logits
+
+pytest.importorskip("openvino", reason="the [openvino] extra (make test installs it)")
+
+ATOL, RTOL = 1e-4, 1e-4  # fp32 on both runtimes: summation order only
+RNG = np.random.default_rng(7)
+LONG = [0, *RNG.integers(2, 384, 47).tolist()]  # 48 tokens: over MIN_TOKENS
+SECOND = [0, *RNG.integers(2, 384, 34).tolist()]  # 35 tokens
+
+
+@pytest.fixture(scope="module")
+def engines(llama_artifact):
+    with Engine.load(llama_artifact, prefill="openvino") as ov, Engine.load(llama_artifact) as ort:
+        yield ov, ort
+
+
+def test_a_long_prefill_runs_on_openvino_and_matches_ort_and_transformers(engines, llama_reference):
+    ov, ort = engines
+    assert len(LONG) >= MIN_TOKENS
+    before = ov.backend.long_prefill.calls
+    got, want = ov.prefill([LONG])[0].copy(), ort.prefill([LONG])[0].copy()
+    assert ov.backend.long_prefill.calls == before + 1
+    assert_close(got, want, ATOL, RTOL, "prefill logits, OpenVINO vs ORT")
+    assert_close(got, hf_logits(llama_reference, LONG)[-1], ATOL, RTOL, "prefill logits vs transformers")
+    n = len(LONG)  # the K/V OpenVINO computed are in the engine's own cache, at each position
+    assert_close(ov.cache.buffer[:, :, 0, :, :n], ort.cache.buffer[:, :, 0, :, :n], ATOL, RTOL, "cache rows")
+    assert not ov.cache.buffer[:, :, 0, :, n:].any(), "OpenVINO wrote past the prompt's positions"
+
+
+def test_greedy_generation_equals_transformers(engines, llama_reference):
+    ov, _ = engines
+    calls = ov.backend.long_prefill.calls
+    [result] = ov.generate([LONG], max_new_tokens=20)
+    assert ov.backend.long_prefill.calls == calls + 1  # the prompt on OpenVINO, every step on ORT
+    assert result.token_ids == hf_greedy(llama_reference, LONG, 20)
+
+
+def test_a_batch_stays_on_ort_and_decode_continues_from_rows_openvino_wrote(engines):
+    ov, ort = engines
+    calls = ov.backend.long_prefill.calls
+    ov.prefill([LONG, SECOND])  # OpenVINO's translation runs one row a call: a batch stays on ORT
+    assert ov.backend.long_prefill.calls == calls
+    want = ort.prefill([LONG, SECOND]).copy()
+    # Each row again, alone, on OpenVINO, into the same cache rows of the batch: as generation does.
+    got = np.stack([ov.prefill_rows([prompt], [0], first=row)[0].copy() for row, prompt in enumerate((LONG, SECOND))])
+    assert ov.backend.long_prefill.calls == calls + 2
+    assert_close(got, want, ATOL, RTOL, "per-row prefill logits vs ORT's batch")
+    for row, n in enumerate((len(LONG), len(SECOND))):
+        assert_close(ov.cache.buffer[:, :, row, :, :n], ort.cache.buffer[:, :, row, :, :n], ATOL, RTOL, f"row {row}")
+    tokens = got.argmax(axis=1)
+    for _ in range(6):  # decode (on ORT) continues from the rows OpenVINO wrote
+        a, b = ov.decode(tokens).copy(), ort.decode(tokens).copy()
+        assert_close(a, b, ATOL, RTOL, "decode after an OpenVINO prefill")
+        tokens = a.argmax(axis=1)
+
+
+def test_a_chunked_continuation_equals_one_shot_prefill(engines):
+    ov, ort = engines
+    whole = LONG + SECOND[1:]
+    one_shot = ort.prefill([whole])[0].copy()
+    ov.prefill([LONG])
+    calls = ov.backend.long_prefill.calls
+    chunked = ov.prefill([SECOND[1:]], start=[len(LONG)])[0].copy()  # reads the past OpenVINO wrote
+    assert ov.backend.long_prefill.calls == calls + 1
+    assert_close(chunked, one_shot, ATOL, RTOL, "chunked continuation vs one-shot prefill")
+
+
+def test_short_calls_stay_on_ort(engines):
+    ov, ort = engines
+    calls = ov.backend.long_prefill.calls
+    short = LONG[:8]
+    assert_close(ov.prefill([short])[0], ort.prefill([short])[0], ATOL, RTOL, "short prefill")
+    ov.decode([5])
+    assert ov.backend.long_prefill.calls == calls
+
+
+@pytest.mark.parametrize(
+    "artifact, message",
+    [
+        ("llama_onnx_artifact", "its lowering is 'onnx'; OpenVINO reads only the gqa lowering's graph"),
+        ("llama_int8_artifact", "its KV cache is 8-bit with scales (--kv-dtype int8)"),
+    ],
+)
+def test_artifacts_it_cannot_run_are_refused_at_load(artifact, message, request):
+    with pytest.raises(ValueError) as error:
+        Engine.load(request.getfixturevalue(artifact), prefill="openvino")
+    assert str(error.value) == (
+        f"prefill='openvino' cannot run this artifact: {message}; load it with prefill='ort' (the default)"
+    )
+
+
+def test_bad_choices_are_refused(llama_artifact):
+    with pytest.raises(ValueError, match=r"^prefill='tvm' is not accepted: 'ort' or 'openvino'$"):
+        Engine.load(llama_artifact, prefill="tvm")
+    with pytest.raises(ValueError, match="speculative decoding runs every call on the verify graph"):
+        Engine.load(llama_artifact, prefill="openvino", speculative="ngram")
