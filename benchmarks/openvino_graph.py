@@ -12,6 +12,13 @@ venv, the sides taking turns::
     ~/.cache/kvforge/peers/openvino-venv/bin/python benchmarks/openvino_graph.py ov OUT --new-tokens 17
     .venv/bin/python benchmarks/openvino_graph.py ort OUT --new-tokens 17
 
+``engine ARTIFACT --prefill ort|openvino`` (kvforge's venv) times what a user gets from
+``Engine.load(prefill=...)``: 5 prompts of random ids, each followed by 8 greedy steps, the median
+TTFT of prompts 2-5, the median step and the process's peak RSS; run each side in a process of its
+own, taking turns::
+
+    .venv/bin/python benchmarks/openvino_graph.py engine ART --prefill openvino --prompt-len 128
+
 ``compare OUT`` (either venv) prints the largest logit difference per call between the two saved
 runs. Findings: benchmarks/FINDINGS.md ("OpenVINO on kvforge's graph").
 """
@@ -73,6 +80,29 @@ def run_ort(artifact: Path, threads: int):
     return call
 
 
+def run_engine(artifact: Path, prompt_len: int, threads: int, prefill: str) -> str:
+    import resource
+
+    from kvforge.runtime.engine import StepEngine
+
+    engine = StepEngine.load(artifact, threads=threads, prefix_cache=0, prefill=prefill)
+    rng = np.random.default_rng(1)
+    ttfts, steps = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        token = int(engine.prefill([rng.integers(100, 40000, prompt_len).tolist()])[0].argmax())
+        ttfts.append((time.perf_counter() - start) * 1e3)
+        for _ in range(8):
+            start = time.perf_counter()
+            token = int(engine.decode([token])[0].argmax())
+            steps.append((time.perf_counter() - start) * 1e3)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return (
+        f"engine, prefill={prefill}: prompt {prompt_len}, TTFT first {ttfts[0]:.0f} ms, median of the rest "
+        f"{np.median(ttfts[1:]):.1f} ms, {np.median(steps):.2f} ms/step, peak RSS {rss:.0f} MiB; load {os.getloadavg()}"
+    )
+
+
 def generate(call, prompt: list[int], new_tokens: int) -> dict:
     call(prompt, 0)
     call(prompt, 0)  # warm-up: each side prepares the prompt's shape once
@@ -92,12 +122,13 @@ def generate(call, prompt: list[int], new_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("side", choices=("ov", "ort", "compare"))
+    p.add_argument("side", choices=("ov", "ort", "engine", "compare"))
     p.add_argument("artifact", type=Path)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=17)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precision", default="f32", help="OpenVINO's INFERENCE_PRECISION_HINT, or 'default'")
+    p.add_argument("--prefill", choices=("ort", "openvino"), default="openvino", help="the engine side's prefill")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     saved = {side: args.out / f"openvino-graph-{args.artifact.name}-{side}.npy" for side in ("ov", "ort")}
@@ -105,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         ov_logits, ort_logits = (np.load(saved[s]) for s in ("ov", "ort"))
         n = min(len(ov_logits), len(ort_logits))
         print("max |logit difference| per call:", np.abs(ov_logits[:n] - ort_logits[:n]).max(axis=1).round(6).tolist())
+        return 0
+    if args.side == "engine":
+        print(run_engine(args.artifact, args.prompt_len, args.threads, args.prefill))
         return 0
     prompt = np.random.default_rng(3).integers(100, 40000, args.prompt_len).tolist()
     if args.side == "ov":
