@@ -241,8 +241,8 @@ class StepEngine(KVTransfer):
         schedulers do not read the rows' state words; a taker refuses an overwritten row by its
         checksum). :meth:`close` unlinks the segment.
 
-        ``prefill="openvino"`` (CPU, ``pip install 'kvforge[openvino]'``): prefill calls of at least
-        32 tokens run the artifact's prefill graph on OpenVINO's CPU plugin at f32, bound to the same
+        ``prefill="openvino"`` (CPU, ``pip install 'kvforge[openvino]'``): one-row prefill calls of at
+        least 32 tokens run the artifact's prefill graph on OpenVINO's CPU plugin at f32, bound to the same
         cache; decode steps and shorter calls stay on ORT (:mod:`kvforge.runtime.ov_prefill`: what it
         refuses, and why it pays for int4 artifacts on CPUs with AMX/VNNI). ``"ort"``: everything on ORT.
         """

@@ -168,3 +168,29 @@ def test_draft_model_with_every_batch_loop_feature(request, lowering):
         hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
         assert hit.cached_tokens > 0 and starts and starts[0] > 0
         assert hit.token_ids == hit_solo.token_ids and hit.text == hit_solo.text
+
+
+def test_openvino_prefill_with_every_batch_loop_feature_it_allows(tiny_artifact):
+    """``prefill="openvino"`` (speculation is refused with it): the prefix cache, a regex row, a
+    seeded sampled row with a logit bias, a stop string, min_tokens, a cancellation and a later
+    prefix hit in one scheduler batch, every one-row prefill on OpenVINO (its token threshold lowered
+    to 2 here; the test prompts are short), each request's answer its solo one on a plain ORT engine."""
+    pytest.importorskip("openvino")
+    requests, solo, hit_solo = _solo_answers(tiny_artifact)
+    del requests["predicted"]  # a prediction drafts: refused with prefill="openvino"
+    with Engine.load(tiny_artifact, threads=1, prefill="openvino") as engine:
+        engine.backend.long_prefill.min_tokens = 2  # every prompt; a one-token decode step stays on ORT
+        assert engine.prefix_pool is not None  # the default: on
+        together = _run(engine, requests, cancel="cancelled")
+        # Prompts admitted together are prefilled as one batch, which stays on ORT (OpenVINO runs one
+        # row a call); a prompt admitted alone (here the cancelled one, after the batch) runs on OpenVINO.
+        assert engine.backend.long_prefill.calls >= 1
+        for name in requests:
+            got, want = _same(together[name], solo[name])
+            assert got == want, name
+        assert together["cancelled"].finish_reason == "cancelled"
+        calls = engine.backend.long_prefill.calls
+        hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+        assert hit.cached_tokens > 0  # the suffix after the cached prefix: prefilled on OpenVINO too
+        assert engine.backend.long_prefill.calls == calls + 1
+        assert hit.token_ids == hit_solo.token_ids and hit.text == hit_solo.text
