@@ -93,6 +93,7 @@ from kvforge.runtime.constraints import GrammarFactory
 from kvforge.runtime.kv import PrefixPool, fingerprint, parse_bytes
 from kvforge.runtime.kv.transfer import KVTransfer
 from kvforge.runtime.ort_backend import OrtBackend, OrtOptions
+from kvforge.runtime.ov_prefill import PRECISIONS as OPENVINO_PREFILLS
 from kvforge.runtime.sampling import GenerationDefaults
 from kvforge.runtime.speculative import parse_speculative, setup
 from kvforge.runtime.speculative.cost import width_cost
@@ -104,6 +105,7 @@ __all__ = ["StepEngine"]
 # 135M-parameter model (30 layers, 3 KV heads of 64, float32: 45 KiB a token), i.e. the system
 # prompt and recent turns of a few dozen conversations, for less memory than the model's weights.
 DEFAULT_PREFIX_CACHE = "512MiB"
+PREFILL_CHOICES = ("ort", *OPENVINO_PREFILLS)  # Engine.load(prefill=): where long prefill calls run
 
 
 class StepEngine(KVTransfer):
@@ -241,10 +243,13 @@ class StepEngine(KVTransfer):
         schedulers do not read the rows' state words; a taker refuses an overwritten row by its
         checksum). :meth:`close` unlinks the segment.
 
-        ``prefill="openvino"`` (CPU, ``pip install 'kvforge[openvino]'``): one-row prefill calls of at
-        least 32 tokens run the artifact's prefill graph on OpenVINO's CPU plugin at f32, bound to the same
-        cache; decode steps and shorter calls stay on ORT (:mod:`kvforge.runtime.ov_prefill`: what it
-        refuses, and why it pays for int4 artifacts on CPUs with AMX/VNNI). ``"ort"``: everything on ORT.
+        ``prefill="openvino"`` (CPU, ``pip install 'kvforge[openvino]'``): prefill calls whose rows have
+        at least 32 tokens each run the artifact's prefill graph on OpenVINO's CPU plugin at f32, a row a
+        call, bound to the same cache; decode steps and shorter calls stay on ORT
+        (:mod:`kvforge.runtime.ov_prefill`: what it refuses, and why it pays for int4 artifacts on CPUs
+        with AMX/VNNI). ``"openvino:bf16"``: the same at bfloat16 (CPUs with AVX512-BF16 or AMX), about
+        twice as fast, the prompt's logits and K/V rounded as bf16 computes them. ``"ort"``: everything
+        on ORT.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
@@ -267,14 +272,16 @@ class StepEngine(KVTransfer):
                 "both must be strings (device 'cpu' or 'cuda', backend 'ort' or 'tensorrt')"
             )
         backends.check_choice(device, backend)
-        if prefill not in ("ort", "openvino"):
-            raise check.InvalidValue(f"prefill={check.short_repr(prefill)} is not accepted: 'ort' or 'openvino'")
-        if prefill == "openvino" and (device != "cpu" or speculative is not None):
+        if prefill not in PREFILL_CHOICES:
+            raise check.InvalidValue(
+                f"prefill={check.short_repr(prefill)} is not accepted: one of {', '.join(map(repr, PREFILL_CHOICES))}"
+            )
+        if prefill != "ort" and (device != "cpu" or speculative is not None):
             why = (
                 f"device={device!r}" if device != "cpu" else "speculative decoding runs every call on the verify graph"
             )
             raise ValueError(
-                f"prefill='openvino' runs the prefill graph on the CPU, and {why}; load it with prefill='ort'"
+                f"prefill={prefill!r} runs the prefill graph on the CPU, and {why}; load it with prefill='ort'"
             )
         budget = parse_bytes(DEFAULT_PREFIX_CACHE if prefix_cache is None and device == "cpu" else prefix_cache or 0)
         if budget and device == "cuda":
@@ -327,11 +334,13 @@ class StepEngine(KVTransfer):
         step = "verify" if spec is not None else "prefill"
         lazy = tuple(name for name in graph_files if name != step)
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
-        if prefill == "openvino":
-            from kvforge.runtime import ov_prefill
+        if prefill != "ort":
+            from kvforge.runtime import ov_prefill  # imports OpenVINO when it runs
 
-            ov_prefill.check_artifact(manifest)
-            backend.long_prefill = ov_prefill.OpenVinoPrefill(root / manifest.graphs["prefill"].file, threads)
+            ov_prefill.check_artifact(manifest, prefill)
+            precision = ov_prefill.PRECISIONS[prefill]
+            graph = root / manifest.graphs["prefill"].file
+            backend.long_prefill = ov_prefill.OpenVinoPrefill(graph, threads, precision=precision)
         engine = cls(root, manifest, backend, decode_graph=step if one_session else "decode", kv_shared=kv_shared)
         engine.prefix_pool = PrefixPool(budget, needs_state=manifest.layout.has_state) if budget else None
         if spec is not None:

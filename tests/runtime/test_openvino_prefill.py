@@ -47,15 +47,13 @@ def test_greedy_generation_equals_transformers(engines, llama_reference):
     assert result.token_ids == hf_greedy(llama_reference, LONG, 20)
 
 
-def test_a_batch_stays_on_ort_and_decode_continues_from_rows_openvino_wrote(engines):
+def test_a_batch_runs_a_row_a_call_and_decode_continues_from_rows_openvino_wrote(engines):
     ov, ort = engines
     calls = ov.backend.long_prefill.calls
-    ov.prefill([LONG, SECOND])  # OpenVINO's translation runs one row a call: a batch stays on ORT
-    assert ov.backend.long_prefill.calls == calls
-    want = ort.prefill([LONG, SECOND]).copy()
-    # Each row again, alone, on OpenVINO, into the same cache rows of the batch: as generation does.
-    got = np.stack([ov.prefill_rows([prompt], [0], first=row)[0].copy() for row, prompt in enumerate((LONG, SECOND))])
+    # OpenVINO's translation runs one row a call: the batch is two calls, each of its row's own length.
+    got = ov.prefill([LONG, SECOND]).copy()
     assert ov.backend.long_prefill.calls == calls + 2
+    want = ort.prefill([LONG, SECOND]).copy()
     assert_close(got, want, ATOL, RTOL, "per-row prefill logits vs ORT's batch")
     for row, n in enumerate((len(LONG), len(SECOND))):
         assert_close(ov.cache.buffer[:, :, row, :, :n], ort.cache.buffer[:, :, row, :, :n], ATOL, RTOL, f"row {row}")
@@ -64,6 +62,14 @@ def test_a_batch_stays_on_ort_and_decode_continues_from_rows_openvino_wrote(engi
         a, b = ov.decode(tokens).copy(), ort.decode(tokens).copy()
         assert_close(a, b, ATOL, RTOL, "decode after an OpenVINO prefill")
         tokens = a.argmax(axis=1)
+
+
+def test_a_batch_with_a_short_row_stays_on_ort(engines):
+    ov, ort = engines
+    calls = ov.backend.long_prefill.calls
+    rows = [LONG, SECOND[:MIN_TOKENS - 1]]
+    assert_close(ov.prefill(rows), ort.prefill(rows), ATOL, RTOL, "a batch on ORT")
+    assert ov.backend.long_prefill.calls == calls
 
 
 def test_a_chunked_continuation_equals_one_shot_prefill(engines):
@@ -102,7 +108,42 @@ def test_artifacts_it_cannot_run_are_refused_at_load(artifact, message, request)
 
 
 def test_bad_choices_are_refused(llama_artifact):
-    with pytest.raises(ValueError, match=r"^prefill='tvm' is not accepted: 'ort' or 'openvino'$"):
+    with pytest.raises(ValueError, match=r"^prefill='tvm' is not accepted: one of 'ort', 'openvino', 'openvino:bf16'$"):
         Engine.load(llama_artifact, prefill="tvm")
     with pytest.raises(ValueError, match="speculative decoding runs every call on the verify graph"):
         Engine.load(llama_artifact, prefill="openvino", speculative="ngram")
+
+
+
+def _bf16_cpu() -> bool:
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+BF16_ATOL = 0.02  # bf16 keeps 8 bits of mantissa; measured 0.003 on logits of scale 0.5 (tiny Llama)
+
+
+@pytest.mark.skipif(not _bf16_cpu(), reason="this CPU has no bf16 arithmetic (the refusal is tested instead)")
+def test_a_bf16_prefill_rounds_as_bf16_and_decode_continues_on_ort(llama_artifact, engines):
+    _, ort = engines
+    with Engine.load(llama_artifact, prefill="openvino:bf16") as bf:
+        got = bf.prefill([LONG, SECOND]).copy()
+        assert bf.backend.long_prefill.calls == 2
+        want = ort.prefill([LONG, SECOND]).copy()
+        assert_close(got, want, BF16_ATOL, 0, "bf16 prefill logits vs ORT's fp32")
+        assert np.abs(got - want).max() > ATOL, "no bf16 rounding: OpenVINO ran f32"
+        for row, n in enumerate((len(LONG), len(SECOND))):
+            theirs = ort.cache.buffer[:, :, row, :, :n]
+            assert_close(bf.cache.buffer[:, :, row, :, :n], theirs, BF16_ATOL, 0, f"cache row {row}")
+        tokens = want.argmax(axis=1)
+        for _ in range(6):  # the same tokens into both: decode (ORT, fp32) reads the rows bf16 wrote
+            a, b = bf.decode(tokens).copy(), ort.decode(tokens).copy()
+            assert_close(a, b, BF16_ATOL, 0, "decode after a bf16 prefill")
+            tokens = b.argmax(axis=1)
+
+
+@pytest.mark.skipif(_bf16_cpu(), reason="this CPU has bf16 arithmetic (the bf16 prefill is tested instead)")
+def test_a_bf16_prefill_is_refused_on_a_cpu_without_bf16(llama_artifact):
+    with pytest.raises(ValueError, match=r"^prefill='openvino:bf16' needs a CPU with bfloat16 arithmetic"):
+        Engine.load(llama_artifact, prefill="openvino:bf16")
