@@ -19,6 +19,17 @@ own, taking turns::
 
     .venv/bin/python benchmarks/openvino_graph.py engine ART --prefill openvino --prompt-len 128
 
+``quality ARTIFACT --prefills ort openvino openvino:bf16`` (kvforge's venv) measures what each
+prefill costs in accuracy, on the project's quality text (Genesis, KJV) with the artifact's own
+tokenizer: ``--windows`` windows of ``--context`` ids, each prefilled (a one-row call: the
+OpenVINO side's) and followed by ``--continue`` ids teacher-forced through decode steps (ORT, fp32,
+reading the K/V the prefill wrote); the perplexity of every token after each context (the first
+from the prefill's logits), the top-1 agreement with the ``ort`` side at those positions, and
+greedy generation of ``--new-tokens`` from each context: the tokens equal to the ``ort`` side's
+before the first difference::
+
+    .venv/bin/python benchmarks/openvino_graph.py quality ART --prefills ort openvino openvino:bf16
+
 ``compare OUT`` (either venv) prints the largest logit difference per call between the two saved
 runs. Findings: benchmarks/FINDINGS.md ("OpenVINO on kvforge's graph").
 """
@@ -32,6 +43,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+PREFILLS = ("ort", "openvino", "openvino:bf16")  # Engine.load(prefill=...); this venv may lack kvforge
 
 
 def run_openvino(artifact: Path, prompt: list[int], new_tokens: int, threads: int, precision: str):
@@ -103,6 +116,57 @@ def run_engine(artifact: Path, prompt_len: int, threads: int, prefill: str) -> s
     )
 
 
+def run_quality(artifact: Path, prefills: list[str], args) -> str:
+    """Each prefill's perplexity of the text after prefilled contexts, its top-1 and greedy
+    agreement with the first prefill's (see the module docstring)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import load_text
+    from tokenizers import Tokenizer
+
+    from kvforge.runtime.engine import StepEngine
+
+    span = args.context + args.continue_ids
+    ids = Tokenizer.from_file(str(artifact / "tokenizer.json")).encode(load_text(None)).ids
+    if len(ids) < args.windows * span:
+        raise SystemExit(f"the text has {len(ids)} ids, fewer than {args.windows} windows of {span}")
+    windows = [ids[w * span : (w + 1) * span] for w in range(args.windows)]
+    seen: dict[str, dict] = {}
+    for prefill in prefills:
+        engine = StepEngine.load(artifact, threads=args.threads, prefix_cache=0, prefill=prefill)
+        nll, argmax, greedy = [], [], []
+        for window in windows:
+            context, rest = window[: args.context], window[args.context :]
+            rows = [engine.prefill([context])[0].astype(np.float64)]
+            for token in rest[:-1]:
+                rows.append(engine.decode([token])[0].astype(np.float64))
+            logits = np.stack(rows)
+            logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+            nll.extend(logz - logits[np.arange(len(rest)), rest])
+            argmax.extend(logits.argmax(1).tolist())
+            greedy.append(engine.generate([context], max_new_tokens=args.new_tokens)[0].token_ids)
+        engine.close()
+        seen[prefill] = {"ppl": float(np.exp(np.mean(nll))), "argmax": argmax, "greedy": greedy}
+    base = seen[prefills[0]]
+    lines = [
+        f"{artifact.name}: {args.windows} windows of {args.context} prefilled + {args.continue_ids} teacher-forced ids "
+        f"(Genesis), greedy {args.new_tokens} tokens per context; {args.threads} threads"
+    ]
+    for prefill, r in seen.items():
+        top1 = np.mean([a == b for a, b in zip(r["argmax"], base["argmax"])])
+        same = [
+            next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+            for x, y in zip(r["greedy"], base["greedy"])
+        ]
+        lines.append(
+            f"  prefill={prefill:14} perplexity {r['ppl']:.4f} ({r['ppl'] / base['ppl'] - 1:+.2%}), top-1 agreement "
+            f"{top1:.2%}, greedy identical {sum(n == args.new_tokens for n in same)}/{len(same)}, same tokens before "
+            f"the first difference {same}"
+        )
+    return "\n".join(lines)
+
+
 def generate(call, prompt: list[int], new_tokens: int) -> dict:
     call(prompt, 0)
     call(prompt, 0)  # warm-up: each side prepares the prompt's shape once
@@ -122,13 +186,19 @@ def generate(call, prompt: list[int], new_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("side", choices=("ov", "ort", "engine", "compare"))
+    p.add_argument("side", choices=("ov", "ort", "engine", "quality", "compare"))
     p.add_argument("artifact", type=Path)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=17)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precision", default="f32", help="OpenVINO's INFERENCE_PRECISION_HINT, or 'default'")
-    p.add_argument("--prefill", choices=("ort", "openvino"), default="openvino", help="the engine side's prefill")
+    p.add_argument("--prefill", choices=PREFILLS, default="openvino", help="the engine side's prefill")
+    p.add_argument(
+        "--prefills", nargs="+", choices=PREFILLS, default=list(PREFILLS), help="quality: the first is the base"
+    )
+    p.add_argument("--windows", type=int, default=8, help="quality: contexts from the text")
+    p.add_argument("--context", type=int, default=448, help="quality: prefilled ids per window")
+    p.add_argument("--continue-ids", type=int, default=64, help="quality: teacher-forced ids after each context")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     saved = {side: args.out / f"openvino-graph-{args.artifact.name}-{side}.npy" for side in ("ov", "ort")}
@@ -136,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         ov_logits, ort_logits = (np.load(saved[s]) for s in ("ov", "ort"))
         n = min(len(ov_logits), len(ort_logits))
         print("max |logit difference| per call:", np.abs(ov_logits[:n] - ort_logits[:n]).max(axis=1).round(6).tolist())
+        return 0
+    if args.side == "quality":
+        print(run_quality(args.artifact, args.prefills, args))
         return 0
     if args.side == "engine":
         print(run_engine(args.artifact, args.prompt_len, args.threads, args.prefill))

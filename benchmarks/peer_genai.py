@@ -346,6 +346,8 @@ def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
         load_kwargs["prepack"] = job["prepack"]
     if job.get("spin") is not None:
         load_kwargs["spin"] = job["spin"]
+    if job.get("prefill", "ort") != "ort":
+        load_kwargs["prefill"] = job["prefill"]  # where long prefill calls run (peer_openvino.py)
     if "one_session" in accepted:
         load_kwargs["one_session"] = job.get("one_session", True)
     before = rss_bytes()

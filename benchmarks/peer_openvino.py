@@ -12,6 +12,10 @@ side in a process of its own, the sides taking turns over ``--rounds`` rounds
 * ``kvforge (fp32|int4)``: ``kvforge compile`` of the HF directory at compile's defaults
   (max_batch 4, int4 = symmetric blocks of 32) with ``--max-seq`` (a longer prompt gets the next
   power of two that holds it and the new tokens);
+* ``kvforge (fp32|int4), prefill=openvino|openvino:bf16`` (``--kvforge-prefill``): the same
+  artifact with its long prefill calls on OpenVINO (``Engine.load(prefill=...)``,
+  kvforge.runtime.ov_prefill), compared with the ``kvforge`` row; the bf16 row is the peer of OV's
+  defaults row (bf16 execution), not of the matched one;
 * ``OpenVINO GenAI (fp32|int4), f32 execution and KV``: ``openvino_genai.LLMPipeline`` with
   ``INFERENCE_PRECISION_HINT=f32`` and ``KV_CACHE_PRECISION=f32``, kvforge's arithmetic: the
   matched row, the one the ratios headline;
@@ -301,6 +305,11 @@ def defaults_label(precision: str, probe: dict[str, Any]) -> str:
     return f"OpenVINO GenAI ({precision}), its defaults ({execution} execution, {kv} KV)"
 
 
+def kvforge_label(precision: str, prefill: str) -> str:
+    """kvforge's row at Engine.load's ``prefill`` (the reference row: ``"ort"``, the default)."""
+    return f"kvforge ({precision})" if prefill == "ort" else f"kvforge ({precision}), prefill={prefill}"
+
+
 def matched_label(precision: str) -> str:
     return f"OpenVINO GenAI ({precision}), f32 execution and KV"
 
@@ -400,9 +409,11 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
             base = {"prompts": rows_in, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads}
             plan, meta = [], {}
             for precision in precisions:
-                kvforge_job = {**base, "out": str(artifacts[precision])}
-                plan.append((f"kvforge ({precision})", sys.executable, "kvforge", kvforge_job, None))
-                meta[f"kvforge ({precision})"] = {"precision": precision, "defaults": False}
+                for prefill in args.kvforge_prefill:
+                    label = kvforge_label(precision, prefill)
+                    kvforge_job = {**base, "out": str(artifacts[precision]), "prefill": prefill}
+                    plan.append((label, sys.executable, "kvforge", kvforge_job, None))
+                    meta[label] = {"precision": precision, "defaults": False, "prefill": prefill}
                 ov_job = {**base, "ov_dir": str(exports[precision]), "kv_tokens": MAX_BATCH * max_seq}
                 for label, hints, defaults in (
                     (matched_label(precision), MATCHED, False),
@@ -463,7 +474,7 @@ def format_report(report: dict[str, Any]) -> str:
                 continue
             ours = rows.get(f"kvforge ({r['precision']})", {})
             ratio = ""
-            if not label.startswith("kvforge") and ours.get("ttft_ms"):
+            if label != kvforge_label(r["precision"], "ort") and ours.get("ttft_ms"):
                 ratio = f"x{r['ttft_ms'] / ours['ttft_ms']:.2f} x{r['decode_ms_step'] / ours['decode_ms_step']:.2f}"
             ppl_text = f"{r['perplexity']:8.2f}" if r.get("perplexity") else f"{'-':>8}"
             agree = f"{r['agreement']} vs {r['agreement_vs']}" if r.get("agreement") else ""
@@ -499,6 +510,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--ppl-tokens", type=int, default=4096, help="quality-text ids scored per int4 side (0: skip)")
+    p.add_argument(
+        "--kvforge-prefill",
+        nargs="+",
+        choices=("ort", "openvino", "openvino:bf16"),
+        default=["ort"],
+        help="kvforge rows at Engine.load(prefill=...); 'ort' (the default) is the reference row",
+    )
     p.add_argument("--no-ov-defaults", dest="ov_defaults", action="store_false", help="leave OV's defaults rows out")
     p.add_argument("--ov-venv", type=Path, default=PEERS_CACHE / "openvino-venv")
     p.add_argument("--work-dir", type=Path, default=PEERS_CACHE / "work")

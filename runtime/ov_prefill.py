@@ -53,6 +53,7 @@ MIN_TOKENS = 32
 INSTALL = "pip install 'kvforge[openvino]'"
 # Engine.load's prefill= choices that run here -> OpenVINO's INFERENCE_PRECISION_HINT.
 PRECISIONS = {"openvino": "f32", "openvino:bf16": "bf16"}
+CHOICES = ("ort", *PRECISIONS)  # Engine.load(prefill=...) and the CLI's --prefill
 
 
 def check_artifact(manifest: mf.Manifest, choice: str = "openvino") -> None:

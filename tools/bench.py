@@ -90,6 +90,7 @@ class BenchOptions:
     device: str = "cpu"  # Engine.load(device=...): "cpu" | "cuda"
     backend: str = "ort"  # Engine.load(backend=...): "ort" | "tensorrt"
     speculative: str | None = None  # Engine.load(speculative=...): also time generation with drafts
+    prefill: str = "ort"  # Engine.load(prefill=...): where kvforge's long prompts are prefilled
 
     def resolve(self, max_batch: int, max_seq: int) -> BenchOptions:
         """These options with the default cells filled in for an artifact, and checked: a default
@@ -265,7 +266,9 @@ def _run_bench(
 ) -> dict[str, Any]:
     load_before = _load_average()
     rss_before = rss_bytes()
-    with Engine.load(artifact, threads=threads, device=options.device, backend=options.backend) as engine:
+    with Engine.load(
+        artifact, threads=threads, device=options.device, backend=options.backend, prefill=options.prefill
+    ) as engine:
         manifest = engine.manifest
         options = options.resolve(engine.max_batch, engine.max_seq)
         cells = [(p, b) for p in options.prompt_lens for b in options.batch_sizes]
@@ -483,6 +486,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"{s['new_tokens']} new tokens per row; median of {s['repeat']} runs after {s['warmup']} warm-up(s); "
         f"random prompts (seed {s['seed']})",
     ]
+    if s.get("prefill", "ort") != "ort":
+        lines.append(f"  kvforge's prompts of 32+ tokens prefilled on OpenVINO (--prefill {s['prefill']})")
     if result["reference"]:
         lines.append(f"  reference: {result['reference']['implementation']} ({result['reference']['path']})")
     lines.append("")

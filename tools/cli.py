@@ -404,6 +404,18 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_prefill(p: argparse.ArgumentParser) -> None:
+    from kvforge.runtime.ov_prefill import CHOICES
+
+    p.add_argument(
+        "--prefill",
+        default="ort",
+        choices=CHOICES,
+        help="where prompts of 32+ tokens are prefilled: ONNX Runtime (default), OpenVINO's CPU plugin at f32, "
+        "or at bf16 (CPUs with AVX512-BF16/AMX); decode stays on ONNX Runtime (pip install 'kvforge[openvino]')",
+    )
+
+
 def _speculative(args: argparse.Namespace) -> dict:
     """Engine.load's speculative/draft arguments (checked before the model loads)."""
     from kvforge.runtime.speculative import parse_speculative
@@ -432,6 +444,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     _add_sampling(p)
     _add_speculative(p)
+    _add_prefill(p)
     p.set_defaults(run=_run_generate)
 
 
@@ -439,7 +452,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvforge.runtime import Engine
 
     sampling = _sampling(args)  # bad values fail before the model loads
-    with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
+    with Engine.load(args.artifact, threads=args.threads, prefill=args.prefill, **_speculative(args)) as engine:
         _note_near_ties(args, engine.manifest.lowering)
         if len(args.prompt) == 1:  # stream: prompt, then each chunk as it is produced
             chunks = engine.stream(args.prompt[0], args.max_new_tokens, sampling, args.stop)
@@ -463,6 +476,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     _add_sampling(p)
     _add_speculative(p)
+    _add_prefill(p)
     p.set_defaults(run=_run_chat)
 
 
@@ -472,7 +486,7 @@ def _run_chat(args: argparse.Namespace) -> int:
 
     sampling = _sampling(args)
     ChatTemplate.require(args.artifact)  # a model without a template fails before reading stdin
-    with Engine.load(args.artifact, threads=args.threads, **_speculative(args)) as engine:
+    with Engine.load(args.artifact, threads=args.threads, prefill=args.prefill, **_speculative(args)) as engine:
         _note_near_ties(args, engine.manifest.lowering)
         chat_loop(engine, sys.stdin, sys.stdout, sys.stderr, args.system, args.max_new_tokens, sampling, args.stop)
     return 0
@@ -580,6 +594,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--speculative", default=None, metavar="ngram[:K]", help="also time generation with these drafts (and without)"
     )
     _add_device_flags(p)
+    _add_prefill(p)
     p.set_defaults(run=_run_bench)
 
 
@@ -599,6 +614,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "device": args.device,
         "backend": args.backend,
         "speculative": args.speculative,
+        "prefill": args.prefill,
     }
     options = bench.BenchOptions(**{name: value for name, value in given.items() if value is not None})
     result = bench.run_bench(args.artifact, args.reference, options)
@@ -674,6 +690,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "leave it in the content)",
     )
     _add_speculative(p)
+    _add_prefill(p)
     disagg = p.add_argument_group("disaggregated prefill/decode (worker processes on this machine)")
     disagg.add_argument(
         "--prefill-workers",
@@ -729,6 +746,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"kvforge serve needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     speculative = _speculative(args)
+    if args.prefill != "ort" and (args.ray or args.prefill_workers is not None or args.decode_workers is not None):
+        raise ValueError(
+            f"--prefill {args.prefill} runs in the one-process server for now; drop it or --ray and the worker flags"
+        )
     if (args.tool_parser or args.reasoning_parser) and (
         args.ray or args.prefill_workers is not None or args.decode_workers is not None
     ):
@@ -778,6 +799,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             prefix_cache=args.prefix_cache,
             tool_parser=args.tool_parser,
             reasoning_parser=args.reasoning_parser,
+            prefill=args.prefill,
             **speculative,
         )
         _note_near_ties(args, server.engine.manifest.lowering)

@@ -5,6 +5,8 @@ continuation, short calls left on ORT, and the refusals."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -67,7 +69,7 @@ def test_a_batch_runs_a_row_a_call_and_decode_continues_from_rows_openvino_wrote
 def test_a_batch_with_a_short_row_stays_on_ort(engines):
     ov, ort = engines
     calls = ov.backend.long_prefill.calls
-    rows = [LONG, SECOND[:MIN_TOKENS - 1]]
+    rows = [LONG, SECOND[: MIN_TOKENS - 1]]
     assert_close(ov.prefill(rows), ort.prefill(rows), ATOL, RTOL, "a batch on ORT")
     assert ov.backend.long_prefill.calls == calls
 
@@ -114,7 +116,6 @@ def test_bad_choices_are_refused(llama_artifact):
         Engine.load(llama_artifact, prefill="openvino", speculative="ngram")
 
 
-
 def _bf16_cpu() -> bool:
     import openvino as ov
 
@@ -147,3 +148,63 @@ def test_a_bf16_prefill_rounds_as_bf16_and_decode_continues_on_ort(llama_artifac
 def test_a_bf16_prefill_is_refused_on_a_cpu_without_bf16(llama_artifact):
     with pytest.raises(ValueError, match=r"^prefill='openvino:bf16' needs a CPU with bfloat16 arithmetic"):
         Engine.load(llama_artifact, prefill="openvino:bf16")
+
+
+LONG_TEXT = "The for statement runs the body once for each item. " * 2  # 32-88 tokens on the tiny tokenizer
+
+
+@pytest.fixture
+def openvino_calls(monkeypatch):
+    """The one-row OpenVINO calls made while a test runs (a spy on OpenVinoPrefill.run)."""
+    from kvforge.runtime.ov_prefill import OpenVinoPrefill
+
+    calls = []
+    run = OpenVinoPrefill.run
+    monkeypatch.setattr(
+        OpenVinoPrefill, "run", lambda self, binding: (calls.append(len(binding.calls)), run(self, binding))
+    )
+    return calls
+
+
+def test_generate_and_bench_take_prefill(llama_artifact, engines, openvino_calls, capsys, tmp_path):
+    from kvforge.tools.cli import main
+
+    _, ort = engines
+    assert MIN_TOKENS <= len(ort.tokenizer.encode(LONG_TEXT)) <= ort.max_seq - 8
+    assert main(["generate", str(llama_artifact), LONG_TEXT, "--max-new-tokens", "8", "--prefill", "openvino"]) == 0
+    [expected] = ort.generate([LONG_TEXT], max_new_tokens=8)
+    assert capsys.readouterr().out == LONG_TEXT + expected.text + "\n"
+    assert openvino_calls == [1]
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", str(llama_artifact), "--prompt-lens", "40", "--batch-sizes", "2", "--new-tokens", "2"]
+    assert main([*argv, "--repeat", "1", "--warmup", "0", "--prefill", "openvino", "--json", str(out)]) == 0
+    assert "kvforge's prompts of 32+ tokens prefilled on OpenVINO (--prefill openvino)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["settings"]["prefill"] == "openvino"
+    assert openvino_calls[1:] == [2, 1]  # the cell's batch of 2 prompts (two one-row calls), then the prefix figure's row
+
+
+def test_the_server_prefills_long_prompts_on_openvino(llama_artifact, engines, openvino_calls):
+    import openai
+
+    from tests.helpers import KEY
+    from tests.tools.test_serve import MODEL, running
+
+    _, ort = engines
+    prompts = [LONG_TEXT, "Lists hold items in order, and a loop reads them. " * 2]
+    with running(llama_artifact, prefill="openvino", prefix_cache=0) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+        for prompt in prompts:  # one after the other: each prompt's own call
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+            assert r.choices[0].text == ort.generate([prompt], max_new_tokens=8)[0].text
+    assert openvino_calls == [1, 1]
+
+
+def test_serve_takes_prefill_in_one_process_only(llama_artifact, capsys):
+    from kvforge.tools.cli import main
+
+    assert main(["serve", str(llama_artifact), "--prefill", "openvino", "--ray"]) == 2
+    assert capsys.readouterr().err == (
+        "kvforge: error: --prefill openvino runs in the one-process server for now; drop it or --ray and the "
+        "worker flags\n"
+    )

@@ -372,10 +372,12 @@ class ModelServer:
         draft: str | Path | None = None,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        prefill: str = "ort",
     ) -> ModelServer:
         """Load the artifact (``prefix_cache``: the engine's prefix-cache budget; ``speculative``,
-        ``draft``: drafting; see ``Engine.load``) and serve it. Without ``speculative`` or
-        ``draft``, an artifact with a verify graph (schema 2) is served with
+        ``draft``: drafting; ``prefill``: where long prompts are prefilled; see ``Engine.load``) and
+        serve it. Without ``speculative`` or
+        ``draft`` (and with ``prefill="ort"``), an artifact with a verify graph (schema 2) is served with
         ``speculative="prediction"``: requests that send OpenAI's ``prediction`` have it verified as
         a draft, the others decode plainly through the same one session (an artifact whose layers
         keep a state too: verify keeps each row's state at its accepted tokens).
@@ -383,10 +385,15 @@ class ModelServer:
         ``"none"``: no reasoning parsing)."""
         parsers.check_names(tool_parser, reasoning_parser)
         manifest = mf.read(artifact_dir, verify=False)
-        if speculative is None and draft is None and "verify" in manifest.graphs:
-            speculative = "prediction"
+        if speculative is None and draft is None and "verify" in manifest.graphs and prefill == "ort":
+            speculative = "prediction"  # (an OpenVINO prefill runs the prefill graph, not verify's)
         engine = Engine.load(
-            artifact_dir, threads=threads, prefix_cache=prefix_cache, speculative=speculative, draft=draft
+            artifact_dir,
+            threads=threads,
+            prefix_cache=prefix_cache,
+            speculative=speculative,
+            draft=draft,
+            prefill=prefill,
         )
         try:
             return cls(
