@@ -125,7 +125,7 @@ def run_quality(artifact: Path, prefills: list[str], args) -> str:
     from common import load_text
     from tokenizers import Tokenizer
 
-    from kvforge.runtime.engine import StepEngine
+    from kvforge.runtime import Engine
 
     span = args.context + args.continue_ids
     ids = Tokenizer.from_file(str(artifact / "tokenizer.json")).encode(load_text(None)).ids
@@ -134,7 +134,7 @@ def run_quality(artifact: Path, prefills: list[str], args) -> str:
     windows = [ids[w * span : (w + 1) * span] for w in range(args.windows)]
     seen: dict[str, dict] = {}
     for prefill in prefills:
-        engine = StepEngine.load(artifact, threads=args.threads, prefix_cache=0, prefill=prefill)
+        engine = Engine.load(artifact, threads=args.threads, prefix_cache=0, prefill=prefill)
         nll, argmax, greedy = [], [], []
         for window in windows:
             context, rest = window[: args.context], window[args.context :]

@@ -305,6 +305,11 @@ def defaults_label(precision: str, probe: dict[str, Any]) -> str:
     return f"OpenVINO GenAI ({precision}), its defaults ({execution} execution, {kv} KV)"
 
 
+def kvforge_prefills(asked: list[str]) -> list[str]:
+    """kvforge's rows: ``"ort"`` first, always (the reference of every ratio), then the others asked."""
+    return ["ort", *dict.fromkeys(p for p in asked if p != "ort")]
+
+
 def kvforge_label(precision: str, prefill: str) -> str:
     """kvforge's row at Engine.load's ``prefill`` (the reference row: ``"ort"``, the default)."""
     return f"kvforge ({precision})" if prefill == "ort" else f"kvforge ({precision}), prefill={prefill}"
@@ -409,7 +414,7 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
             base = {"prompts": rows_in, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads}
             plan, meta = [], {}
             for precision in precisions:
-                for prefill in args.kvforge_prefill:
+                for prefill in kvforge_prefills(args.kvforge_prefill):
                     label = kvforge_label(precision, prefill)
                     kvforge_job = {**base, "out": str(artifacts[precision]), "prefill": prefill}
                     plan.append((label, sys.executable, "kvforge", kvforge_job, None))
@@ -515,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         choices=("ort", "openvino", "openvino:bf16"),
         default=["ort"],
-        help="kvforge rows at Engine.load(prefill=...); 'ort' (the default) is the reference row",
+        help="kvforge rows at Engine.load(prefill=...); the 'ort' row (the default) is always run: the reference",
     )
     p.add_argument("--no-ov-defaults", dest="ov_defaults", action="store_false", help="leave OV's defaults rows out")
     p.add_argument("--ov-venv", type=Path, default=PEERS_CACHE / "openvino-venv")

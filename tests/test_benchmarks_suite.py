@@ -175,6 +175,10 @@ def test_openvino_peer_plan_pins_its_venv_and_matches_kvforge_capacity():
     assert ov.MATCHED == {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
     assert ov._ov_properties({"threads": 2, "hints": ov.MATCHED}) == {"INFERENCE_NUM_THREADS": 2, **ov.MATCHED}
     assert ov.EXPORT_FLAGS["int4"] == ["--weight-format", "int4", "--sym", "--group-size", "32", "--ratio", "1.0"]
+    # kvforge's OpenVINO-prefill rows: the ORT row always runs first, the reference of their ratios
+    assert ov.kvforge_prefills(["openvino:bf16", "ort", "openvino:bf16"]) == ["ort", "openvino:bf16"]
+    assert ov.kvforge_label("int4", "ort") == "kvforge (int4)"
+    assert ov.kvforge_label("fp32", "openvino:bf16") == "kvforge (fp32), prefill=openvino:bf16"
 
 
 def test_the_suite_runs_openvino_on_smollm2_only_when_quick(tmp_path):

@@ -181,7 +181,10 @@ def test_generate_and_bench_take_prefill(llama_artifact, engines, openvino_calls
     assert main([*argv, "--repeat", "1", "--warmup", "0", "--prefill", "openvino", "--json", str(out)]) == 0
     assert "kvforge's prompts of 32+ tokens prefilled on OpenVINO (--prefill openvino)" in capsys.readouterr().out
     assert json.loads(out.read_text())["settings"]["prefill"] == "openvino"
-    assert openvino_calls[1:] == [2, 1]  # the cell's batch of 2 prompts (two one-row calls), then the prefix figure's row
+    assert openvino_calls[1:] == [
+        2,
+        1,
+    ]  # the cell's batch of 2 prompts (two one-row calls), then the prefix figure's row
 
 
 def test_the_server_prefills_long_prompts_on_openvino(llama_artifact, engines, openvino_calls):
