@@ -287,15 +287,19 @@ MODEL_SHAPES = {
 }
 
 
-def build_shape(name: str, path: Path, seed: int = 0) -> int:
+def build_shape(name: str, path: Path, seed: int = 0, **overrides: Any) -> int:
     """Save a random model of ``MODEL_SHAPES[name]`` (float32, no eos: generation never stops early)
-    into ``path``; its parameter count."""
+    into ``path``, its config changed by ``overrides`` (e.g. ``vocab_size``); its parameter count."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = MODEL_SHAPES[name]
     config = AutoConfig.for_model(
-        shape.model_type, **shape.config, bos_token_id=None, eos_token_id=None, pad_token_id=None
+        shape.model_type,
+        **{**shape.config, **overrides},
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()

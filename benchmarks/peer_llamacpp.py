@@ -15,6 +15,11 @@ turns over ``--rounds`` rounds (benchmarks/peer_genai.py's workers and rounds, i
 * ``--model smollm2``: SmolLM2-135M-Instruct, the Q4_1 GGUF (``--gguf``) and the HF directory
   converted from it (``--hf-dir``; ``make smollm2``); int4 and fp32. Prompts: ``--batch`` slices
   of ``--prompt-len`` tokens of the quality text (benchmarks/quality.py), the same ids every side.
+* ``--model qwen3.5-0.8b`` / ``lfm2-350m`` (issue 39's hybrids): a random model of
+  ``common.MODEL_SHAPES``' shape with SmolLM2's tokenizer and its 49,152-token vocabulary (llama.cpp's
+  converter needs a tokenizer it knows; the shapes' own are not on this machine), float32; the
+  GGUF side and the rest as ``large`` below (the GGUF-blocks and genai sides do not take these
+  families: llamacpp and kvforge rows only), int4 only. Random prompt ids.
 * ``--model large``: a random Llama of about 1.39B parameters (Qwen2-1.5B's layout: 28 layers,
   hidden 1536, 12/2 heads, intermediate 8960, tied; SmolLM2's 49,152-token tokenizer, which
   llama.cpp's converter knows), saved in float16; llama.cpp's own converter (the
@@ -68,6 +73,9 @@ SMOLLM2_HF = SMOLLM2 / "hf"
 SIDES = ("llamacpp", "gguf", "kvforge", "genai")
 # Qwen2-1.5B's layout as a Llama with SmolLM2's vocabulary: 1.39B parameters.
 LARGE = dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=49152, tied=True)
+# Issue 39's hybrid shapes (common.MODEL_SHAPES), with SmolLM2's tokenizer and vocabulary.
+HYBRIDS = ("qwen3.5-0.8b", "lfm2-350m")
+MODELS = ("smollm2", "large", *HYBRIDS)
 SCRIPT = Path(__file__).resolve()
 
 
@@ -300,11 +308,27 @@ def build_large(job: dict[str, Any]) -> dict[str, Any]:
     return {"params": sum(p.numel() for p in model.parameters())}
 
 
+def build_hybrid(job: dict[str, Any]) -> dict[str, Any]:
+    """A random model of ``common.MODEL_SHAPES[job["shape"]]`` (seed 0, float32) with SmolLM2's
+    tokenizer files and vocabulary size."""
+    import shutil
+
+    from common import build_shape
+
+    path, tokenizer = Path(job["model_dir"]), Path(job["tokenizer_dir"])
+    params = build_shape(job["shape"], path, vocab_size=LARGE["vocab"])
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, path / name)
+    return {"params": params}
+
+
 WORKERS = {
     "llamacpp": run_llamacpp,
     "llamacpp-nll": llamacpp_nll,
     "llamacpp-quantize": llamacpp_quantize,
     "build-large": build_large,
+    "build-hybrid": build_hybrid,
 }
 
 
@@ -319,16 +343,20 @@ def run_llama_worker(python: str, name: str, job: dict[str, Any], work: Path) ->
     return pg.run_worker(python, name, job, work, SCRIPT)
 
 
-def ensure_large(work: Path, llama_python: str, threads: int) -> tuple[Path, Path, dict[str, float]]:
-    """The random 1.39B model: its HF directory, its Q4_0 GGUF (through f16), and build seconds."""
-    model_dir, times = work / "model-large", {}
+def ensure_built(model: str, work: Path, llama_python: str, threads: int) -> tuple[Path, Path, dict[str, float]]:
+    """A random model (``large``, or a hybrid of ``HYBRIDS``): its HF directory, its Q4_0 GGUF
+    (through f16), and build seconds."""
+    model_dir, times = work / f"model-{model}", {}
     if not (model_dir / "config.json").exists():
-        pg.say(f"building the random 1.39B Llama in {model_dir}")
+        pg.say(f"building the random {model} model in {model_dir}")
         start = time.perf_counter()
-        job = {"shape": LARGE, "model_dir": str(model_dir), "tokenizer_dir": str(SMOLLM2_HF)}
-        pg.run_worker(sys.executable, "build-large", job, work, SCRIPT)
+        job = {"model_dir": str(model_dir), "tokenizer_dir": str(SMOLLM2_HF)}
+        if model == "large":
+            pg.run_worker(sys.executable, "build-large", {**job, "shape": LARGE}, work, SCRIPT)
+        else:
+            pg.run_worker(sys.executable, "build-hybrid", {**job, "shape": model}, work, SCRIPT)
         times["build_s"] = time.perf_counter() - start
-    f16, q4 = work / "large-f16.gguf", work / "large-Q4_0.gguf"
+    f16, q4 = work / f"{model}-f16.gguf", work / f"{model}-Q4_0.gguf"
     if not q4.exists():
         if not f16.exists():
             source = llama_cpp_source() / "vendor" / "llama.cpp"
@@ -337,7 +365,7 @@ def ensure_large(work: Path, llama_python: str, threads: int) -> tuple[Path, Pat
             cmd = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir)]
             cmd += ["--outfile", str(f16), "--outtype", "f16"]
             env = {**os.environ, "PYTHONPATH": str(source / "gguf-py"), **pg.OFFLINE_ENV}
-            log = work / "convert_hf_to_gguf.log"
+            log = work / f"convert_hf_to_gguf-{model}.log"
             with log.open("w") as f:
                 proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             if proc.returncode != 0:
@@ -382,7 +410,7 @@ def uptime() -> str:
 # has no exact MatMulNBits form (the 1.39B file's tied Q6_K token_embd / lm_head): int8 blocks of
 # 32, the nearest of compile's settings to Q6_K's 6.6 bits (fp32 would read 300 MB a step).
 GGUF_REST = {"smollm2": None, "large": "int8"}
-DEFAULT_PRECISIONS = {"smollm2": ("int4", "fp32"), "large": ("int4",)}
+DEFAULT_PRECISIONS = {"smollm2": ("int4", "fp32"), "large": ("int4",), **{h: ("int4",) for h in HYBRIDS}}
 
 
 def plan_sides(args: argparse.Namespace, model: str, work: Path, llama_python: str | None, builds: dict):
@@ -392,12 +420,15 @@ def plan_sides(args: argparse.Namespace, model: str, work: Path, llama_python: s
     if model == "smollm2":
         model_dir, gguf, qtype = args.hf_dir, args.gguf, "Q4_1"
     else:
-        model_dir, gguf, times = ensure_large(work, llama_python or ensure_llama_venv(args.llama_venv), args.threads)
+        llama_python = llama_python or ensure_llama_venv(args.llama_venv)
+        model_dir, gguf, times = ensure_built(model, work, llama_python, args.threads)
         builds.update(times)
         qtype = "Q4_0"
+    if model in HYBRIDS and {"gguf", "genai"} & set(args.sides):
+        pg.say(f"{model}: the GGUF-blocks and genai sides do not take this family; llama.cpp and kvforge only")
     if "llamacpp" in args.sides:
         sides.append((f"llama.cpp ({qtype} GGUF)", "llamacpp", qtype, gguf))
-    if "gguf" in args.sides:
+    if "gguf" in args.sides and model not in HYBRIDS:
         rest = GGUF_REST[model]
         out = ensure_kvforge_artifact(gguf, work / f"kvforge-{model}-gguf", rest)
         sides.append(("kvforge (GGUF blocks)", "kvforge", qtype + (f" + {rest}" if rest else ""), out))
@@ -407,7 +438,7 @@ def plan_sides(args: argparse.Namespace, model: str, work: Path, llama_python: s
             out = ensure_kvforge_artifact(model_dir, work / f"kvforge-{model}-{precision}", quantize)
             sides.append((f"kvforge ({precision})", "kvforge", precision, out))
     for precision in precisions:
-        if "genai" in args.sides:
+        if "genai" in args.sides and model not in HYBRIDS:
             genai_args = argparse.Namespace(
                 shape=model, precision=precision, genai_python=sys.executable, rebuild=False
             )
@@ -469,7 +500,7 @@ def run_model(args: argparse.Namespace, model: str, work: Path, llama_python: st
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", nargs="+", choices=("smollm2", "large"), default=["smollm2"], help="one report each")
+    p.add_argument("--model", nargs="+", choices=MODELS, default=["smollm2"], help="one report each")
     p.add_argument("--gguf", type=Path, default=SMOLLM2_GGUF, help="--model smollm2: the Q4_1 GGUF file")
     p.add_argument("--hf-dir", type=Path, default=SMOLLM2_HF, help="--model smollm2: the HF directory of that file")
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))

@@ -57,3 +57,29 @@ def test_perplexity_rows_map_to_quality_json():
     assert peers._perplexity_of(quality, "kvforge (fp32)") == 13.2
     assert peers._perplexity_of(quality, "onnxruntime-genai (int4)") is None
     assert peers._perplexity_of(None, "kvforge (fp32)") is None
+
+
+def test_a_hybrid_shape_gets_llamacpp_and_kvforge_rows_only(tmp_path, monkeypatch):
+    import argparse
+
+    peers = _peers()
+    built = []
+    monkeypatch.setattr(
+        peers,
+        "ensure_built",
+        lambda model, work, python, threads: (
+            built.append(model) or (work / f"model-{model}", work / f"{model}-Q4_0.gguf", {"build_s": 1.0})
+        ),
+    )
+    monkeypatch.setattr(peers, "ensure_kvforge_artifact", lambda source, out, quantize, flags=(): out)
+    args = argparse.Namespace(sides=list(peers.SIDES), precisions=None, llama_venv=None, threads=2)
+    builds: dict = {}
+    model_dir, sides = peers.plan_sides(args, "qwen3.5-0.8b", tmp_path, "/llama/python", builds)
+    assert built == ["qwen3.5-0.8b"] and model_dir == tmp_path / "model-qwen3.5-0.8b" and builds == {"build_s": 1.0}
+    assert [(label, side, precision) for label, side, precision, _ in sides] == [
+        ("llama.cpp (Q4_0 GGUF)", "llamacpp", "Q4_0"),
+        ("kvforge (int4)", "kvforge", "int4"),
+    ]
+    assert sides[1][3] == tmp_path / "kvforge-qwen3.5-0.8b-int4"
+    rows = {label: {"tokens": [[1]]} for label, *_ in sides}
+    assert peers._reference_row("qwen3.5-0.8b", rows) == "llama.cpp (Q4_0 GGUF)"
