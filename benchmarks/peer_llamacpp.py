@@ -76,6 +76,12 @@ LARGE = dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vo
 # Issue 39's hybrid shapes (common.MODEL_SHAPES), with SmolLM2's tokenizer and vocabulary.
 HYBRIDS = ("qwen3.5-0.8b", "lfm2-350m")
 MODELS = ("smollm2", "large", *HYBRIDS)
+# The converter expects Qwen3.5's multi-token-prediction layers, which the random model has none of.
+CONVERT_FLAGS = {"qwen3.5-0.8b": ["--no-mtp"]}
+# llama-cpp-python 0.3.36 segfaults in its first llama_decode of a quantized (Q4_0, Q8_0, Q4_K_M)
+# qwen35 model with the CPU's extra buffer types (the repacked / AMX kernels) on, on the Intel
+# Xeon with AMX; with them off (use_extra_bufts = false) it runs. Those rows say so in their label.
+NO_EXTRA_BUFTS = {"qwen3.5-0.8b"}
 SCRIPT = Path(__file__).resolve()
 
 
@@ -153,13 +159,15 @@ class _Llama:
     """A llama.cpp model and context through the low-level API: ``n_seq_max`` sequences of up to
     ``n_ctx / n_seq_max`` tokens, batches of up to ``n_batch`` tokens."""
 
-    def __init__(self, gguf: str, threads: int, n_ctx: int, n_seq_max: int, n_batch: int):
+    def __init__(self, gguf: str, threads: int, n_ctx: int, n_seq_max: int, n_batch: int, extra_bufts: bool = True):
         import llama_cpp
 
         self.L = L = llama_cpp
         _quiet_llama(L)
         L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+        model_params = L.llama_model_default_params()
+        model_params.use_extra_bufts = extra_bufts  # llama.cpp's default: on (repacked weights)
+        self.model = L.llama_model_load_from_file(gguf.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
@@ -205,7 +213,8 @@ def run_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
     ``batch`` tokens per step, greedy."""
     rows, n = job["prompts"], job["new_tokens"]
     before = pg.rss_bytes()
-    llama = _Llama(job["gguf"], job["threads"], len(rows) * job["max_seq"], len(rows), sum(map(len, rows)))
+    n_ctx, n_batch = len(rows) * job["max_seq"], sum(map(len, rows))
+    llama = _Llama(job["gguf"], job["threads"], n_ctx, len(rows), n_batch, job.get("extra_bufts", True))
 
     def once():
         llama.clear()
@@ -359,23 +368,29 @@ def ensure_built(model: str, work: Path, llama_python: str, threads: int) -> tup
     f16, q4 = work / f"{model}-f16.gguf", work / f"{model}-Q4_0.gguf"
     if not q4.exists():
         if not f16.exists():
-            source = llama_cpp_source() / "vendor" / "llama.cpp"
-            pg.say(f"llama.cpp's convert_hf_to_gguf.py --outtype f16 -> {f16}")
-            start = time.perf_counter()
-            cmd = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir)]
-            cmd += ["--outfile", str(f16), "--outtype", "f16"]
-            env = {**os.environ, "PYTHONPATH": str(source / "gguf-py"), **pg.OFFLINE_ENV}
-            log = work / f"convert_hf_to_gguf-{model}.log"
-            with log.open("w") as f:
-                proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            if proc.returncode != 0:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-                raise pg.StepFailed(f"convert_hf_to_gguf failed; log {log}:\n{tail}")
-            times["convert_s"] = time.perf_counter() - start
+            times["convert_s"] = convert_to_gguf(model, model_dir, f16, "f16", work)
         pg.say(f"llama_model_quantize Q4_0 -> {q4}")
         job = {"src": str(f16), "dst": str(q4), "ftype": "Q4_0", "threads": threads}
         times["quantize_s"] = run_llama_worker(llama_python, "llamacpp-quantize", job, work)["seconds"]
     return model_dir, q4, times
+
+
+def convert_to_gguf(model: str, model_dir: Path, out: Path, outtype: str, work: Path) -> float:
+    """llama.cpp's own converter (the sdist's ``convert_hf_to_gguf.py``) on ``model_dir`` at
+    ``outtype`` (f16, f32); its seconds."""
+    source = llama_cpp_source() / "vendor" / "llama.cpp"
+    pg.say(f"llama.cpp's convert_hf_to_gguf.py --outtype {outtype} -> {out}")
+    start = time.perf_counter()
+    cmd = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir)]
+    cmd += ["--outfile", str(out), "--outtype", outtype, *CONVERT_FLAGS.get(model, [])]
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py"), **pg.OFFLINE_ENV}
+    log = work / f"convert_hf_to_gguf-{model}-{outtype}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise pg.StepFailed(f"convert_hf_to_gguf failed; log {log}:\n{tail}")
+    return time.perf_counter() - start
 
 
 def ensure_kvforge_artifact(source: Path, out: Path, quantize: str | None, flags: tuple[str, ...] = ()) -> Path:
@@ -410,7 +425,7 @@ def uptime() -> str:
 # has no exact MatMulNBits form (the 1.39B file's tied Q6_K token_embd / lm_head): int8 blocks of
 # 32, the nearest of compile's settings to Q6_K's 6.6 bits (fp32 would read 300 MB a step).
 GGUF_REST = {"smollm2": None, "large": "int8"}
-DEFAULT_PRECISIONS = {"smollm2": ("int4", "fp32"), "large": ("int4",), **{h: ("int4",) for h in HYBRIDS}}
+DEFAULT_PRECISIONS = {"smollm2": ("int4", "fp32"), "large": ("int4",), **{h: ("int4", "fp32") for h in HYBRIDS}}
 
 
 def plan_sides(args: argparse.Namespace, model: str, work: Path, llama_python: str | None, builds: dict):
@@ -426,7 +441,16 @@ def plan_sides(args: argparse.Namespace, model: str, work: Path, llama_python: s
         qtype = "Q4_0"
     if model in HYBRIDS and {"gguf", "genai"} & set(args.sides):
         pg.say(f"{model}: the GGUF-blocks and genai sides do not take this family; llama.cpp and kvforge only")
-    if "llamacpp" in args.sides:
+    if "llamacpp" in args.sides and model in HYBRIDS:  # llama.cpp's rows of kvforge's precisions
+        if "int4" in precisions:
+            repack = ", no repack" if model in NO_EXTRA_BUFTS else ""
+            sides.append((f"llama.cpp ({qtype} GGUF{repack})", "llamacpp", qtype, gguf))
+        if "fp32" in precisions:
+            f32 = work / f"{model}-f32.gguf"
+            if not f32.exists():
+                builds["convert_f32_s"] = convert_to_gguf(model, model_dir, f32, "f32", work)
+            sides.append(("llama.cpp (F32 GGUF)", "llamacpp", "F32", f32))
+    elif "llamacpp" in args.sides:
         sides.append((f"llama.cpp ({qtype} GGUF)", "llamacpp", qtype, gguf))
     if "gguf" in args.sides and model not in HYBRIDS:
         rest = GGUF_REST[model]
@@ -466,6 +490,7 @@ def run_model(args: argparse.Namespace, model: str, work: Path, llama_python: st
         for label, side, _, path in sides:
             if side == "llamacpp":
                 job = {**base, "gguf": str(path), "max_seq": args.max_seq}
+                job["extra_bufts"] = not (model in NO_EXTRA_BUFTS and label.endswith("no repack)"))
                 plan.append((label, llama_python, "llamacpp", job, SCRIPT))
             elif side == "kvforge":
                 plan.append((label, sys.executable, "kvforge", {**base, "out": str(path)}, None))
@@ -479,6 +504,8 @@ def run_model(args: argparse.Namespace, model: str, work: Path, llama_python: st
                 rows[label] = pg.combine_rounds(per_round[label])
                 rows[label]["decode_tokens_per_s"] = batch * 1e3 / rows[label]["decode_ms_step"]
         reference = _reference_row(model, rows)
+        for label, _, precision, _ in sides:
+            rows[label]["precision"] = precision
         for label, r in rows.items():
             if "tokens" in r and reference and label != reference:
                 r["agreement_vs"] = reference
@@ -556,8 +583,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _reference_row(model: str, rows: dict[str, dict[str, Any]]) -> str | None:
-    want = "kvforge (fp32)" if model == "smollm2" else "llama.cpp (Q4_0 GGUF)"
+    if model == "smollm2":
+        want = "kvforge (fp32)"
+    else:  # llama.cpp's Q4_0 row (a hybrid's may say "no repack")
+        want = next((label for label in rows if label.startswith("llama.cpp (Q4_0 GGUF")), None)
     return want if want in rows and "tokens" in rows[want] else None
+
+
+# The llama.cpp row a kvforge row is compared with: the one of its precision where there is one
+# (a hybrid's F32 GGUF for kvforge fp32), else the first llama.cpp row.
+LLAMA_PRECISION_OF = {"fp32": "F32"}
+
+
+def _llama_row_for(r: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    llamas = [x for label, x in rows.items() if label.startswith("llama.cpp") and "error" not in x]
+    same = [x for x in llamas if x.get("precision") == LLAMA_PRECISION_OF.get(r.get("precision"))]
+    return next(iter(same or llamas), None)
 
 
 QUALITY_ROWS = {  # peer row label -> benchmarks/quality.py row name
@@ -595,15 +636,15 @@ def format_report(report: dict[str, Any]) -> str:
     for name, rows in report["tables"].items():
         lines.append(f"\n{name}")
         lines.append(f"{'':30}{'TTFT ms':>9}{'ms/step':>9}{'tok/s':>8}{'peak RSS':>9}{'ppl':>8}  vs llama.cpp  greedy")
-        llama = next((r for label, r in rows.items() if label.startswith("llama.cpp") and "error" not in r), None)
         for label, r in rows.items():
+            llama = _llama_row_for(r, rows)
             if "error" in r:
                 lines.append(f"{label:30}  failed: {r['error'].splitlines()[0]}")
                 continue
             ppl_text = f"{r['perplexity']:8.2f}" if r.get("perplexity") else f"{'-':>8}"
             agree = f"{r['agreement']} vs {r['agreement_vs']}" if r.get("agreement") else ""
             ratio = ""
-            if llama is not None and r is not llama:  # < 1: faster than llama.cpp
+            if llama is not None and not label.startswith("llama.cpp"):  # < 1: faster than llama.cpp
                 ratio = f"x{r['ttft_ms'] / llama['ttft_ms']:.2f} x{r['decode_ms_step'] / llama['decode_ms_step']:.2f}"
             lines.append(
                 f"{label:30}{r['ttft_ms']:9.1f}{r['decode_ms_step']:9.2f}{r['decode_tokens_per_s']:8.1f}"

@@ -59,11 +59,11 @@ def test_perplexity_rows_map_to_quality_json():
     assert peers._perplexity_of(None, "kvforge (fp32)") is None
 
 
-def test_a_hybrid_shape_gets_llamacpp_and_kvforge_rows_only(tmp_path, monkeypatch):
+def test_a_hybrid_shape_gets_llamacpp_and_kvforge_rows_of_each_precision(tmp_path, monkeypatch):
     import argparse
 
     peers = _peers()
-    built = []
+    built, converted = [], []
     monkeypatch.setattr(
         peers,
         "ensure_built",
@@ -71,15 +71,24 @@ def test_a_hybrid_shape_gets_llamacpp_and_kvforge_rows_only(tmp_path, monkeypatc
             built.append(model) or (work / f"model-{model}", work / f"{model}-Q4_0.gguf", {"build_s": 1.0})
         ),
     )
+    monkeypatch.setattr(
+        peers, "convert_to_gguf", lambda model, src, out, outtype, work: converted.append((out.name, outtype)) or 2.0
+    )
     monkeypatch.setattr(peers, "ensure_kvforge_artifact", lambda source, out, quantize, flags=(): out)
     args = argparse.Namespace(sides=list(peers.SIDES), precisions=None, llama_venv=None, threads=2)
     builds: dict = {}
     model_dir, sides = peers.plan_sides(args, "qwen3.5-0.8b", tmp_path, "/llama/python", builds)
-    assert built == ["qwen3.5-0.8b"] and model_dir == tmp_path / "model-qwen3.5-0.8b" and builds == {"build_s": 1.0}
+    assert built == ["qwen3.5-0.8b"] and model_dir == tmp_path / "model-qwen3.5-0.8b"
+    assert converted == [("qwen3.5-0.8b-f32.gguf", "f32")] and builds == {"build_s": 1.0, "convert_f32_s": 2.0}
+    # no GGUF-blocks or genai rows: neither takes the family
     assert [(label, side, precision) for label, side, precision, _ in sides] == [
-        ("llama.cpp (Q4_0 GGUF)", "llamacpp", "Q4_0"),
+        ("llama.cpp (Q4_0 GGUF, no repack)", "llamacpp", "Q4_0"),
+        ("llama.cpp (F32 GGUF)", "llamacpp", "F32"),
         ("kvforge (int4)", "kvforge", "int4"),
+        ("kvforge (fp32)", "kvforge", "fp32"),
     ]
-    assert sides[1][3] == tmp_path / "kvforge-qwen3.5-0.8b-int4"
-    rows = {label: {"tokens": [[1]]} for label, *_ in sides}
-    assert peers._reference_row("qwen3.5-0.8b", rows) == "llama.cpp (Q4_0 GGUF)"
+    rows = {label: {"tokens": [[1]], "precision": precision} for label, _, precision, _ in sides}
+    assert peers._reference_row("qwen3.5-0.8b", rows) == "llama.cpp (Q4_0 GGUF, no repack)"
+    # each kvforge row is compared with llama.cpp's row of its precision
+    assert peers._llama_row_for(rows["kvforge (fp32)"], rows) is rows["llama.cpp (F32 GGUF)"]
+    assert peers._llama_row_for(rows["kvforge (int4)"], rows) is rows["llama.cpp (Q4_0 GGUF, no repack)"]
