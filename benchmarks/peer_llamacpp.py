@@ -40,7 +40,8 @@ capacity of ``--max-seq`` tokens a sequence:
   KV buffer sized by ``max_length = --max-seq``.
 
 Greedy agreement: leading tokens equal to the reference row's (``--model smollm2``: kvforge fp32,
-which matches transformers to ~5e-5 in logits; ``large``: llama.cpp's Q4_0).
+which matches transformers to ~5e-5 in logits; ``large``: llama.cpp's Q4_0; a hybrid: llama.cpp's
+F32 GGUF, which kvforge fp32 equals to the token on the Qwen3.5-0.8B shape).
 Perplexity: read from benchmarks/quality.py's JSON (``--quality``), printed next to each row.
 `uptime` is printed before and after each model's rounds.
 
@@ -585,7 +586,9 @@ def main(argv: list[str] | None = None) -> None:
 def _reference_row(model: str, rows: dict[str, dict[str, Any]]) -> str | None:
     if model == "smollm2":
         want = "kvforge (fp32)"
-    else:  # llama.cpp's Q4_0 row (a hybrid's may say "no repack")
+    elif "llama.cpp (F32 GGUF)" in rows:  # a hybrid's: the row kvforge fp32 must equal to the token
+        want = "llama.cpp (F32 GGUF)"
+    else:  # llama.cpp's Q4_0 row (a hybrid's says "no repack")
         want = next((label for label in rows if label.startswith("llama.cpp (Q4_0 GGUF")), None)
     return want if want in rows and "tokens" in rows[want] else None
 

@@ -88,7 +88,10 @@ def test_a_hybrid_shape_gets_llamacpp_and_kvforge_rows_of_each_precision(tmp_pat
         ("kvforge (fp32)", "kvforge", "fp32"),
     ]
     rows = {label: {"tokens": [[1]], "precision": precision} for label, _, precision, _ in sides}
+    assert peers._reference_row("qwen3.5-0.8b", rows) == "llama.cpp (F32 GGUF)"  # greedy agreement's reference
+    del rows["llama.cpp (F32 GGUF)"]
     assert peers._reference_row("qwen3.5-0.8b", rows) == "llama.cpp (Q4_0 GGUF, no repack)"
+    rows["llama.cpp (F32 GGUF)"] = {"tokens": [[1]], "precision": "F32"}
     # each kvforge row is compared with llama.cpp's row of its precision
     assert peers._llama_row_for(rows["kvforge (fp32)"], rows) is rows["llama.cpp (F32 GGUF)"]
     assert peers._llama_row_for(rows["kvforge (int4)"], rows) is rows["llama.cpp (Q4_0 GGUF, no repack)"]
