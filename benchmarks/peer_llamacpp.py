@@ -79,10 +79,6 @@ HYBRIDS = ("qwen3.5-0.8b", "lfm2-350m")
 MODELS = ("smollm2", "large", *HYBRIDS)
 # The converter expects Qwen3.5's multi-token-prediction layers, which the random model has none of.
 CONVERT_FLAGS = {"qwen3.5-0.8b": ["--no-mtp"]}
-# llama-cpp-python 0.3.36 segfaults in its first llama_decode of a quantized (Q4_0, Q8_0, Q4_K_M)
-# qwen35 model with the CPU's extra buffer types (the repacked / AMX kernels) on, on the Intel
-# Xeon with AMX; with them off (use_extra_bufts = false) it runs. Those rows say so in their label.
-NO_EXTRA_BUFTS = {"qwen3.5-0.8b"}
 SCRIPT = Path(__file__).resolve()
 
 
@@ -333,8 +329,18 @@ def build_hybrid(job: dict[str, Any]) -> dict[str, Any]:
     return {"params": params}
 
 
+def llamacpp_probe(job: dict[str, Any]) -> dict[str, Any]:
+    """One small decode of ``job["gguf"]`` with llama.cpp's CPU extra buffer types (repacked / AMX
+    weights) on: a crash here (llama-cpp-python 0.3.36 segfaults so on quantized GGUFs on an Intel
+    Xeon with AMX) makes that row run with them off."""
+    llama = _Llama(job["gguf"], job["threads"], 64, 1, 16)
+    llama.decode([list(range(100, 116))], 0)
+    return {"ok": True}
+
+
 WORKERS = {
     "llamacpp": run_llamacpp,
+    "llamacpp-probe": llamacpp_probe,
     "llamacpp-nll": llamacpp_nll,
     "llamacpp-quantize": llamacpp_quantize,
     "build-large": build_large,
@@ -394,6 +400,17 @@ def convert_to_gguf(model: str, model_dir: Path, out: Path, outtype: str, work: 
     return time.perf_counter() - start
 
 
+def llama_row(qtype: str, gguf: Path, llama_python: str, work: Path, threads: int) -> tuple[str, str, str, Path]:
+    """llama.cpp's row of a quantized GGUF: at its defaults, or, where a decode crashes with its CPU
+    extra buffer types on (:func:`llamacpp_probe`), with them off and ", no repack" in the label."""
+    try:
+        run_llama_worker(llama_python, "llamacpp-probe", {"gguf": str(gguf), "threads": threads}, work)
+        return f"llama.cpp ({qtype} GGUF)", "llamacpp", qtype, gguf
+    except pg.StepFailed as e:
+        pg.say(f"llama.cpp crashed on {gguf.name} with its extra buffer types on ({str(e).splitlines()[0]}): off")
+        return f"llama.cpp ({qtype} GGUF, no repack)", "llamacpp", qtype, gguf
+
+
 def ensure_kvforge_artifact(source: Path, out: Path, quantize: str | None, flags: tuple[str, ...] = ()) -> Path:
     """kvforge compile at its defaults (max_batch 4, max_seq 512, score graph) except --quantize and
     ``flags`` (e.g. ``("--max-seq", "1024")``); ``source`` an HF directory or a GGUF file (whose
@@ -442,17 +459,17 @@ def plan_sides(args: argparse.Namespace, model: str, work: Path, llama_python: s
         qtype = "Q4_0"
     if model in HYBRIDS and {"gguf", "genai"} & set(args.sides):
         pg.say(f"{model}: the GGUF-blocks and genai sides do not take this family; llama.cpp and kvforge only")
+    llama_python = llama_python or ("llamacpp" in args.sides and ensure_llama_venv(args.llama_venv))
     if "llamacpp" in args.sides and model in HYBRIDS:  # llama.cpp's rows of kvforge's precisions
         if "int4" in precisions:
-            repack = ", no repack" if model in NO_EXTRA_BUFTS else ""
-            sides.append((f"llama.cpp ({qtype} GGUF{repack})", "llamacpp", qtype, gguf))
+            sides.append(llama_row(qtype, gguf, llama_python, work, args.threads))
         if "fp32" in precisions:
             f32 = work / f"{model}-f32.gguf"
             if not f32.exists():
                 builds["convert_f32_s"] = convert_to_gguf(model, model_dir, f32, "f32", work)
             sides.append(("llama.cpp (F32 GGUF)", "llamacpp", "F32", f32))
     elif "llamacpp" in args.sides:
-        sides.append((f"llama.cpp ({qtype} GGUF)", "llamacpp", qtype, gguf))
+        sides.append(llama_row(qtype, gguf, llama_python, work, args.threads))
     if "gguf" in args.sides and model not in HYBRIDS:
         rest = GGUF_REST[model]
         out = ensure_kvforge_artifact(gguf, work / f"kvforge-{model}-gguf", rest)
@@ -491,7 +508,7 @@ def run_model(args: argparse.Namespace, model: str, work: Path, llama_python: st
         for label, side, _, path in sides:
             if side == "llamacpp":
                 job = {**base, "gguf": str(path), "max_seq": args.max_seq}
-                job["extra_bufts"] = not (model in NO_EXTRA_BUFTS and label.endswith("no repack)"))
+                job["extra_bufts"] = not label.endswith("no repack)")
                 plan.append((label, llama_python, "llamacpp", job, SCRIPT))
             elif side == "kvforge":
                 plan.append((label, sys.executable, "kvforge", {**base, "out": str(path)}, None))

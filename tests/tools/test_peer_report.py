@@ -4,6 +4,8 @@ perplexity of each row (the GGUF-blocks row included) looked up in benchmarks/qu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.helpers import load_benchmark
 
 
@@ -75,11 +77,19 @@ def test_a_hybrid_shape_gets_llamacpp_and_kvforge_rows_of_each_precision(tmp_pat
         peers, "convert_to_gguf", lambda model, src, out, outtype, work: converted.append((out.name, outtype)) or 2.0
     )
     monkeypatch.setattr(peers, "ensure_kvforge_artifact", lambda source, out, quantize, flags=(): out)
+    probes = []
+
+    def crash(python, name, job, work):  # llama.cpp's decode with its extra buffer types on segfaults
+        probes.append((name, Path(job["gguf"]).name))
+        raise peers.pg.StepFailed("llamacpp-probe failed (exit -11)")
+
+    monkeypatch.setattr(peers, "run_llama_worker", crash)
     args = argparse.Namespace(sides=list(peers.SIDES), precisions=None, llama_venv=None, threads=2)
     builds: dict = {}
     model_dir, sides = peers.plan_sides(args, "qwen3.5-0.8b", tmp_path, "/llama/python", builds)
     assert built == ["qwen3.5-0.8b"] and model_dir == tmp_path / "model-qwen3.5-0.8b"
     assert converted == [("qwen3.5-0.8b-f32.gguf", "f32")] and builds == {"build_s": 1.0, "convert_f32_s": 2.0}
+    assert probes == [("llamacpp-probe", "qwen3.5-0.8b-Q4_0.gguf")]  # the quantized GGUF only
     # no GGUF-blocks or genai rows: neither takes the family
     assert [(label, side, precision) for label, side, precision, _ in sides] == [
         ("llama.cpp (Q4_0 GGUF, no repack)", "llamacpp", "Q4_0"),
@@ -95,3 +105,10 @@ def test_a_hybrid_shape_gets_llamacpp_and_kvforge_rows_of_each_precision(tmp_pat
     # each kvforge row is compared with llama.cpp's row of its precision
     assert peers._llama_row_for(rows["kvforge (fp32)"], rows) is rows["llama.cpp (F32 GGUF)"]
     assert peers._llama_row_for(rows["kvforge (int4)"], rows) is rows["llama.cpp (Q4_0 GGUF, no repack)"]
+
+
+def test_llamacpp_runs_at_its_defaults_where_its_probe_decodes(tmp_path, monkeypatch):
+    peers = _peers()
+    monkeypatch.setattr(peers, "run_llama_worker", lambda python, name, job, work: {"ok": True})
+    row = peers.llama_row("Q4_1", tmp_path / "m.gguf", "/llama/python", tmp_path, 2)
+    assert row == ("llama.cpp (Q4_1 GGUF)", "llamacpp", "Q4_1", tmp_path / "m.gguf")
