@@ -33,7 +33,9 @@ and logits row. A call with a shorter row, and every decode step, stays on ORT.
 Limits (refused at load by :func:`check_artifact`): float32 artifacts of the ``gqa`` lowering
 with a KV cache only (no model state, no 8-bit KV); the CPU; no speculative decoding (its step
 graph is the verify graph, which stays on ORT). Cost: OpenVINO holds its own compiled copy of
-the model (SmolLM2-135M: +550 MiB resident at int4, +1.2 GiB at fp32 and f32). Each new prompt
+the model (SmolLM2-135M: +550 MiB resident at int4, +1.2 GiB at fp32 and f32; of the int4
+compile's ~480 MiB, ~260 MiB are the memory-mapped weights file, clean pages the kernel may drop
+under pressure, ~220 MiB OpenVINO's own). Each new prompt
 length costs OpenVINO a shape preparation on its first call (SmolLM2 int4 bf16: +20 ms at 130
 tokens, +130-190 ms near 1024; ORT has no such cost).
 """
