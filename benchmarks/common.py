@@ -187,13 +187,16 @@ class ModelShape:
 
     ``needs``: what kvforge must support before this shape compiles (None: supported today; the
     benchmark still tries, and reports compile's refusal as the reason). ``baseline``: the name of
-    the full-attention shape of the same size its prefill is compared with."""
+    the full-attention shape of the same dimensions its prefill is compared with (hidden size,
+    layers, heads, MLP, vocabulary); ``matched``: the full-attention shape of the same parameter
+    count (the baseline's MLP widened by what the hybrid's mixers hold beyond attention's)."""
 
     model_type: str
     config: dict[str, Any]
     source: str
     needs: str | None = None
     baseline: str | None = None
+    matched: str | None = None
 
 
 MODEL_SHAPES = {
@@ -221,6 +224,7 @@ MODEL_SHAPES = {
         ),
         "LiquidAI/LFM2-350M config.json",
         baseline="llama-lfm2-350m",
+        matched="llama-lfm2-350m-params",
     ),
     # LFM2-350M's size as a full-attention Llama: every layer attends (16 heads, 8 KV), SwiGLU 4608.
     "llama-lfm2-350m": ModelShape(
@@ -265,6 +269,7 @@ MODEL_SHAPES = {
         ),
         "Qwen/Qwen3.5-0.8B config.json (text_config)",
         baseline="llama-qwen3.5-0.8b",
+        matched="llama-qwen3.5-0.8b-params",
     ),
     # Qwen3.5-0.8B's size as a full-attention Llama (8 heads / 2 KV of 256 in every layer).
     "llama-qwen3.5-0.8b": ModelShape(
@@ -285,6 +290,17 @@ MODEL_SHAPES = {
         "qwen3.5-0.8b with full attention in every layer",
     ),
 }
+# The twins of the hybrids' parameter counts: the Gated DeltaNet's projections (Q, K, V, Z: 8.4M a
+# layer) hold 2x an attention layer's, so Qwen3.5-0.8B has 752.4M parameters against its same-sized
+# twin's 644.4M; widening the twin's MLP (3584 -> 5056) gives it 752.9M. LFM2-350M: 354.5M against
+# 344.0M; MLP 4608 -> 4800 gives 353.4M. tests/tools/test_bench_shapes.py checks the counts.
+for _hybrid, _mlp in (("qwen3.5-0.8b", 5056), ("lfm2-350m", 4800)):
+    _twin = MODEL_SHAPES[MODEL_SHAPES[_hybrid].baseline]
+    MODEL_SHAPES[MODEL_SHAPES[_hybrid].matched] = ModelShape(
+        _twin.model_type,
+        {**_twin.config, "intermediate_size": _mlp},
+        f"{_hybrid}'s parameter count with attention in every layer (MLP {_mlp})",
+    )
 
 
 def build_shape(name: str, path: Path, seed: int = 0, **overrides: Any) -> int:

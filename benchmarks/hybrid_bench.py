@@ -1,21 +1,24 @@
 """Hybrid shapes (issue 39): ``kvforge bench`` on a random model of a published hybrid's shape
 against transformers in the same run, and its prefill against a full-attention Llama of the same size.
 
-For ``--shape`` (a name of ``common.MODEL_SHAPES``: ``lfm2-350m``; ``qwen3.5-0.8b`` once kvforge
-compiles Gated DeltaNet) and its ``baseline`` (the same hidden size, layers, MLP and vocabulary,
-attention in every layer), each a random float32 model built here (nothing is downloaded):
+For ``--shape`` (a name of ``common.MODEL_SHAPES`` with twins: ``lfm2-350m``, ``qwen3.5-0.8b``), its
+``baseline`` (the same hidden size, layers, heads, MLP and vocabulary, attention in every layer) and
+its ``matched`` twin (the baseline with its MLP widened to the hybrid's parameter count: Qwen3.5's
+Gated DeltaNet projections hold twice an attention layer's, so the same-dimension twin has 14%
+fewer parameters), each a random float32 model built here (nothing is downloaded):
 
 1. compile it (``--max-batch 1``, ``--max-seq`` the longest prompt + new tokens, ``--dtype``,
    ``--quantize``; a shape whose compile is refused is reported with compile's reason);
 2. ``tools.bench.run_bench`` at batch 1 on every ``--prompt-lens`` (default 128, 512, 2048) with
    ``--new-tokens`` greedy tokens; transformers eager runs the same prompts for the hybrid at
-   ``--reference-lens`` (default 128; ``--no-reference`` skips it), the baseline runs kvforge only;
+   ``--reference-lens`` (default 128; ``--no-reference`` skips it), the twins run kvforge only;
 3. reported per prompt length: TTFT and decode ms per step of both sides on the hybrid and the
    ratio (goal: transformers / kvforge decode >= 5 at batch 1), prefill tokens per second
-   (prompt tokens / TTFT) of the hybrid and of the baseline and their ratio (goal: the hybrid at
-   most 1.5x slower), and the memory a sequence costs: the state of the non-attention layers
-   (``Layout.state_row_bytes``, fixed) and KV bytes per token of the attention layers, against the
-   baseline's KV per token.
+   (prompt tokens / TTFT) of the hybrid and of each twin and their ratios (goal: the hybrid at
+   most 1.5x slower than "a full attention model of the same size": both readings of "size" are
+   reported, dimensions and parameters), and the memory a sequence costs: the state of the
+   non-attention layers (``Layout.state_row_bytes``, fixed) and KV bytes per token of the
+   attention layers, against the baseline's KV per token.
 
 Both sides run on ``--threads`` threads (default 2). The load average is printed with the figures:
 on a shared machine it changes every one of them.
@@ -120,9 +123,16 @@ def bench(side: dict[str, Any], args: argparse.Namespace, reference_lens: list[i
     return report
 
 
-def summarize(hybrid: dict[str, Any], baseline: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """One row per prompt length: the figures the issue's goals name."""
-    base_cells = {c["prompt_len"]: c for c in baseline["report"]["cells"]} if baseline else {}
+def _cells(side: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    return {c["prompt_len"]: c for c in side["report"]["cells"]} if side and "report" in side else {}
+
+
+def summarize(
+    hybrid: dict[str, Any], baseline: dict[str, Any] | None, matched: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """One row per prompt length: the figures the issue's goals name (``baseline``: the twin of the
+    same dimensions, ``matched``: of the same parameter count)."""
+    base_cells, matched_cells = _cells(baseline), _cells(matched)
     rows = []
     for cell in hybrid["report"]["cells"]:
         p, ours, ref = cell["prompt_len"], cell["kvforge"], cell["transformers"]
@@ -146,30 +156,36 @@ def summarize(hybrid: dict[str, Any], baseline: dict[str, Any] | None) -> list[d
             row["baseline_decode_ms"] = base["kvforge"]["decode_ms_per_token_p50"]
             row["baseline_prefill_tok_s"] = p / base["kvforge"]["ttft_ms"] * 1e3
             row["prefill_slowdown_vs_baseline"] = ours["ttft_ms"] / base["kvforge"]["ttft_ms"]
+        twin = matched_cells.get(p)
+        if twin is not None:
+            row["matched_prefill_tok_s"] = p / twin["kvforge"]["ttft_ms"] * 1e3
+            row["prefill_slowdown_vs_matched"] = ours["ttft_ms"] / twin["kvforge"]["ttft_ms"]
         rows.append(row)
     return rows
 
 
 def format_report(report: dict[str, Any]) -> str:
-    h, b = report["hybrid"], report.get("baseline")
+    h, b, m = report["hybrid"], report.get("baseline"), report.get("matched")
     lines = [
         f"{h['name']}: {(h['params'] or 0) / 1e6:.1f}M parameters, {report['settings']}; "
         f"load average {report['load_before']} -> {report['load_after']} on {report['cpus']} CPUs",
     ]
-    for side in (h, b):
+    for side in (h, b, m):
         if side is None:
             continue
         if "refused" in side:
             lines.append(f"  {side['name']}: compile refused: {side['refused']}")
             continue
         lines.append(
-            f"  {side['name']}: compiled in {side['compile_s'] or 0:.0f}s; {side['attention_layers']} attention layers "
+            f"  {side['name']} ({(side['params'] or 0) / 1e6:.1f}M): compiled in {side['compile_s'] or 0:.0f}s; "
+            f"{side['attention_layers']} attention layers "
             f"({side['kv_bytes_per_token'] / 1024:.1f} KiB KV per token), {side['state_layers']} state layers "
             f"{side['state_kinds']} ({side['state_bytes_per_sequence'] / 1024:.1f} KiB per sequence)"
         )
     header = (
         f"{'prompt':>6} {'TTFT ms':>9} {'hf TTFT':>9} {'ms/step':>8} {'hf ms/step':>10} {'decode x':>8} "
-        f"{'prefill tok/s':>13} {'llama tok/s':>11} {'slower x':>8} {'tokens eq':>9}"
+        f"{'prefill tok/s':>13} {'twin tok/s':>10} {'slower x':>8} {'params twin':>11} {'slower x':>8} "
+        f"{'tokens eq':>9}"
     )
     lines.append(header)
 
@@ -183,7 +199,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{cell(row, 'transformers_ttft_ms', '9.1f')} "
             f"{cell(row, 'kvforge_decode_ms', '8.2f')} {cell(row, 'transformers_decode_ms', '10.2f')} "
             f"{cell(row, 'decode_speedup', '8.2f')} {cell(row, 'kvforge_prefill_tok_s', '13.0f')} "
-            f"{cell(row, 'baseline_prefill_tok_s', '11.0f')} {cell(row, 'prefill_slowdown_vs_baseline', '8.2f')} "
+            f"{cell(row, 'baseline_prefill_tok_s', '10.0f')} {cell(row, 'prefill_slowdown_vs_baseline', '8.2f')} "
+            f"{cell(row, 'matched_prefill_tok_s', '11.0f')} {cell(row, 'prefill_slowdown_vs_matched', '8.2f')} "
             f"{row.get('greedy_tokens_identical', '-')!s:>9}"
         )
     return "\n".join(lines)
@@ -207,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantize", choices=["int4", "int8"], default=None)
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
-    p.add_argument("--no-baseline", action="store_true", help="skip the full-attention Llama of the same size")
+    p.add_argument("--no-baseline", action="store_true", help="skip the full-attention twins")
     p.add_argument("--work-dir", type=Path, default=None, help="models and artifacts (default: a temp dir, removed)")
     p.add_argument("--reuse", action="store_true", help="reuse the models and artifacts left in --work-dir")
     p.add_argument("--json", type=Path, default=None)
@@ -219,15 +236,16 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     try:
         hybrid = compile_shape(args.shape, work, args)
-        baseline = None
+        baseline = matched = None
         if "refused" in hybrid:
             say(f"{args.shape} is refused ({hybrid['refused']}); needs: {shape.needs or '?'}")
         else:
             hybrid["report"] = bench(hybrid, args, [] if args.no_reference else args.reference_lens)
             if not args.no_baseline:
-                baseline = compile_shape(shape.baseline, work, args)
-                if "refused" not in baseline:
-                    baseline["report"] = bench(baseline, args, [])
+                baseline, matched = (compile_shape(name, work, args) for name in (shape.baseline, shape.matched))
+                for twin in (baseline, matched):
+                    if "refused" not in twin:
+                        twin["report"] = bench(twin, args, [])
         report = {
             "shape": args.shape,
             "needs": shape.needs,
@@ -244,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
             "cpus": os.cpu_count(),
             "hybrid": hybrid,
             "baseline": baseline,
-            "rows": summarize(hybrid, baseline) if "report" in hybrid else [],
+            "matched": matched,
+            "rows": summarize(hybrid, baseline, matched) if "report" in hybrid else [],
         }
     finally:
         if args.work_dir is None:

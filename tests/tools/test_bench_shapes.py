@@ -48,6 +48,20 @@ def test_qwen35_shape_is_qwen35_08b_and_compiles_today(common):
     assert 0.7e9 < sum(p.numel() for p in model.parameters()) < 0.8e9
 
 
+@pytest.mark.parametrize("hybrid", ["qwen3.5-0.8b", "lfm2-350m"])
+def test_matched_twins_hold_the_hybrids_parameter_count(common, hybrid):
+    """The "same size" twin of hybrid_bench's second reading: the same-dimension twin's MLP widened
+    until its parameters are the hybrid's within 0.5%."""
+    shape = common.MODEL_SHAPES[hybrid]
+    count = {name: sum(p.numel() for p in _meta_model(common, name).parameters()) for name in (hybrid, shape.matched)}
+    same_dims = sum(p.numel() for p in _meta_model(common, shape.baseline).parameters())
+    assert abs(count[shape.matched] / count[hybrid] - 1) < 0.005
+    assert count[hybrid] - same_dims > abs(count[hybrid] - count[shape.matched])
+    twin = _meta_model(common, shape.matched)
+    assert type(twin).__name__ == "LlamaForCausalLM"
+    assert twin.config.num_hidden_layers == common.MODEL_SHAPES[hybrid].config["num_hidden_layers"]
+
+
 def test_sharded_checkpoint_loads_whole_in_transformers(tmp_path):
     ct = load_benchmark("compile_time")
     shape = ct.peer.Shape(layers=3, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=128, tied=False)
@@ -77,11 +91,14 @@ def test_hybrid_summary_states_the_issue_ratios():
     hb = load_benchmark("hybrid_bench")
     hybrid = {"report": {"cells": [_cell(512, 200.0, 10.0, (1000.0, 60.0))]}}
     baseline = {"report": {"cells": [_cell(512, 160.0, 12.0)]}}
-    [row] = hb.summarize(hybrid, baseline)
+    matched = {"report": {"cells": [_cell(512, 180.0, 13.0)]}}
+    [row] = hb.summarize(hybrid, baseline, matched)
     assert row["decode_speedup"] == pytest.approx(6.0)
     assert row["kvforge_prefill_tok_s"] == pytest.approx(2560.0)
     assert row["baseline_prefill_tok_s"] == pytest.approx(3200.0)
     assert row["prefill_slowdown_vs_baseline"] == pytest.approx(1.25)
+    assert row["prefill_slowdown_vs_matched"] == pytest.approx(200.0 / 180.0)
+    assert "prefill_slowdown_vs_matched" not in hb.summarize(hybrid, baseline)[0]
     assert row["greedy_tokens_identical"] is True
 
 
