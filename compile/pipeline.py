@@ -476,6 +476,8 @@ def _compile_into(
     else:
         stages.end(str(times))
         stages.start("write", "writing one shared weights file and deriving the graphs")
+    if options.lowering == "exact":  # int4/int8 blocks (quantized or a GGUF's): one-token steps take the verify kernel
+        quantize_stage.never_one_row(general)
     weights = SharedWeights(tmp)
     weights.externalize(general)
     gc.collect()

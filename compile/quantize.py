@@ -188,3 +188,55 @@ def _lm_head_as_matmul(model: ir.Model) -> list[str]:
         model.graph.remove(node, safe=True)
         made.append(matmul.name)
     return made
+
+
+def _int64s(*values: int) -> ir.Value:
+    return ir.node("Constant", [], {"value": ir.tensor(list(values), dtype=ir.DataType.INT64)}).outputs[0]
+
+
+def never_one_row(model: ir.Model) -> int:
+    """Give every ``MatMulNBits`` of ``model`` at least two rows (the ``exact`` lowering's int4):
+    its input ``[..., K]`` is viewed as ``[M, K]``, padded with a row of zeros when ``M = 1``, and
+    the product's first ``M`` rows are viewed back as ``[..., N]``. MLAS computes a row the same way
+    at any ``M >= 2`` (whatever the other rows hold) but takes another kernel at ``M = 1`` on some
+    CPUs (an AVX2-only AMD EPYC: 3e-5 apart at accuracy level 4), so without this a one-token step
+    and a verify call of the same tokens would differ in the last bits. A prefill pads nothing
+    (``M`` is its token count) and copies its activations once. Returns how many were wrapped."""
+    nodes = [n for n in model.graph if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    for node in nodes:
+        _two_rows(model.graph, node)
+    return len(nodes)
+
+
+def _two_rows(graph: ir.Graph, node: ir.Node) -> None:
+    """:func:`never_one_row` for one ``MatMulNBits`` node, replaced in ``graph``."""
+    x, out = node.inputs[0], node.outputs[0]
+    k, n = node.attributes["K"].value, node.attributes["N"].value
+    made: list[ir.Node] = []
+
+    def add(op: str, inputs: list[ir.Value], attributes: dict | None = None, **kwargs) -> ir.Value:
+        made.append(ir.node(op, inputs, attributes, **kwargs))
+        return made[-1].outputs[0]
+
+    def ints(*values: int) -> ir.Value:
+        value = _int64s(*values)
+        made.append(value.producer())
+        return value
+
+    shape = add("Shape", [x])  # [..., K]
+    rows = add("Reshape", [x, ints(-1, k)])  # (M, K)
+    m = add("Shape", [rows], {"start": 0, "end": 1})  # [1]: M
+    extra = add("Max", [add("Sub", [ints(2), m]), ints(0)])  # [1]: 1 when M = 1, else 0
+    padded = add("Pad", [rows, add("Concat", [ints(0, 0), extra, ints(0)], {"axis": 0})])  # (max(M, 2), K)
+    attrs = {name: attr.value for name, attr in node.attributes.items()}
+    product = add("MatMulNBits", [padded, *node.inputs[1:]], attrs, domain="com.microsoft")  # (max(M, 2), N)
+    first = add("Slice", [product, ints(0), m, ints(0)])  # (M, N)
+    outer = add("Slice", [shape, ints(0), ints(-1), ints(0)])  # [...]
+    result = add("Reshape", [first, add("Concat", [outer, ints(n)], {"axis": 0})])  # [..., N]
+    for i, new in enumerate(made):
+        new.name = f"{node.name}/two_rows/{new.op_type}_{i}"
+        new.outputs[0].name = f"{new.name}/out"
+    result.shape, result.type = out.shape, out.type
+    graph.insert_before(node, made)
+    out.replace_all_uses_with(result, replace_graph_outputs=True)
+    graph.remove(node, safe=True)

@@ -21,7 +21,9 @@ the op with the translation of the chosen lowering:
   one-token call gives: speculative verification then reproduces plain decoding exactly, in
   float32 and in int4 (issue 23). ORT's ``Attention`` and ``GroupQueryAttention`` multiply one
   query row per head (M = S); at M = 1 MLAS takes its matrix-vector kernel, whose float32 sums
-  differ from the M > 1 kernel's in the last bits.
+  differ from the M > 1 kernel's in the last bits. The same holds for int4 blocks (``MatMulNBits``)
+  on some CPUs, so compile gives each of an ``exact`` artifact's a zero row when its call has one
+  (:func:`kvforge.compile.quantize.never_one_row`).
 
 Attention sinks (``s_aux``: GPT-OSS, Granite-SWA, MiMo-V2-Flash, Flint; one softmax logit per query
 head that attends no value, :func:`reference.attention`) reach the op as its ``sinks`` input. ``onnx``

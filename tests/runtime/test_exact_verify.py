@@ -111,6 +111,19 @@ def test_cli_drafts_on_exact_artifact_need_no_note(exact_fp32, capsys):
     assert "near-ties" not in capsys.readouterr().err
 
 
+def test_int4_blocks_never_run_on_one_row(exact_int4_mha):
+    """Every MatMulNBits of the exact lowering reads a Pad that adds a zero row when its call has
+    one (compile/quantize.never_one_row): on an AVX2-only CPU MLAS's one-row int4 kernel rounds
+    differently from its many-row kernel, and the verify call above would differ from the steps."""
+    import onnx
+
+    for graph_file in ("prefill.onnx", "verify.onnx"):
+        graph = onnx.load(str(exact_int4_mha / graph_file), load_external_data=False).graph
+        producers = {out: node for node in graph.node for out in node.output}
+        blocks = [node for node in graph.node if node.op_type == "MatMulNBits"]
+        assert blocks and all(producers[node.input[0]].op_type == "Pad" for node in blocks), graph_file
+
+
 def test_int4_greedy_identical_with_ngram_drafts(exact_int4_mha):
     repeat = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7]
     prompts = [repeat, [1, 2, 3, 4, 1, 2, 3], list(range(30, 50)) * 2]
