@@ -291,7 +291,7 @@ MODEL_SHAPES = {
     ),
 }
 # The twins of the hybrids' parameter counts: the Gated DeltaNet's projections (Q, K, V, Z: 8.4M a
-# layer) hold 2x an attention layer's, so Qwen3.5-0.8B has 752.4M parameters against its same-sized
+# layer) hold 2x an attention layer's, so Qwen3.5-0.8B has 752.4M parameters against its same-dimension
 # twin's 644.4M; widening the twin's MLP (3584 -> 5056) gives it 752.9M. LFM2-350M: 354.5M against
 # 344.0M; MLP 4608 -> 4800 gives 353.4M. tests/tools/test_bench_shapes.py checks the counts.
 for _hybrid, _mlp in (("qwen3.5-0.8b", 5056), ("lfm2-350m", 4800)):

@@ -190,10 +190,6 @@ def _lm_head_as_matmul(model: ir.Model) -> list[str]:
     return made
 
 
-def _int64s(*values: int) -> ir.Value:
-    return ir.node("Constant", [], {"value": ir.tensor(list(values), dtype=ir.DataType.INT64)}).outputs[0]
-
-
 def never_one_row(model: ir.Model) -> int:
     """Give every ``MatMulNBits`` of ``model`` at least two rows (the ``exact`` lowering's int4):
     its input ``[..., K]`` is viewed as ``[M, K]``, padded with a row of zeros when ``M = 1``, and
@@ -219,9 +215,7 @@ def _two_rows(graph: ir.Graph, node: ir.Node) -> None:
         return made[-1].outputs[0]
 
     def ints(*values: int) -> ir.Value:
-        value = _int64s(*values)
-        made.append(value.producer())
-        return value
+        return add("Constant", [], {"value": ir.tensor(list(values), dtype=ir.DataType.INT64)})
 
     shape = add("Shape", [x])  # [..., K]
     rows = add("Reshape", [x, ints(-1, k)])  # (M, K)
