@@ -28,7 +28,7 @@ import torch
 
 from kvforge.compile import complex_to_real, op_translations, quiet, replicate
 from kvforge.compile.load import LoadedModel
-from kvforge.graphs import contract, lowering, mamba
+from kvforge.graphs import contract, gated_delta_onnx, lowering, mamba
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
 
 OPSET = 24
@@ -159,6 +159,7 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
         torch.set_num_threads(threads)
     model = onnx_program.model
     del onnx_program
+    gated_delta_onnx.expand(model)  # the delta rules' nodes to their lowering
     return model
 
 

@@ -1,65 +1,82 @@
-"""The ONNX lowering of ``kvforge::gated_delta_rule`` (:mod:`kvforge.graphs.gated_delta`) in standard
-opset-24 ops, for ``torch.onnx.export(custom_translation_table=...)``; export-time only.
+"""The ONNX lowering of ``kvforge::gated_delta_rule`` and ``kvforge::kda_rule``
+(:mod:`kvforge.graphs.gated_delta`) in standard opset-24 ops; export-time only. Two steps:
 
-:func:`kvforge.graphs.gated_delta.chunked_rule`, op for op: the sequence padded to ``N`` chunks of
-``C = min(S, CHUNK)`` tokens (``Min``/``Pad``/``Reshape`` on the run-time length, so one graph serves
-prefill, decode and verify); within the chunks, all at once, ``CumSum``, ``Exp``, ``Where`` masks
-and MatMuls, ``(I + A)⁻¹`` in ``LEVELS`` unrolled levels of block forward substitution; across
-chunks one ``Scan`` that carries the state ``[B, H, Dk, Dv]`` (the only loop: ``N`` iterations).
-Every op here is one TensorRT's ONNX parser takes (``Scan`` included).
+* **the translation** (:func:`translation_table`, for ``torch.onnx.export(custom_translation_table=...)``)
+  records each call as one node of this module's domain, ``kvforge.gated_delta::GatedDeltaRule``
+  (or ``::KdaRule``): ``(query, key, value, g, beta, state) -> (output, final state)``;
+* **the expansion** (:func:`expand`, on the exported ``onnx_ir`` model) replaces each such node by
+  ``If(S == 1, one token, chunked)``: two subgraphs that read the node's inputs from the enclosing
+  graph. The graph is traced once for every length (decode runs through it, or through the
+  ``decode`` graph derived from it by fixing ``S = 1``), so the choice is made at run time.
 
-No ``from __future__ import annotations`` here: the exporter reads the onnxscript function's
-annotations (its output count) as objects.
+**Chunked** (:func:`kvforge.graphs.gated_delta.chunked_rule`, op for op): the sequence padded to
+``N`` chunks of ``C = min(S, CHUNK)`` tokens (``Min``/``Pad``/``Reshape`` on the run-time length);
+within the chunks, all at once, ``CumSum``, ``Exp``, ``Where`` masks and MatMuls, ``(I + A)⁻¹`` in
+``LEVELS`` unrolled levels of block forward substitution; across chunks one ``Scan`` that carries
+the state ``[B, H, Dk, Dv]`` (the only loop: ``N`` iterations).
+
+**One token**: what the chunked form computes when ``C = N = 1``, without the chunk machinery
+(~120 small ops per layer, a third of a Qwen3.5-0.8B int4 decode step on a 2-core CPU): every
+within-chunk matrix is ``1 x 1`` (``T = I``, the decays between positions ``exp(0) = 1``), so the
+step is the Scan body on the token itself, 19 ops. Products by ``T``'s ``1``, by ``exp(0)``, and
+MatMuls over an axis of length 1 are exact, so the step gives the chunked form's values bit for bit
+(tested).
+
+Every op here is one TensorRT's ONNX parser takes (``Scan`` and ``If`` included).
 """
 
-from collections.abc import Callable
+from __future__ import annotations
 
-from onnxscript import FLOAT, graph, ir, script, values
+from collections.abc import Callable, Sequence
+
+import onnx
+import onnx_ir as ir
 
 from kvforge.graphs.gated_delta import CHUNK, KDA_CHUNK, KDA_LEVELS, LEVELS, LOG_DECAY_FLOOR
 
-op = values.Opset("", 24)
-# The function's ops: the exporter builds at opset 18 and converts the model to 24 after inlining
-# functions, which must then share the model's version. Scan-16 and these ops are unchanged since.
-op18 = values.Opset("", 18)
-# Symbolic dims of the scan's types: batch, value heads, key and value head dims, chunks, chunk length,
-# and the rows of the chunk's decay: 1 (a decay per head) or Dk (KDA: per key channel)
-B_, H_, Dk_, Dv_, N_, C_, G_ = "B", "H", "Dk", "Dv", "N", "C", "G"
+DOMAIN = "kvforge.gated_delta"
+_INPUTS = ("query", "key", "value", "g", "beta", "state")
 
 
-@script(values.Opset("kvforge.gated_delta", 1), default_opset=op18)
-def chunk_scan(
-    state: FLOAT[B_, H_, Dk_, Dv_],
-    new_values: FLOAT[B_, H_, N_, C_, Dv_],
-    k_cumdecay: FLOAT[B_, H_, N_, C_, Dk_],
-    q_decayed: FLOAT[B_, H_, N_, C_, Dk_],
-    intra: FLOAT[B_, H_, N_, C_, C_],
-    k_decayed: FLOAT[B_, H_, N_, C_, Dk_],
-    chunk_decay: FLOAT[B_, H_, N_, G_, 1],
-) -> tuple[FLOAT[B_, H_, Dk_, Dv_], FLOAT[B_, H_, N_, C_, Dv_]]:
-    """The loop over chunks: ``(state [B, H, Dk, Dv], new_values/k_cumdecay/q_decayed/intra/k_decayed
-    [B, H, N, C, *], chunk_decay [B, H, N, G, 1]: G = 1, or Dk for KDA) -> (final state, outputs
-    [B, H, N, C, Dv])``. An
-    onnxscript function (inlined by the export's optimizer) rather than traced ops, because the
-    exporter's op recorder gives a variadic-output op such as ``Scan`` one output."""
+class _Builder(ir.tape.Tape):
+    """``b.Add(x, y)``, ``b.Scan(..., body=graph, _outputs=2)``: a node of that type on the tape,
+    keyword arguments as attributes; its output, or its ``_outputs`` outputs."""
 
-    @graph()
-    def chunk(
-        s: FLOAT[B_, H_, Dk_, Dv_],
-        nv: FLOAT[B_, H_, C_, Dv_],
-        kcd: FLOAT[B_, H_, C_, Dk_],
-        qd: FLOAT[B_, H_, C_, Dk_],
-        att: FLOAT[B_, H_, C_, C_],
-        kd: FLOAT[B_, H_, C_, Dk_],
-        cd: FLOAT[B_, H_, G_, 1],
-    ) -> tuple[FLOAT[B_, H_, Dk_, Dv_], FLOAT[B_, H_, C_, Dv_]]:
-        # one chunk: the state (B, H, Dk, Dv) and the chunk's slices (B, H, C, *)
-        v_new = op18.Sub(nv, op18.MatMul(kcd, s))  # (B, H, C, Dv): the values less what the state recalls
-        out = op18.Add(op18.MatMul(qd, s), op18.MatMul(att, v_new))  # (B, H, C, Dv)
-        s_new = op18.Add(op18.Mul(s, cd), op18.MatMul(op18.Transpose(kd, perm=[0, 1, 3, 2]), v_new))  # (B, H, Dk, Dv)
-        return s_new, out
+    def __getattr__(self, op_type: str) -> Callable:
+        def node(*inputs, _outputs: int = 1, **attributes):
+            if _outputs == 1:
+                return self.op(op_type, inputs, attributes)
+            return self.op_multi_out(op_type, inputs, attributes, num_outputs=_outputs)
 
-    final, outputs = op18.Scan(
+        return node
+
+
+def _ints(op, *v):
+    return op.Constant(value_ints=list(v))
+
+
+def _scalar(op, x: float):
+    return op.Constant(value_float=x)
+
+
+def _decay(op, log_decay):
+    """``gated_delta.decay``: ``Exp(Max(x, LOG_DECAY_FLOOR))``, never a denormal."""
+    return op.Exp(op.Max(log_decay, _scalar(op, LOG_DECAY_FLOOR)))
+
+
+def _float(name: str) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT))
+
+
+def _pass_state(op, state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, name: str):
+    """The state passing from chunk to chunk (``gated_delta._pass_state``): one ``Scan`` over axis 2
+    of the per-chunk tensors ``(B, H, N, C, *)``, ``chunk_decay (B, H, N, 1 or Dk, 1)`` -> ``(final
+    state, outputs (B, H, N, C, Dv))``."""
+    body = _Builder()
+    s, nv, kcd, qd, att, kd, cd = (_float(f"{name}/{x}") for x in ("s", "nv", "kcd", "qd", "att", "kd", "cd"))
+    s_new, out = _chunk_step(body, s, nv, kcd, qd, att, kd, cd)
+    graph = ir.Graph([s, nv, kcd, qd, att, kd, cd], [s_new, out], nodes=body.nodes, name=name)
+    return op.Scan(
         state,
         new_values,
         k_cumdecay,
@@ -67,69 +84,66 @@ def chunk_scan(
         intra,
         k_decayed,
         chunk_decay,
-        body=chunk,
+        body=graph,
         num_scan_inputs=6,
-        scan_input_axes=[2, 2, 2, 2, 2, 2],
+        scan_input_axes=[2] * 6,
         scan_output_axes=[2],
+        _outputs=2,
     )
-    return final, outputs
 
 
-# onnxscript types Scan's outputs as its body's: right for the state, one axis short for the stacked
-# outputs, which the model's shape inference then rejects. Say what they are.
-[_scan] = list(chunk_scan.function_ir)
-_scan.outputs[1].shape = ir.Shape([B_, H_, N_, C_, Dv_])
+def _chunk_step(op, s, nv, kcd, qd, att, kd, cd, att_is_scalar: bool = False):
+    """One chunk (the Scan body): the state ``s (B, H, Dk, Dv)`` and the chunk's ``(B, H, C, *)``
+    slices -> ``(new state, outputs (B, H, C, Dv))``. ``att_is_scalar``: ``C = 1``, where the
+    products by the ``1 x 1`` matrices are elementwise (the same values: one product each)."""
+    v_new = op.Sub(nv, op.MatMul(kcd, s))  # (B, H, C, Dv): the values less what the state recalls
+    kd_t = op.Transpose(kd, perm=[0, 1, 3, 2])  # (B, H, Dk, C)
+    if att_is_scalar:
+        out = op.Add(op.MatMul(qd, s), op.Mul(att, v_new))
+        s_new = op.Add(op.Mul(s, cd), op.Mul(kd_t, v_new))
+    else:
+        out = op.Add(op.MatMul(qd, s), op.MatMul(att, v_new))
+        s_new = op.Add(op.Mul(s, cd), op.MatMul(kd_t, v_new))
+    return s_new, out
 
 
-def _ints(*v):
-    return op.Constant(value_ints=list(v))
-
-
-def _scalar(x: float):
-    return op.Constant(value_float=x)
-
-
-def _chunks(key, size: int):
+def _chunks(op, key, size: int):
     """The run-time chunking of a sequence of ``S = key.shape[2]`` tokens: ``(seq [1], chunk [1],
     chunked)`` where ``chunk = min(S, size)`` and ``chunked(x)`` pads ``x (B, H, S, *)`` with zeros
     to ``N = ceil(S / chunk)`` chunks and reshapes it to ``(B, H, N, chunk, *)``."""
     seq = op.Shape(key, start=2, end=3)  # [1]: S
-    chunk = op.Min(seq, _ints(size))  # [1]: C
-    chunks = op.Div(op.Add(seq, op.Sub(chunk, _ints(1))), chunk)  # [1]: N = ceil(S / C)
-    pads = op.Concat(_ints(0), op.Sub(op.Mul(chunks, chunk), seq), axis=0)  # axis 2: (begin, end)
+    chunk = op.Min(seq, _ints(op, size))  # [1]: C
+    chunks = op.Div(op.Add(seq, op.Sub(chunk, _ints(op, 1))), chunk)  # [1]: N = ceil(S / C)
+    pads = op.Concat(_ints(op, 0), op.Sub(op.Mul(chunks, chunk), seq), axis=0)  # axis 2: (begin, end)
 
     def chunked(x, trailing: bool = True):  # (B, H, S, *) -> (B, H, N, C, *), zero padded
-        x = op.Pad(x, pads, _scalar(0.0), _ints(2))
-        return op.Reshape(x, op.Concat(_ints(0, 0), chunks, chunk, *([_ints(-1)] if trailing else []), axis=0))
+        x = op.Pad(x, pads, _scalar(op, 0.0), _ints(op, 2))
+        shape = [_ints(op, 0, 0), chunks, chunk, *([_ints(op, -1)] if trailing else [])]
+        return op.Reshape(x, op.Concat(*shape, axis=0))
 
     return seq, chunk, chunked
 
 
-def _decay(log_decay):
-    """``gated_delta.decay``: ``Exp(Max(x, LOG_DECAY_FLOOR))``, never a denormal."""
-    return op.Exp(op.Max(log_decay, _scalar(LOG_DECAY_FLOOR)))
-
-
-def _masked_decay(mask, log_decay):
+def _masked_decay(op, mask, log_decay):
     """``exp(log_decay)`` floored where ``mask`` holds, 0 elsewhere."""
-    return op.Where(mask, _decay(log_decay), _scalar(0.0))
+    return op.Where(mask, _decay(op, log_decay), _scalar(op, 0.0))
 
 
-def _positions(chunk):
+def _positions(op, chunk):
     """``(rows (C, 1), cols (1, C))``: a chunk's position indices, to build its masks."""
-    idx = op.Range(op.Constant(value_int=0), op.Squeeze(chunk, _ints(0)), op.Constant(value_int=1))  # (C,)
-    return op.Unsqueeze(idx, _ints(1)), op.Unsqueeze(idx, _ints(0))
+    idx = op.Range(op.Constant(value_int=0), op.Squeeze(chunk, _ints(op, 0)), op.Constant(value_int=1))  # (C,)
+    return op.Unsqueeze(idx, _ints(op, 1)), op.Unsqueeze(idx, _ints(op, 0))
 
 
-def _unit_lower_inverse(strict, rows, cols, levels: int):
+def _unit_lower_inverse(op, strict, rows, cols, levels: int):
     """``T = (I + strict)^-1`` (gated_delta.unit_lower_inverse) in ``levels`` unrolled levels: a
     level whose blocks are as large as the chunk finds nothing to merge and leaves T as it is."""
-    zero = _scalar(0.0)
+    zero = _scalar(op, 0.0)
     t = None
     for level in range(levels):
         block = 1 << level
-        same = op.Equal(op.Div(rows, _ints(2 * block)), op.Div(cols, _ints(2 * block)))
-        apart = op.Not(op.Equal(op.Div(rows, _ints(block)), op.Div(cols, _ints(block))))
+        same = op.Equal(op.Div(rows, _ints(op, 2 * block)), op.Div(cols, _ints(op, 2 * block)))
+        apart = op.Not(op.Equal(op.Div(rows, _ints(op, block)), op.Div(cols, _ints(op, block))))
         off = op.Where(op.And(same, apart), strict, zero)  # (B, H, N, C, C)
         if t is None:  # T = I: I - I·off·I
             t = op.Sub(op.Cast(op.Equal(rows, cols), to=ir.DataType.FLOAT), off)
@@ -138,78 +152,192 @@ def _unit_lower_inverse(strict, rows, cols, levels: int):
     return t
 
 
-def gated_delta_rule(query, key, value, g, beta, state):
-    """``kvforge::gated_delta_rule``: query/key ``[B, H, S, Dk]``, value ``[B, H, S, Dv]``, g/beta
+def _finish(op, final_and_outputs, seq, dv):
+    final, outputs = final_and_outputs
+    output = op.Reshape(outputs, _ints(op, 0, 0, -1, dv))  # (B, H, N*C, Dv)
+    return op.Slice(output, _ints(op, 0), seq, _ints(op, 2)), final  # (B, H, S, Dv)
+
+
+def chunked_rule(op, query, key, value, g, beta, state, dv: int, name: str):
+    """The chunked gated delta rule: query/key ``[B, H, S, Dk]``, value ``[B, H, S, Dv]``, g/beta
     ``[B, H, S]``, state ``[B, H, Dk, Dv]``, all float32 -> ``(output [B, H, S, Dv], final state)``."""
-    dv = value.shape[-1]  # static
-    seq, chunk, chunked = _chunks(key, CHUNK)
-    zero = _scalar(0.0)
+    seq, chunk, chunked = _chunks(op, key, CHUNK)
+    zero = _scalar(op, 0.0)
     q, k, v = chunked(query), chunked(key), chunked(value)  # (B, H, N, C, D)
     g, beta = chunked(g, False), chunked(beta, False)  # (B, H, N, C)
-    cum = op.CumSum(g, _ints(-1))  # (B, H, N, C): log decay from the chunk's start
-    rows, cols = _positions(chunk)  # (C, 1), (1, C)
-    diff = op.Sub(op.Unsqueeze(cum, _ints(-1)), op.Unsqueeze(cum, _ints(-2)))  # (B, H, N, C, C): cum_i - cum_j
-    pairwise = _masked_decay(op.GreaterOrEqual(rows, cols), diff)
-    beta = op.Unsqueeze(beta, _ints(-1))  # (B, H, N, C, 1)
+    cum = op.CumSum(g, _ints(op, -1))  # (B, H, N, C): log decay from the chunk's start
+    rows, cols = _positions(op, chunk)  # (C, 1), (1, C)
+    diff = op.Sub(op.Unsqueeze(cum, _ints(op, -1)), op.Unsqueeze(cum, _ints(op, -2)))  # (B, H, N, C, C)
+    pairwise = _masked_decay(op, op.GreaterOrEqual(rows, cols), diff)
+    beta = op.Unsqueeze(beta, _ints(op, -1))  # (B, H, N, C, 1)
     k_beta = op.Mul(k, beta)
     k_t = op.Transpose(k, perm=[0, 1, 2, 4, 3])  # (B, H, N, Dk, C)
     strict = op.Where(op.Greater(rows, cols), op.Mul(op.MatMul(k_beta, k_t), pairwise), zero)
-    t = _unit_lower_inverse(strict, rows, cols, LEVELS)
+    t = _unit_lower_inverse(op, strict, rows, cols, LEVELS)
 
-    exp_cum = op.Unsqueeze(_decay(cum), _ints(-1))  # (B, H, N, C, 1)
+    exp_cum = op.Unsqueeze(_decay(op, cum), _ints(op, -1))  # (B, H, N, C, 1)
     new_values = op.MatMul(t, op.Mul(v, beta))  # (B, H, N, C, Dv)
     k_cumdecay = op.MatMul(t, op.Mul(k_beta, exp_cum))  # (B, H, N, C, Dk)
     intra = op.Mul(op.MatMul(q, k_t), pairwise)  # (B, H, N, C, C)
     q_decayed = op.Mul(q, exp_cum)
-    last = op.Slice(cum, _ints(-1), _ints(2**62), _ints(-1))  # (B, H, N, 1): the chunk's whole log decay
-    k_decayed = op.Mul(k, op.Unsqueeze(_decay(op.Sub(last, cum)), _ints(-1)))
-    chunk_decay = op.Unsqueeze(_decay(last), _ints(-1))  # (B, H, N, 1, 1)
-
-    final, outputs = chunk_scan(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay)
-    output = op.Reshape(outputs, _ints(0, 0, -1, dv))  # (B, H, N*C, Dv)
-    return op.Slice(output, _ints(0), seq, _ints(2)), final  # (B, H, S, Dv)
+    last = op.Slice(cum, _ints(op, -1), _ints(op, 2**62), _ints(op, -1))  # (B, H, N, 1): the chunk's log decay
+    k_decayed = op.Mul(k, op.Unsqueeze(_decay(op, op.Sub(last, cum)), _ints(op, -1)))
+    chunk_decay = op.Unsqueeze(_decay(op, last), _ints(op, -1))  # (B, H, N, 1, 1)
+    passed = _pass_state(op, state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, f"{name}/chunk")
+    return _finish(op, passed, seq, dv)
 
 
-def kda_rule(query, key, value, g, beta, state):
-    """``kvforge::kda_rule`` (:func:`kvforge.graphs.gated_delta.chunked_kda_rule`): as
-    :func:`gated_delta_rule` with g ``[B, H, S, Dk]``, a log decay per key channel, so the
-    within-chunk decays are ``(C, C, Dk)`` and weigh the key channels before the sums over them."""
-    dv = value.shape[-1]  # static
-    seq, chunk, chunked = _chunks(key, KDA_CHUNK)
-    zero = _scalar(0.0)
+def chunked_kda_rule(op, query, key, value, g, beta, state, dv: int, name: str):
+    """:func:`chunked_rule` with g ``[B, H, S, Dk]``, a log decay per key channel
+    (``gated_delta.chunked_kda_rule``): the within-chunk decays are ``(C, C, Dk)`` and weigh the key
+    channels before the sums over them."""
+    seq, chunk, chunked = _chunks(op, key, KDA_CHUNK)
+    zero = _scalar(op, 0.0)
     q, k, v, g = chunked(query), chunked(key), chunked(value), chunked(g)  # (B, H, N, C, D)
-    beta = op.Unsqueeze(chunked(beta, False), _ints(-1))  # (B, H, N, C, 1)
-    cum = op.CumSum(g, _ints(-2))  # (B, H, N, C, Dk): per channel, log decay from the chunk's start
-    rows, cols = _positions(chunk)  # (C, 1), (1, C)
-    diff = op.Sub(op.Unsqueeze(cum, _ints(-2)), op.Unsqueeze(cum, _ints(-3)))  # (B, H, N, C, C, Dk)
-    lower = op.Unsqueeze(op.GreaterOrEqual(rows, cols), _ints(-1))  # (C, C, 1)
-    decay = _masked_decay(lower, diff)  # (B, H, N, C, C, Dk), 0 above the diagonal
-    k_j = op.Unsqueeze(k, _ints(-3))  # (B, H, N, 1, C, Dk)
+    beta = op.Unsqueeze(chunked(beta, False), _ints(op, -1))  # (B, H, N, C, 1)
+    cum = op.CumSum(g, _ints(op, -2))  # (B, H, N, C, Dk): per channel, log decay from the chunk's start
+    rows, cols = _positions(op, chunk)  # (C, 1), (1, C)
+    diff = op.Sub(op.Unsqueeze(cum, _ints(op, -2)), op.Unsqueeze(cum, _ints(op, -3)))  # (B, H, N, C, C, Dk)
+    lower = op.Unsqueeze(op.GreaterOrEqual(rows, cols), _ints(op, -1))  # (C, C, 1)
+    decay = _masked_decay(op, lower, diff)  # (B, H, N, C, C, Dk), 0 above the diagonal
+    k_j = op.Unsqueeze(k, _ints(op, -3))  # (B, H, N, 1, C, Dk)
     k_beta = op.Mul(k, beta)
     weighted = op.Mul(decay, k_j)  # (B, H, N, C, C, Dk): key j decayed to position i, per channel
     strict = op.Where(
         op.Greater(rows, cols),
-        op.ReduceSum(op.Mul(op.Unsqueeze(k_beta, _ints(-2)), weighted), _ints(-1), keepdims=0),
+        op.ReduceSum(op.Mul(op.Unsqueeze(k_beta, _ints(op, -2)), weighted), _ints(op, -1), keepdims=0),
         zero,
     )  # (B, H, N, C, C)
-    t = _unit_lower_inverse(strict, rows, cols, KDA_LEVELS)
+    t = _unit_lower_inverse(op, strict, rows, cols, KDA_LEVELS)
 
-    exp_cum = _decay(cum)  # (B, H, N, C, Dk)
+    exp_cum = _decay(op, cum)  # (B, H, N, C, Dk)
     new_values = op.MatMul(t, op.Mul(v, beta))  # (B, H, N, C, Dv)
     k_cumdecay = op.MatMul(t, op.Mul(k_beta, exp_cum))  # (B, H, N, C, Dk)
-    intra = op.ReduceSum(op.Mul(op.Unsqueeze(q, _ints(-2)), weighted), _ints(-1), keepdims=0)  # (B, H, N, C, C)
+    intra = op.ReduceSum(op.Mul(op.Unsqueeze(q, _ints(op, -2)), weighted), _ints(op, -1), keepdims=0)  # (B, H, N, C, C)
     q_decayed = op.Mul(q, exp_cum)
-    last = op.Slice(cum, _ints(-1), _ints(2**62), _ints(-2))  # (B, H, N, 1, Dk): the chunk's whole log decay
-    k_decayed = op.Mul(k, _decay(op.Sub(last, cum)))
-    chunk_decay = op.Transpose(_decay(last), perm=[0, 1, 2, 4, 3])  # (B, H, N, Dk, 1)
+    last = op.Slice(cum, _ints(op, -1), _ints(op, 2**62), _ints(op, -2))  # (B, H, N, 1, Dk): the chunk's log decay
+    k_decayed = op.Mul(k, _decay(op, op.Sub(last, cum)))
+    chunk_decay = op.Transpose(_decay(op, last), perm=[0, 1, 2, 4, 3])  # (B, H, N, Dk, 1)
+    passed = _pass_state(op, state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, f"{name}/chunk")
+    return _finish(op, passed, seq, dv)
 
-    final, outputs = chunk_scan(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay)
-    output = op.Reshape(outputs, _ints(0, 0, -1, dv))  # (B, H, N*C, Dv)
-    return op.Slice(output, _ints(0), seq, _ints(2)), final  # (B, H, S, Dv)
+
+def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = False):
+    """The chunked form at ``S = 1`` (one chunk of one token) in the 19 ops that do not vanish:
+    query/key ``[B, H, 1, Dk]``, value ``[B, H, 1, Dv]``, g ``[B, H, 1]`` (``[B, H, 1, Dk]`` when
+    ``per_channel``: KDA), beta ``[B, H, 1]``, state -> ``(output [B, H, 1, Dv], final state)``.
+    The chunked tensors it stands for: ``new_values = v·beta``, ``k_cumdecay = k·beta·d``,
+    ``q_decayed = q·d``, ``intra = q·k``, ``k_decayed = k``, ``chunk_decay = d``, with
+    ``d = exp(max(g, floor))``."""
+    beta = op.Unsqueeze(beta, _ints(op, -1))  # (B, H, 1, 1)
+    if per_channel:
+        d = _decay(op, g)  # (B, H, 1, Dk)
+        intra = op.ReduceSum(op.Mul(query, key), _ints(op, -1), keepdims=1)  # (B, H, 1, 1)
+        chunk_decay = op.Transpose(d, perm=[0, 1, 3, 2])  # (B, H, Dk, 1)
+    else:
+        d = op.Unsqueeze(_decay(op, g), _ints(op, -1))  # (B, H, 1, 1)
+        intra = op.MatMul(query, op.Transpose(key, perm=[0, 1, 3, 2]))  # (B, H, 1, 1)
+        chunk_decay = d
+    new_values, k_cumdecay = op.Mul(value, beta), op.Mul(op.Mul(key, beta), d)
+    final, output = _chunk_step(op, state, new_values, k_cumdecay, op.Mul(query, d), intra, key, chunk_decay, True)
+    return output, final
+
+
+# ---------------------------------------------------------------- the translation and the expansion
+
+
+def _schema(name: str) -> onnx.defs.OpSchema:
+    param = onnx.defs.OpSchema.FormalParameter
+    return onnx.defs.OpSchema(
+        name,
+        DOMAIN,
+        1,
+        inputs=[param(x, "T") for x in _INPUTS],
+        outputs=[param("output", "T"), param("final_state", "T")],
+        type_constraints=[("T", ["tensor(float)"], "float32")],
+    )
+
+
+_RULES = {"GatedDeltaRule": False, "KdaRule": True}  # node type -> per_channel
 
 
 def translation_table() -> dict[object, Callable]:
-    """``custom_translation_table`` entries: the op and its translation."""
+    """``custom_translation_table`` entries: each op to one node of :data:`DOMAIN`, which
+    :func:`expand` lowers."""
     import torch
+    from onnxscript import values
+
+    opset = values.Opset(DOMAIN, 1)
+    rule, kda = (values.Op(opset, name, _schema(name)) for name in _RULES)
+
+    def gated_delta_rule(query, key, value, g, beta, state):
+        return rule(query, key, value, g, beta, state)
+
+    def kda_rule(query, key, value, g, beta, state):
+        return kda(query, key, value, g, beta, state)
 
     return {torch.ops.kvforge.gated_delta_rule.default: gated_delta_rule, torch.ops.kvforge.kda_rule.default: kda_rule}
+
+
+def _name(nodes: Sequence[ir.Node], prefix: str) -> None:
+    """Unique names (ONNX's one namespace across subgraphs) for ``nodes``, their outputs and the
+    nodes of their subgraphs."""
+    for i, node in enumerate(nodes):
+        node.name = f"{prefix}/{node.op_type}_{i}"
+        for j, out in enumerate(node.outputs):
+            out.name = f"{node.name}_output_{j}"
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                _name(list(attr.value), f"{node.name}/{attr.name}")
+
+
+def _branch(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value], name: str) -> ir.Graph:
+    for out in outputs:
+        out.dtype = ir.DataType.FLOAT
+    return ir.Graph([], list(outputs), nodes=nodes, name=name)
+
+
+def expand(model: ir.Model, one_token: bool = True) -> int:
+    """Replace every :data:`DOMAIN` node of ``model``'s graph by its lowering, in place: ``If(S == 1,
+    one_token_rule, chunked)``, or (``one_token=False``) the chunked form alone, inline. Returns
+    how many were replaced."""
+    graph = model.graph
+    sites = [node for node in graph if node.domain == DOMAIN]
+    for index, node in enumerate(sites):
+        if node.op_type not in _RULES:
+            raise ValueError(f"unknown {DOMAIN} op {node.op_type!r}")
+        per_channel = _RULES[node.op_type]
+        prefix = f"/gated_delta_{index}" if node.name is None else node.name
+        query, key, value, g, beta, state = node.inputs
+        dv = value.shape[-1] if value.shape is not None else None
+        if not isinstance(dv, int):
+            raise ValueError(f"{node.op_type} {node.name!r}: the value head dim must be static, got {value.shape}")
+        rule = chunked_kda_rule if per_channel else chunked_rule
+        chunked = _Builder()
+        results = rule(chunked, query, key, value, g, beta, state, dv, f"{prefix}/chunked")
+        if one_token:
+            step = _Builder()
+            single = one_token_rule(step, query, key, value, g, beta, state, per_channel)
+            top = _Builder()
+            cond = top.Equal(top.Shape(key, start=2, end=3), _ints(top, 1))
+            results = top.If(
+                cond,
+                then_branch=_branch(step.nodes, single, f"{prefix}/one_token"),
+                else_branch=_branch(chunked.nodes, results, f"{prefix}/chunked"),
+                _outputs=2,
+            )
+            new_nodes = top.nodes
+        else:
+            new_nodes = chunked.nodes
+        _name(new_nodes, prefix)
+        for new_node in new_nodes:  # the exporter's module scopes, which name the node (export._name_nodes)
+            new_node.metadata_props.update(node.metadata_props)
+        graph.insert_before(node, new_nodes)
+        for old, new in zip(node.outputs, results):
+            name, old.name = old.name, None
+            new.name, new.dtype, new.shape = name, old.dtype, old.shape
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+    if sites:
+        model.opset_imports.pop(DOMAIN, None)
+    return len(sites)

@@ -130,6 +130,26 @@ def corrupt_head_size(graph_file: Path) -> None:
     onnx.save(model, graph_file)
 
 
+def check_delta_rule_branches(graph, layers) -> None:
+    """The delta rule of each linear-attention layer in ``layers`` (an ONNX ``GraphProto``'s
+    ``/model/layers.{i}/`` scopes) is one ``If`` on the length: a one-token branch with no loop, a
+    chunked one whose only loop is one ``Scan``; and nothing else in the graph loops."""
+    import onnx
+
+    ops = [n.op_type for n in graph.node]
+    assert "Scan" not in ops and "Loop" not in ops
+    branches = [n for n in graph.node if n.op_type == "If"]
+    assert len(branches) == len(layers) and all(
+        f"/model/layers.{i}/linear_attn/" in n.name or f"/model/layers.{i}/self_attn/" in n.name
+        for i, n in zip(layers, branches)
+    ), [n.name for n in branches]
+    for node in branches:
+        graphs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        step, chunked = ([n.op_type for n in graphs[b].node] for b in ("then_branch", "else_branch"))
+        assert "Scan" not in step and "Loop" not in step, step
+        assert chunked.count("Scan") == 1 and "Loop" not in chunked, chunked
+
+
 def check_state_features(artifact, prompt: list[int], turn: list[int], new: int = 8) -> None:
     """A hybrid artifact (layers that keep a state) with the prefix cache on (its default) and
     prompt-lookup drafting gives the tokens of an engine with neither. The lead prompt is

@@ -8,7 +8,9 @@ chunks with a padded tail."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+import pytest
 import torch
 
 from kvforge.compile import op_translations
@@ -43,47 +45,93 @@ class _GatedDeltaRule(torch.nn.Module):
         return torch.ops.kvforge.gated_delta_rule(query, key, value, g, beta, state)
 
 
-def _delta_rule_inputs(seq: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _delta_rule_inputs(seq: int, seed: int = 0, batch: int = 2, per_channel: bool = False) -> tuple[torch.Tensor, ...]:
+    """The op's inputs: per head decays, or (``per_channel``: KDA) per key channel."""
     g = torch.Generator().manual_seed(seed)
-    b, h, dk, dv = 2, 3, 8, 5
+    b, h, dk, dv = batch, 3, 8, 5
     query = torch.nn.functional.normalize(torch.randn(b, h, seq, dk, generator=g), dim=-1) * dk**-0.5
     key = torch.nn.functional.normalize(torch.randn(b, h, seq, dk, generator=g), dim=-1)
     value = torch.randn(b, h, seq, dv, generator=g)
-    decay, beta = -torch.rand(b, h, seq, generator=g), torch.rand(b, h, seq, generator=g)
+    decay = -torch.rand(b, h, seq, *((dk,) if per_channel else ()), generator=g)
+    beta = torch.rand(b, h, seq, generator=g)
     return query, key, value, decay, beta, torch.randn(b, h, dk, dv, generator=g)
+
+
+def _exported_rule(tmp_path, op, example, one_token: bool = True):
+    """``op`` exported once with a dynamic batch and length, its node expanded
+    (gated_delta_onnx.expand), as a checked ONNX file: ``(onnx.ModelProto, session)``."""
+    import onnx
+    import onnx_ir as ir
+
+    from kvforge.graphs import gated_delta_onnx
+
+    class Rule(torch.nn.Module):
+        def forward(self, query, key, value, g, beta, state):
+            return op(query, key, value, g, beta, state)
+
+    seq, batch = torch.export.Dim("seq", min=1, max=512), torch.export.Dim("batch", min=1, max=4)
+    program = torch.onnx.export(
+        Rule(),
+        example,
+        dynamo=True,
+        opset_version=24,
+        dynamic_shapes=({0: batch, 2: seq},) * 5 + ({0: batch},),
+        input_names=_NAMES,
+        output_names=["output", "final_state"],
+        custom_translation_table=op_translations.translation_table(),
+        verbose=False,
+    )
+    model = program.model
+    assert [n.op_type for n in model.graph if n.domain == gated_delta_onnx.DOMAIN] == [op.__name__.title().replace("_", "")]
+    assert gated_delta_onnx.expand(model, one_token=one_token) == 1
+    path = tmp_path / f"{op.__name__}_{one_token}.onnx"
+    ir.save(model, path)
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto, full_check=True)
+    return proto, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+_NAMES = ["query", "key", "value", "g", "beta", "state"]
 
 
 def test_gated_delta_rule_translation_matches_the_op_at_every_length(tmp_path):
     """``kvforge::gated_delta_rule`` exported once with a dynamic length gives the op's outputs and
     final state for one token (decode), fewer tokens than a chunk, one chunk, and chunks with a
-    padded tail; the graph passes ONNX's full check (the Scan's types included), and its only loop
+    padded tail; the graph passes ONNX's full check (the Scan's types included). Its one node is an
+    ``If`` on the length: one token without a loop, more through the chunked form, whose only loop
     is one Scan over chunks."""
-    import onnx
-
     from kvforge.graphs import gated_delta  # noqa: F401  (registers the op)
 
-    names = ["query", "key", "value", "g", "beta", "state"]
-    seq, batch = torch.export.Dim("seq", min=1, max=512), torch.export.Dim("batch", min=1, max=4)
-    program = torch.onnx.export(
-        _GatedDeltaRule(),
-        _delta_rule_inputs(9),
-        dynamo=True,
-        opset_version=24,
-        dynamic_shapes=({0: batch, 2: seq},) * 5 + ({0: batch},),
-        input_names=names,
-        output_names=["output", "final_state"],
-        custom_translation_table=op_translations.translation_table(),
-        verbose=False,
-    )
-    program.save(str(tmp_path / "gated_delta.onnx"))
-    model = onnx.load(str(tmp_path / "gated_delta.onnx"))
-    onnx.checker.check_model(model, full_check=True)
-    ops = [n.op_type for n in model.graph.node]
-    assert ops.count("Scan") == 1 and "Loop" not in ops
-    session = ort.InferenceSession(str(tmp_path / "gated_delta.onnx"), providers=["CPUExecutionProvider"])
+    model, session = _exported_rule(tmp_path, torch.ops.kvforge.gated_delta_rule, _delta_rule_inputs(9))
+    [branch] = [n for n in model.graph.node if n.op_type not in ("Constant", "Shape", "Equal")]
+    assert branch.op_type == "If"
+    branches = {a.name: onnx.helper.get_attribute_value(a) for a in branch.attribute}
+    then, orelse = branches["then_branch"], branches["else_branch"]
+    assert {n.op_type for n in then.node}.isdisjoint({"Scan", "Loop", "Pad", "Reshape"}) and sum(n.op_type != "Constant" for n in then.node) <= 19
+    assert [n.op_type for n in orelse.node].count("Scan") == 1 and "Loop" not in [n.op_type for n in orelse.node]
     for length in (1, 3, 64, 65, 130):
         inputs = _delta_rule_inputs(length, seed=length)
-        got = session.run(None, {n: x.numpy() for n, x in zip(names, inputs)})
+        got = session.run(None, {n: x.numpy() for n, x in zip(_NAMES, inputs)})
         for ours, want, what in zip(got, torch.ops.kvforge.gated_delta_rule(*inputs), ("output", "state")):
             worst = np.max(np.abs(ours - want.numpy()))
             assert worst < 1e-5, f"{length} tokens: {what} differs by {worst:.3g}"
+
+
+@pytest.mark.parametrize("rule", ["gated_delta_rule", "kda_rule"])
+def test_one_token_branch_equals_the_chunked_form_bit_for_bit(tmp_path, rule):
+    """The ``If``'s one-token branch is the chunked form at ``S = 1`` without its machinery: the
+    same output and state, bit for bit, as the graph expanded without the branch (so decode's
+    values do not depend on which form ran), per head (Gated DeltaNet) and per key channel (KDA)."""
+    from kvforge.graphs import gated_delta  # noqa: F401  (registers the ops)
+
+    op = getattr(torch.ops.kvforge, rule)
+    kda = rule == "kda_rule"
+    example = _delta_rule_inputs(9, per_channel=kda)
+    _, branched = _exported_rule(tmp_path, op, example)
+    _, chunked = _exported_rule(tmp_path, op, example, one_token=False)
+    for batch, seed in ((1, 1), (4, 2)):
+        inputs = _delta_rule_inputs(1, seed, batch, kda)
+        feeds = {n: x.numpy() for n, x in zip(_NAMES, inputs)}
+        for ours, theirs, want in zip(branched.run(None, feeds), chunked.run(None, feeds), op(*inputs)):
+            assert np.array_equal(ours, theirs)
+            assert np.max(np.abs(ours - want.numpy())) < 1e-6

@@ -167,6 +167,7 @@ def test_decays_are_floored_above_the_denormals_and_the_rule_stays_exact(tmp_pat
     onnx_program = torch.onnx.export(
         program, dynamo=True, opset_version=24, custom_translation_table=gated_delta_onnx.translation_table()
     )
+    assert gated_delta_onnx.expand(onnx_program.model) == 1
     path = tmp_path / "rule.onnx"
     onnx_program.save(str(path))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -18,6 +18,7 @@ import transformers
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from tests.helpers import (
+    check_delta_rule_branches,
     check_chunked_prefill,
     check_greedy_at_both_ends_of_max_seq,
     check_in_flight_batching,
@@ -54,10 +55,7 @@ def test_manifest_records_both_states_and_one_scan_per_linear_layer(qwen35_artif
         for i in (0, 2, 3)
     ]
     graph = onnx.load(str(qwen35_artifact / "prefill.onnx"), load_external_data=False).graph
-    ops = [n.op_type for n in graph.node]
-    assert ops.count("Scan") == 3 and "Loop" not in ops
-    scans = [n.name for n in graph.node if n.op_type == "Scan"]
-    assert all(f"/model/layers.{i}/linear_attn/" in name for i, name in zip((0, 2, 3), scans)), scans
+    check_delta_rule_branches(graph, (0, 2, 3))
 
 
 def test_prefill_and_decode_logits_match_transformers(engine, reference):
