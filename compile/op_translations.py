@@ -8,8 +8,10 @@ stage. Each translation is checked against torch in ``tests/compile/test_op_tran
   sparsity computes ``Normal(0, 1).icdf(p)`` in its forward, which is ``sqrt(2) * erfinv(2p - 1)``.
   ONNX has ``Erf`` but no inverse: Giles' single-precision approximation ("Approximating the erfinv
   function", GPU Computing Gems, 2011), then one Newton step on ``Erf``.
-* ``kvforge::gated_delta_rule`` (Gated DeltaNet layers, :mod:`kvforge.graphs.gated_delta`): the
-  chunked delta rule in MatMuls with one ``Scan`` over chunks (:mod:`kvforge.graphs.gated_delta_onnx`).
+* ``kvforge::gated_delta_rule`` and ``kvforge::kda_rule`` (Gated DeltaNet and KDA layers,
+  :mod:`kvforge.graphs.gated_delta`): one node each, which :func:`kvforge.graphs.gated_delta_onnx.expand`
+  lowers after the export (an ``If`` on the length: a one-token step, or the chunked rule in MatMuls
+  with one ``Scan`` over chunks).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ leaves the state as it is):
   levels of two MatMuls each; ONNX has no triangular solve), the corrected values
   ``T (beta v)`` and the decayed keys that read the previous state ``T (beta k exp(cum))``;
 * across chunks, the state passes from one chunk to the next (ONNX ``Scan`` over the chunks:
-  the only loop, ``ceil(S / CHUNK)`` iterations; one in decode, where ``C = 1`` makes every
-  within-chunk matrix ``1 x 1`` and the chunk step is the recurrent step).
+  the only loop, ``ceil(S / CHUNK)`` iterations). At ``S = 1`` every within-chunk matrix is
+  ``1 x 1`` and the chunk step is the recurrent step: the ONNX lowering branches to it (an ``If``
+  on the length) and skips the chunk machinery.
 
 Ragged rows: positions at or past a row's ``lengths[b]`` (:func:`kvforge.graphs.state.current`)
 get ``g = 0`` and ``beta = 0``: the state decays by ``exp(0) = 1`` and learns nothing there, so each

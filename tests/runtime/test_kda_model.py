@@ -2,7 +2,8 @@
 layers whose gated delta rule decays each key channel on its own, a conv state and a float32
 recurrent state each, beside one latent-attention layer and MoE MLPs): the artifact records both
 states per KDA layer and expanded KV only for the layer that attends; its graphs run kvforge's
-per-channel chunked rule, one ``Scan`` over 16-token chunks per KDA layer and no other loop;
+per-channel rule, per KDA layer an ``If`` on the length (a one-token step; the chunked rule, one
+``Scan`` over 16-token chunks) and no other loop;
 prefill and decode logits are within the families' fp32 tolerance of transformers; a prompt
 prefilled in chunks (on, across and past the rule's chunk) gives the logits of one call; greedy
 output equals transformers' generate at both ends of ``max_seq``; a ragged batch and in-flight
