@@ -1,13 +1,15 @@
-"""The ONNX lowering of ``kvforge::gated_delta_rule`` and ``kvforge::kda_rule``
-(:mod:`kvforge.graphs.gated_delta`) in standard opset-24 ops; export-time only. Two steps:
+"""The ONNX lowering of the state layers' ops (:mod:`kvforge.graphs.gated_delta`'s
+``kvforge::gated_delta_rule`` and ``kvforge::kda_rule``, :mod:`kvforge.graphs.state`'s
+``kvforge::depthwise_conv``) in standard opset-24 ops; export-time only. Two steps:
 
 * **the translation** (:func:`translation_table`, for ``torch.onnx.export(custom_translation_table=...)``)
-  records each call as one node of this module's domain, ``kvforge.gated_delta::GatedDeltaRule``
-  (or ``::KdaRule``): ``(query, key, value, g, beta, state) -> (output, final state)``;
-* **the expansion** (:func:`expand`, on the exported ``onnx_ir`` model) replaces each such node by
-  ``If(S == 1, one token, chunked)``: two subgraphs that read the node's inputs from the enclosing
-  graph. The graph is traced once for every length (decode runs through it, or through the
-  ``decode`` graph derived from it by fixing ``S = 1``), so the choice is made at run time.
+  records each call as one node of :data:`DOMAIN` (``GatedDeltaRule``, ``KdaRule``: ``(query, key,
+  value, g, beta, state) -> (output, final state)``; ``DepthwiseConv``: ``(x, weight, bias?) -> y``);
+* **the expansion** (:func:`expand`, on the exported ``onnx_ir`` model, before any optimizer)
+  replaces each such node by an ``If`` on the length: two subgraphs that read the node's inputs
+  from the enclosing graph. The graph is traced once for every length (decode runs through it, or
+  through the ``decode`` graph derived from it by fixing ``S = 1``), so the choice is made at run
+  time; ORT's ``If`` costs nothing measurable (benchmarks/FINDINGS.md).
 
 **Chunked** (:func:`kvforge.graphs.gated_delta.chunked_rule`, op for op): the sequence padded to
 ``N`` chunks of ``C = min(S, CHUNK)`` tokens (``Min``/``Pad``/``Reshape`` on the run-time length);
@@ -16,11 +18,14 @@ within the chunks, all at once, ``CumSum``, ``Exp``, ``Where`` masks and MatMuls
 the state ``[B, H, Dk, Dv]`` (the only loop: ``N`` iterations).
 
 **One token**: what the chunked form computes when ``C = N = 1``, without the chunk machinery
-(~120 small ops per layer, a third of a Qwen3.5-0.8B int4 decode step on a 2-core CPU): every
-within-chunk matrix is ``1 x 1`` (``T = I``, the decays between positions ``exp(0) = 1``), so the
-step is the Scan body on the token itself, 19 ops. Products by ``T``'s ``1``, by ``exp(0)``, and
-MatMuls over an axis of length 1 are exact, so the step gives the chunked form's values bit for bit
-(tested).
+(~100 small ops a layer): every within-chunk matrix is ``1 x 1`` (``T = I``, the decays between
+positions ``exp(0) = 1``), so the step is the Scan body on the token itself, 19 ops. Products by
+``T``'s ``1``, by ``exp(0)``, and MatMuls over an axis of length 1 are exact, so the step gives
+the chunked form's values bit for bit (tested).
+
+**The short convolution**: a ``Conv`` with ``group = C`` over the window (past state and chunk);
+for one token, whose window is the kernel's width, ``K`` products and a sum per channel
+(:func:`one_window_conv`): ORT's ``Conv`` runs a depthwise convolution one channel at a time.
 
 Every op here is one TensorRT's ONNX parser takes (``Scan`` and ``If`` included).
 """
@@ -34,7 +39,7 @@ import onnx_ir as ir
 
 from kvforge.graphs.gated_delta import CHUNK, KDA_CHUNK, KDA_LEVELS, LEVELS, LOG_DECAY_FLOOR
 
-DOMAIN = "kvforge.gated_delta"
+DOMAIN = "kvforge.state"  # the nodes the translation records and expand() lowers; never saved
 _INPUTS = ("query", "key", "value", "g", "beta", "state")
 
 
@@ -243,17 +248,28 @@ def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = Fa
     return output, final
 
 
+def one_window_conv(op, x, weight2d, bias_column):
+    """:func:`kvforge.graphs.state.depthwise_conv` of a window as long as the kernel, ``x [B, C,
+    K]`` -> ``[B, C, 1]``: ``K`` products and a sum per channel (``weight2d [C, K]``, ``bias_column
+    [C, 1]`` or None)."""
+    out = op.ReduceSum(op.Mul(x, weight2d), _ints(op, -1), keepdims=1)
+    return out if bias_column is None else op.Add(out, bias_column)
+
+
 # ---------------------------------------------------------------- the translation and the expansion
 
 
-def _schema(name: str) -> onnx.defs.OpSchema:
-    param = onnx.defs.OpSchema.FormalParameter
+def _schema(name: str, inputs: Sequence[str], outputs: Sequence[str], optional: int = 0) -> onnx.defs.OpSchema:
+    param, option = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.FormalParameterOption
     return onnx.defs.OpSchema(
         name,
         DOMAIN,
         1,
-        inputs=[param(x, "T") for x in _INPUTS],
-        outputs=[param("output", "T"), param("final_state", "T")],
+        inputs=[
+            param(x, "T", param_option=option.Optional if i >= len(inputs) - optional else option.Single)
+            for i, x in enumerate(inputs)
+        ],
+        outputs=[param(x, "T") for x in outputs],
         type_constraints=[("T", ["tensor(float)"], "float32")],
     )
 
@@ -267,8 +283,11 @@ def translation_table() -> dict[object, Callable]:
     import torch
     from onnxscript import values
 
+    from kvforge.graphs import state  # noqa: F401  (registers kvforge::depthwise_conv)
+
     opset = values.Opset(DOMAIN, 1)
-    rule, kda = (values.Op(opset, name, _schema(name)) for name in _RULES)
+    rule, kda = (values.Op(opset, name, _schema(name, _INPUTS, ("output", "final_state"))) for name in _RULES)
+    conv = values.Op(opset, "DepthwiseConv", _schema("DepthwiseConv", ("x", "weight", "bias"), ("y",), optional=1))
 
     def gated_delta_rule(query, key, value, g, beta, state):
         return rule(query, key, value, g, beta, state)
@@ -276,7 +295,14 @@ def translation_table() -> dict[object, Callable]:
     def kda_rule(query, key, value, g, beta, state):
         return kda(query, key, value, g, beta, state)
 
-    return {torch.ops.kvforge.gated_delta_rule.default: gated_delta_rule, torch.ops.kvforge.kda_rule.default: kda_rule}
+    def depthwise_conv(x, weight, bias=None):
+        return conv(x, weight, bias)
+
+    return {
+        torch.ops.kvforge.gated_delta_rule.default: gated_delta_rule,
+        torch.ops.kvforge.kda_rule.default: kda_rule,
+        torch.ops.kvforge.depthwise_conv.default: depthwise_conv,
+    }
 
 
 def _name(nodes: Sequence[ir.Node], prefix: str) -> None:
@@ -291,44 +317,78 @@ def _name(nodes: Sequence[ir.Node], prefix: str) -> None:
                 _name(list(attr.value), f"{node.name}/{attr.name}")
 
 
-def _branch(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value], name: str) -> ir.Graph:
+def _branch(builder: _Builder, outputs: Sequence[ir.Value], name: str) -> ir.Graph:
     for out in outputs:
         out.dtype = ir.DataType.FLOAT
-    return ir.Graph([], list(outputs), nodes=nodes, name=name)
+    return ir.Graph([], list(outputs), nodes=builder.nodes, name=name)
+
+
+def _static(value: ir.Value, axis: int, what: str) -> int:
+    dim = value.shape[axis] if value.shape is not None else None
+    if not isinstance(dim, int):
+        raise ValueError(f"{what} must be static, got {value.shape}")
+    return dim
+
+
+def _lower_rule(node: ir.Node, one_token: bool, prefix: str) -> tuple[list[ir.Node], Sequence[ir.Value]]:
+    """A delta rule's node -> ``If(S == 1, one_token_rule, chunked)`` (or the chunked form alone)."""
+    per_channel = _RULES[node.op_type]
+    query, key, value, g, beta, state = node.inputs
+    dv = _static(value, -1, f"{node.op_type} {node.name!r}: the value head dim")
+    chunked = _Builder()
+    results = (chunked_kda_rule if per_channel else chunked_rule)(chunked, *node.inputs, dv, f"{prefix}/chunked")
+    if not one_token:
+        return list(chunked.nodes), results
+    step = _Builder()
+    single = one_token_rule(step, query, key, value, g, beta, state, per_channel)
+    top = _Builder()
+    results = top.If(
+        top.Equal(top.Shape(key, start=2, end=3), _ints(top, 1)),
+        then_branch=_branch(step, single, f"{prefix}/one_token"),
+        else_branch=_branch(chunked, results, f"{prefix}/chunked"),
+        _outputs=2,
+    )
+    return list(top.nodes), results
+
+
+def _lower_conv(node: ir.Node, one_token: bool, prefix: str) -> tuple[list[ir.Node], Sequence[ir.Value]]:
+    """A depthwise conv's node -> ``If(L == K, one_window_conv, Conv)`` (or the ``Conv`` alone).
+    The weight's ``[C, K]`` view and the bias column are made in the enclosing graph, where the
+    optimizers fold them into its initializers (a constant folded inside a branch would stay the
+    branch's own, which the shared weights file does not take)."""
+    x, weight, bias = (*node.inputs, None)[:3]
+    channels, width = (_static(weight, axis, f"DepthwiseConv {node.name!r}: the weight") for axis in (0, -1))
+    top, conv = _Builder(), _Builder()
+    y = conv.Conv(*([x, weight] if bias is None else [x, weight, bias]), group=channels)
+    if not one_token:
+        return list(conv.nodes), [y]
+    step = _Builder()
+    weight2d = top.Reshape(weight, _ints(top, channels, width))
+    column = None if bias is None else top.Unsqueeze(bias, _ints(top, -1))
+    out = one_window_conv(step, x, weight2d, column)
+    results = top.If(
+        top.Equal(top.Shape(x, start=2, end=3), _ints(top, width)),
+        then_branch=_branch(step, [out], f"{prefix}/one_window"),
+        else_branch=_branch(conv, [y], f"{prefix}/conv"),
+    )
+    return list(top.nodes), [results]
+
+
+_LOWERINGS = {"GatedDeltaRule": _lower_rule, "KdaRule": _lower_rule, "DepthwiseConv": _lower_conv}
 
 
 def expand(model: ir.Model, one_token: bool = True) -> int:
-    """Replace every :data:`DOMAIN` node of ``model``'s graph by its lowering, in place: ``If(S == 1,
-    one_token_rule, chunked)``, or (``one_token=False``) the chunked form alone, inline. Returns
-    how many were replaced."""
+    """Replace every :data:`DOMAIN` node of ``model``'s graph by its lowering, in place: an ``If``
+    on the length whose one-token branch is :func:`one_token_rule` (:func:`one_window_conv`) and
+    whose other is the chunked form (the ``Conv``); or (``one_token=False``) the latter alone,
+    inline. Returns how many nodes were replaced."""
     graph = model.graph
     sites = [node for node in graph if node.domain == DOMAIN]
     for index, node in enumerate(sites):
-        if node.op_type not in _RULES:
+        if node.op_type not in _LOWERINGS:
             raise ValueError(f"unknown {DOMAIN} op {node.op_type!r}")
-        per_channel = _RULES[node.op_type]
-        prefix = f"/gated_delta_{index}" if node.name is None else node.name
-        query, key, value, g, beta, state = node.inputs
-        dv = value.shape[-1] if value.shape is not None else None
-        if not isinstance(dv, int):
-            raise ValueError(f"{node.op_type} {node.name!r}: the value head dim must be static, got {value.shape}")
-        rule = chunked_kda_rule if per_channel else chunked_rule
-        chunked = _Builder()
-        results = rule(chunked, query, key, value, g, beta, state, dv, f"{prefix}/chunked")
-        if one_token:
-            step = _Builder()
-            single = one_token_rule(step, query, key, value, g, beta, state, per_channel)
-            top = _Builder()
-            cond = top.Equal(top.Shape(key, start=2, end=3), _ints(top, 1))
-            results = top.If(
-                cond,
-                then_branch=_branch(step.nodes, single, f"{prefix}/one_token"),
-                else_branch=_branch(chunked.nodes, results, f"{prefix}/chunked"),
-                _outputs=2,
-            )
-            new_nodes = top.nodes
-        else:
-            new_nodes = chunked.nodes
+        prefix = node.name or f"/{node.op_type}_{index}"
+        new_nodes, results = _LOWERINGS[node.op_type](node, one_token, prefix)
         _name(new_nodes, prefix)
         for new_node in new_nodes:  # the exporter's module scopes, which name the node (export._name_nodes)
             new_node.metadata_props.update(node.metadata_props)

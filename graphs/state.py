@@ -21,7 +21,11 @@ Semantics (checked against :func:`kvforge.graphs.reference.conv_update` and tran
 
 The conv lowers to standard ONNX: ``Concat`` of the past state and the chunk, a depthwise
 ``Conv`` (``group = C``) over it (prefill and decode alike: decode is the one-token chunk), and
-``GatherElements`` of each row's last ``K-1`` inputs for the new state.
+``GatherElements`` of each row's last ``K-1`` inputs for the new state. Where a family's mixer runs
+transformers' ``causal_conv1d_forward`` hook (the Gated DeltaNet and KDA families:
+:func:`kvforge.graphs.gated_delta.use_export_kernels`), :class:`ExportCausalConv1dForward` takes
+its place and convolves through :func:`depthwise_conv`, whose ONNX lowering branches on the
+window: one token, ``K`` products and a sum per channel; more, the ``Conv``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextvars
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 _ACTIVE: contextvars.ContextVar[ExportStateCache | None] = contextvars.ContextVar("kvforge_state_cache", default=None)
 
@@ -124,3 +129,57 @@ class ExportStateCache:
         past = self._past(layer_idx, "recurrent")
         self.present[(layer_idx, "recurrent")] = recurrent_states.to(past.dtype)
         return recurrent_states
+
+
+# ---------------------------------------------------------------- the causal convolution
+
+
+@torch.library.custom_op("kvforge::depthwise_conv", mutates_args=())
+def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [B, C, L]``, ``weight [C, 1, K]``, ``bias [C]`` or None -> ``[B, C, L - K + 1]``: the
+    depthwise convolution at its valid positions (no padding). One op for the exporter, lowered by
+    :mod:`kvforge.graphs.gated_delta_onnx` (an ``If`` on ``L = K``: ORT's ``Conv`` runs a depthwise
+    convolution one channel at a time, ~0.3 ms for the one position of a decode step of 6144
+    channels, where the products over the window take a sixth of that)."""
+    return F.conv1d(x, weight, bias, groups=x.shape[1])
+
+
+@depthwise_conv.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], x.shape[1], x.shape[2] - weight.shape[-1] + 1)
+
+
+class ExportCausalConv1dForward(torch.nn.Module):
+    """What ``kernels.kernelize`` puts in place of transformers' ``causal_conv1d_forward`` (the
+    causal depthwise conv of a linear-attention layer, reading and updating its conv state): the
+    same result. Under export (an :class:`ExportStateCache`) the window the cache hands back holds
+    the past ``K-1`` inputs, then the chunk's, so the chunk's outputs are the conv's valid positions
+    (:func:`depthwise_conv`), where transformers pads both ends and slices; with transformers' own
+    cache (or none) the window is padded on the left as transformers does."""
+
+    can_torch_compile = True
+
+    def forward(
+        self,
+        conv1d: torch.nn.Conv1d,
+        hidden_states: torch.Tensor,
+        cache,
+        layer_idx: int,
+        activation: str | None = None,
+        state_idx: int = 0,
+        **kwargs,
+    ) -> torch.Tensor:
+        from transformers.activations import ACT2FN
+
+        width, seq = conv1d.kernel_size[0], hidden_states.shape[-1]
+        window = hidden_states
+        if cache is not None:
+            window = cache.update_conv_state(hidden_states, layer_idx, state_idx=state_idx, conv_kernel_size=width)
+        exported = isinstance(cache, ExportStateCache)
+        if not exported:
+            window = F.pad(window, (width - 1, 0))
+        out = torch.ops.kvforge.depthwise_conv(window.to(conv1d.weight.dtype), conv1d.weight, conv1d.bias)
+        out = out if exported else out[..., -seq:]
+        if activation is not None:
+            out = ACT2FN[activation](out)
+        return out.to(hidden_states.dtype)

@@ -131,23 +131,25 @@ def corrupt_head_size(graph_file: Path) -> None:
 
 
 def check_delta_rule_branches(graph, layers) -> None:
-    """The delta rule of each linear-attention layer in ``layers`` (an ONNX ``GraphProto``'s
-    ``/model/layers.{i}/`` scopes) is one ``If`` on the length: a one-token branch with no loop, a
-    chunked one whose only loop is one ``Scan``; and nothing else in the graph loops."""
+    """Each linear-attention layer in ``layers`` (an ONNX ``GraphProto``'s ``/model/layers.{i}/``
+    scopes) runs its delta rule as one ``If`` on the length (a one-token branch with no loop, a
+    chunked one whose only loop is one ``Scan``) and its short convolutions as ``If``s too (one
+    window: no ``Conv``; longer: one ``Conv``); nothing else in the graph loops or convolves."""
     import onnx
 
     ops = [n.op_type for n in graph.node]
-    assert "Scan" not in ops and "Loop" not in ops
-    branches = [n for n in graph.node if n.op_type == "If"]
-    assert len(branches) == len(layers) and all(
-        f"/model/layers.{i}/linear_attn/" in n.name or f"/model/layers.{i}/self_attn/" in n.name
-        for i, n in zip(layers, branches)
-    ), [n.name for n in branches]
-    for node in branches:
-        graphs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        step, chunked = ([n.op_type for n in graphs[b].node] for b in ("then_branch", "else_branch"))
-        assert "Scan" not in step and "Loop" not in step, step
-        assert chunked.count("Scan") == 1 and "Loop" not in chunked, chunked
+    assert "Scan" not in ops and "Loop" not in ops and "Conv" not in ops
+    rules, convs = {}, {}
+    for node in (n for n in graph.node if n.op_type == "If"):
+        graphs = {a.name: [n.op_type for n in onnx.helper.get_attribute_value(a).node] for a in node.attribute}
+        layer = next(i for i in layers if f"/model/layers.{i}/" in node.name)
+        step, longer = graphs["then_branch"], graphs["else_branch"]
+        assert "Scan" not in step and "Loop" not in step and "Conv" not in step, (node.name, step)
+        kind = rules if "Scan" in longer else convs
+        kind[layer] = kind.get(layer, 0) + 1
+        assert longer.count("Scan" if kind is rules else "Conv") == 1 and "Loop" not in longer, (node.name, longer)
+    assert rules == dict.fromkeys(layers, 1), rules
+    assert set(convs) == set(layers), convs
 
 
 def check_state_features(artifact, prompt: list[int], turn: list[int], new: int = 8) -> None:

@@ -135,3 +135,56 @@ def test_one_token_branch_equals_the_chunked_form_bit_for_bit(tmp_path, rule):
         for ours, theirs, want in zip(branched.run(None, feeds), chunked.run(None, feeds), op(*inputs)):
             assert np.array_equal(ours, theirs)
             assert np.max(np.abs(ours - want.numpy())) < 1e-6
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_depthwise_conv_branches_on_one_window(tmp_path, bias):
+    """``kvforge::depthwise_conv`` (graphs/state.py) exported once with a dynamic length: one
+    ``If`` whose window-of-the-kernel branch (a decode step) is products and a sum, not a ``Conv``,
+    and both branches give torch's conv1d at its valid positions, with and without a bias."""
+    import onnx_ir as ir
+
+    from kvforge.graphs import gated_delta_onnx, state  # noqa: F401  (registers the op)
+
+    channels, width = 6, 4
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(channels, 1, width, generator=g)
+    shift = torch.randn(channels, generator=g) if bias else None
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight)
+            self.bias = torch.nn.Parameter(shift) if bias else None
+
+        def forward(self, x):
+            return torch.ops.kvforge.depthwise_conv(x, self.weight, self.bias)
+
+    length, batch = torch.export.Dim("length", min=width, max=64), torch.export.Dim("batch", min=1, max=4)
+    program = torch.onnx.export(
+        Conv(),
+        (torch.randn(2, channels, 9, generator=g),),
+        dynamo=True,
+        opset_version=24,
+        dynamic_shapes=({0: batch, 2: length},),
+        input_names=["x"],
+        output_names=["y"],
+        custom_translation_table=op_translations.translation_table(),
+        verbose=False,
+    )
+    model = program.model
+    assert gated_delta_onnx.expand(model) == 1
+    ir.save(model, tmp_path / "conv.onnx")
+    proto = onnx.load(str(tmp_path / "conv.onnx"))
+    onnx.checker.check_model(proto, full_check=True)
+    [branch] = [n for n in proto.graph.node if n.op_type == "If"]
+    branches = {a.name: [n.op_type for n in onnx.helper.get_attribute_value(a).node] for a in branch.attribute}
+    assert "Conv" not in branches["then_branch"] and "ReduceSum" in branches["then_branch"]
+    assert branches["else_branch"].count("Conv") == 1
+    session = ort.InferenceSession(str(tmp_path / "conv.onnx"), providers=["CPUExecutionProvider"])
+    for rows, length in ((1, width), (3, width), (2, width + 1), (3, 40)):
+        x = torch.randn(rows, channels, length, generator=g)
+        (ours,) = session.run(None, {"x": x.numpy()})
+        want = torch.nn.functional.conv1d(x, weight, shift, groups=channels)
+        assert ours.shape == tuple(want.shape)
+        np.testing.assert_allclose(ours, want.numpy(), atol=1e-6, rtol=1e-6)
