@@ -132,6 +132,13 @@ def chunked_rule(
     return _pass_state(state, new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, key.shape[2])
 
 
+def fresh(state: torch.Tensor, continues: torch.Tensor | None) -> torch.Tensor:
+    """``state [B, ...]`` with the rows whose ``continues [B]`` is 0 (new sequences) zeroed."""
+    if continues is None:
+        return state
+    return torch.where(continues.view(-1, *([1] * (state.dim() - 1))) != 0, state, torch.zeros((), dtype=state.dtype))
+
+
 @torch.library.custom_op("kvforge::gated_delta_rule", mutates_args=())
 def gated_delta_rule(
     query: torch.Tensor,
@@ -140,15 +147,17 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    continues: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunked_rule` as one op for the exporter, which replaces it by its translation
-    (:mod:`kvforge.graphs.gated_delta_onnx`)."""
-    output, final = chunked_rule(query, key, value, g, beta, state)
+    (:mod:`kvforge.graphs.gated_delta_onnx`). ``continues [B]`` (float, 1 or 0; optional): rows
+    whose 0 start a new sequence, from a zero state (:func:`fresh`)."""
+    output, final = chunked_rule(query, key, value, g, beta, fresh(state, continues))
     return output.contiguous(), final.contiguous()
 
 
 @gated_delta_rule.register_fake
-def _(query, key, value, g, beta, state):
+def _(query, key, value, g, beta, state, continues=None):
     return value.new_empty(value.shape), state.new_empty(state.shape)
 
 
@@ -203,14 +212,15 @@ def kda_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    continues: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunked_kda_rule` as one op for the exporter (:mod:`kvforge.graphs.gated_delta_onnx`)."""
-    output, final = chunked_kda_rule(query, key, value, g, beta, state)
+    output, final = chunked_kda_rule(query, key, value, g, beta, fresh(state, continues))
     return output.contiguous(), final.contiguous()
 
 
 @kda_rule.register_fake
-def _(query, key, value, g, beta, state):
+def _(query, key, value, g, beta, state, continues=None):
     return value.new_empty(value.shape), state.new_empty(state.shape)
 
 
@@ -253,10 +263,15 @@ def export_gated_delta_rule(
         real = real[:, None, :]  # (B, 1, S)
         g = torch.where(real[..., None] if per_channel else real, g, torch.zeros((), dtype=g.dtype))
         beta = torch.where(real, beta, torch.zeros((), dtype=beta.dtype))
+    continues = None
     if initial_state is None:
         initial_state = torch.zeros(batch, v_heads, dk, dv, dtype=torch.float32, device=value.device)
+    elif cache is not None and (past := cache.unmasked(initial_state)) is not None:
+        # the rule zeroes new sequences' states itself: its one-token step scales its per-row
+        # factors, where the cache's Where would copy the whole state every step
+        initial_state, continues = past, cache.continues.to(torch.float32)
     rule = kda_rule if per_channel else gated_delta_rule
-    output, final = rule(query, key, value, g, beta, initial_state.float())
+    output, final = rule(query, key, value, g, beta, initial_state.float(), continues)
     output = output.transpose(1, 2).contiguous().to(dtype)  # (B, S, H, Dv)
     return output, (final if output_final_state else None)
 

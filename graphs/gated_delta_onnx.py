@@ -40,7 +40,7 @@ import onnx_ir as ir
 from kvforge.graphs.gated_delta import CHUNK, KDA_CHUNK, KDA_LEVELS, LEVELS, LOG_DECAY_FLOOR
 
 DOMAIN = "kvforge.state"  # the nodes the translation records and expand() lowers; never saved
-_INPUTS = ("query", "key", "value", "g", "beta", "state")
+_INPUTS = ("query", "key", "value", "g", "beta", "state", "continues")  # the last optional
 
 
 class _Builder(ir.tape.Tape):
@@ -227,13 +227,15 @@ def chunked_kda_rule(op, query, key, value, g, beta, state, dv: int, name: str):
     return _finish(op, passed, seq, dv)
 
 
-def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = False):
+def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = False, continues=None):
     """The chunked form at ``S = 1`` (one chunk of one token) in the 19 ops that do not vanish:
     query/key ``[B, H, 1, Dk]``, value ``[B, H, 1, Dv]``, g ``[B, H, 1]`` (``[B, H, 1, Dk]`` when
     ``per_channel``: KDA), beta ``[B, H, 1]``, state -> ``(output [B, H, 1, Dv], final state)``.
     The chunked tensors it stands for: ``new_values = v·beta``, ``k_cumdecay = k·beta·d``,
     ``q_decayed = q·d``, ``intra = q·k``, ``k_decayed = k``, ``chunk_decay = d``, with
-    ``d = exp(max(g, floor))``."""
+    ``d = exp(max(g, floor))``. ``continues [B]`` (1 or 0; optional): the three factors that read
+    the state are scaled by it, which gives a new sequence's row (0) the step from a zero state
+    without a pass over the state (which holds finite numbers: zeros, or what the graph wrote)."""
     beta = op.Unsqueeze(beta, _ints(op, -1))  # (B, H, 1, 1)
     if per_channel:
         d = _decay(op, g)  # (B, H, 1, Dk)
@@ -243,8 +245,11 @@ def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = Fa
         d = op.Unsqueeze(_decay(op, g), _ints(op, -1))  # (B, H, 1, 1)
         intra = op.MatMul(query, op.Transpose(key, perm=[0, 1, 3, 2]))  # (B, H, 1, 1)
         chunk_decay = d
-    new_values, k_cumdecay = op.Mul(value, beta), op.Mul(op.Mul(key, beta), d)
-    final, output = _chunk_step(op, state, new_values, k_cumdecay, op.Mul(query, d), intra, key, chunk_decay, True)
+    new_values, k_cumdecay, q_decayed = op.Mul(value, beta), op.Mul(op.Mul(key, beta), d), op.Mul(query, d)
+    if continues is not None:
+        row = op.Reshape(continues, _ints(op, -1, 1, 1, 1))  # (B, 1, 1, 1)
+        k_cumdecay, q_decayed, chunk_decay = op.Mul(k_cumdecay, row), op.Mul(q_decayed, row), op.Mul(chunk_decay, row)
+    final, output = _chunk_step(op, state, new_values, k_cumdecay, q_decayed, intra, key, chunk_decay, True)
     return output, final
 
 
@@ -286,14 +291,14 @@ def translation_table() -> dict[object, Callable]:
     from kvforge.graphs import state  # noqa: F401  (registers kvforge::depthwise_conv)
 
     opset = values.Opset(DOMAIN, 1)
-    rule, kda = (values.Op(opset, name, _schema(name, _INPUTS, ("output", "final_state"))) for name in _RULES)
+    rule, kda = (values.Op(opset, name, _schema(name, _INPUTS, ("output", "final_state"), optional=1)) for name in _RULES)
     conv = values.Op(opset, "DepthwiseConv", _schema("DepthwiseConv", ("x", "weight", "bias"), ("y",), optional=1))
 
-    def gated_delta_rule(query, key, value, g, beta, state):
-        return rule(query, key, value, g, beta, state)
+    def gated_delta_rule(query, key, value, g, beta, state, continues=None):
+        return rule(query, key, value, g, beta, state, continues)
 
-    def kda_rule(query, key, value, g, beta, state):
-        return kda(query, key, value, g, beta, state)
+    def kda_rule(query, key, value, g, beta, state, continues=None):
+        return kda(query, key, value, g, beta, state, continues)
 
     def depthwise_conv(x, weight, bias=None):
         return conv(x, weight, bias)
@@ -333,14 +338,19 @@ def _static(value: ir.Value, axis: int, what: str) -> int:
 def _lower_rule(node: ir.Node, one_token: bool, prefix: str) -> tuple[list[ir.Node], Sequence[ir.Value]]:
     """A delta rule's node -> ``If(S == 1, one_token_rule, chunked)`` (or the chunked form alone)."""
     per_channel = _RULES[node.op_type]
-    query, key, value, g, beta, state = node.inputs
+    query, key, value, g, beta, state, continues = (*node.inputs, None)[:7]
     dv = _static(value, -1, f"{node.op_type} {node.name!r}: the value head dim")
     chunked = _Builder()
-    results = (chunked_kda_rule if per_channel else chunked_rule)(chunked, *node.inputs, dv, f"{prefix}/chunked")
+    start = state
+    if continues is not None:  # new sequences' rows from zeros
+        keep = chunked.Cast(chunked.Reshape(continues, _ints(chunked, -1, 1, 1, 1)), to=ir.DataType.BOOL)
+        start = chunked.Where(keep, state, _scalar(chunked, 0.0))
+    rule = chunked_kda_rule if per_channel else chunked_rule
+    results = rule(chunked, query, key, value, g, beta, start, dv, f"{prefix}/chunked")
     if not one_token:
         return list(chunked.nodes), results
     step = _Builder()
-    single = one_token_rule(step, query, key, value, g, beta, state, per_channel)
+    single = one_token_rule(step, query, key, value, g, beta, state, per_channel, continues)
     top = _Builder()
     results = top.If(
         top.Equal(top.Shape(key, start=2, end=3), _ints(top, 1)),

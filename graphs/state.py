@@ -72,13 +72,25 @@ class ExportStateCache:
         self.lengths = lengths
         self.continues = write_indices > 0  # (B,) bool: False = a new sequence, zero state
         self.present: dict[tuple[int, str], torch.Tensor] = {}
+        self._masked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(masked) -> (masked, past)
 
     def _past(self, layer: int, part: str) -> torch.Tensor:
         if (layer, part) not in self.past:
             raise RuntimeError(f"layer {layer} asks for a {part} state that the model's state layout does not list")
         past = self.past[(layer, part)]
         keep = self.continues.view(-1, *([1] * (past.dim() - 1)))  # (B, 1, ...)
-        return torch.where(keep, past, torch.zeros((), dtype=past.dtype))
+        masked = torch.where(keep, past, torch.zeros((), dtype=past.dtype))
+        self._masked[id(masked)] = (masked, past)
+        return masked
+
+    def unmasked(self, state: torch.Tensor) -> torch.Tensor | None:
+        """The ``past_state`` input behind ``state``, when ``state`` is a past this cache handed out
+        (new sequences' rows zeroed by a ``Where``); else None. A kernel that reads it raw applies
+        :attr:`continues` itself, where that costs less than a ``Where`` over the whole state (the
+        delta rule's one-token step: a factor on its per-row decays and keys). The ``Where`` it
+        leaves unread is dropped by the optimizer."""
+        entry = self._masked.get(id(state))
+        return entry[1] if entry is not None and entry[0] is state else None
 
     # ---------------------------------------------------------------- attention layers
 

@@ -134,11 +134,14 @@ def check_delta_rule_branches(graph, layers) -> None:
     """Each linear-attention layer in ``layers`` (an ONNX ``GraphProto``'s ``/model/layers.{i}/``
     scopes) runs its delta rule as one ``If`` on the length (a one-token branch with no loop, a
     chunked one whose only loop is one ``Scan``) and its short convolutions as ``If``s too (one
-    window: no ``Conv``; longer: one ``Conv``); nothing else in the graph loops or convolves."""
+    window: no ``Conv``; longer: one ``Conv``); nothing else in the graph loops or convolves, and
+    no pass outside the rule zeroes new sequences' recurrent states (the rule does it)."""
     import onnx
 
     ops = [n.op_type for n in graph.node]
     assert "Scan" not in ops and "Loop" not in ops and "Conv" not in ops
+    readers = [n.op_type for n in graph.node if any(i.startswith("past_state.") and i.endswith(".recurrent") for i in n.input)]
+    assert readers == [], readers  # only the rule's branches read them (outer-scope names, not node inputs)
     rules, convs = {}, {}
     for node in (n for n in graph.node if n.op_type == "If"):
         graphs = {a.name: [n.op_type for n in onnx.helper.get_attribute_value(a).node] for a in node.attribute}

@@ -59,15 +59,16 @@ def _delta_rule_inputs(seq: int, seed: int = 0, batch: int = 2, per_channel: boo
 
 def _exported_rule(tmp_path, op, example, one_token: bool = True):
     """``op`` exported once with a dynamic batch and length, its node expanded
-    (gated_delta_onnx.expand), as a checked ONNX file: ``(onnx.ModelProto, session)``."""
+    (gated_delta_onnx.expand), as a checked ONNX file: ``(onnx.ModelProto, session)``. A seventh
+    example tensor is the optional ``continues [B]``."""
     import onnx
     import onnx_ir as ir
 
     from kvforge.graphs import gated_delta_onnx
 
     class Rule(torch.nn.Module):
-        def forward(self, query, key, value, g, beta, state):
-            return op(query, key, value, g, beta, state)
+        def forward(self, query, key, value, g, beta, state, continues=None):
+            return op(query, key, value, g, beta, state, continues)
 
     seq, batch = torch.export.Dim("seq", min=1, max=512), torch.export.Dim("batch", min=1, max=4)
     program = torch.onnx.export(
@@ -75,8 +76,8 @@ def _exported_rule(tmp_path, op, example, one_token: bool = True):
         example,
         dynamo=True,
         opset_version=24,
-        dynamic_shapes=({0: batch, 2: seq},) * 5 + ({0: batch},),
-        input_names=_NAMES,
+        dynamic_shapes=({0: batch, 2: seq},) * 5 + ({0: batch},) * (len(example) - 5),
+        input_names=_NAMES[: len(example)],
         output_names=["output", "final_state"],
         custom_translation_table=op_translations.translation_table(),
         verbose=False,
@@ -84,14 +85,14 @@ def _exported_rule(tmp_path, op, example, one_token: bool = True):
     model = program.model
     assert [n.op_type for n in model.graph if n.domain == gated_delta_onnx.DOMAIN] == [op.__name__.title().replace("_", "")]
     assert gated_delta_onnx.expand(model, one_token=one_token) == 1
-    path = tmp_path / f"{op.__name__}_{one_token}.onnx"
+    path = tmp_path / f"{op.__name__}_{one_token}_{len(example)}.onnx"
     ir.save(model, path)
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)
     return proto, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-_NAMES = ["query", "key", "value", "g", "beta", "state"]
+_NAMES = ["query", "key", "value", "g", "beta", "state", "continues"]
 
 
 def test_gated_delta_rule_translation_matches_the_op_at_every_length(tmp_path):
@@ -118,19 +119,25 @@ def test_gated_delta_rule_translation_matches_the_op_at_every_length(tmp_path):
 
 
 @pytest.mark.parametrize("rule", ["gated_delta_rule", "kda_rule"])
-def test_one_token_branch_equals_the_chunked_form_bit_for_bit(tmp_path, rule):
+@pytest.mark.parametrize("continues", [False, True])
+def test_one_token_branch_equals_the_chunked_form_bit_for_bit(tmp_path, rule, continues):
     """The ``If``'s one-token branch is the chunked form at ``S = 1`` without its machinery: the
     same output and state, bit for bit, as the graph expanded without the branch (so decode's
-    values do not depend on which form ran), per head (Gated DeltaNet) and per key channel (KDA)."""
+    values do not depend on which form ran), per head (Gated DeltaNet) and per key channel (KDA);
+    with ``continues``, rows of 0 start from a zero state in both (the step scales its factors,
+    the chunked form zeroes the state) and rows of 1 from theirs."""
     from kvforge.graphs import gated_delta  # noqa: F401  (registers the ops)
 
     op = getattr(torch.ops.kvforge, rule)
     kda = rule == "kda_rule"
+    flags = (lambda batch: (torch.arange(batch) % 2 == 0).float()) if continues else None
     example = _delta_rule_inputs(9, per_channel=kda)
+    example = (*example, flags(2)) if continues else example
     _, branched = _exported_rule(tmp_path, op, example)
     _, chunked = _exported_rule(tmp_path, op, example, one_token=False)
     for batch, seed in ((1, 1), (4, 2)):
         inputs = _delta_rule_inputs(1, seed, batch, kda)
+        inputs = (*inputs, flags(batch)) if continues else inputs
         feeds = {n: x.numpy() for n, x in zip(_NAMES, inputs)}
         for ours, theirs, want in zip(branched.run(None, feeds), chunked.run(None, feeds), op(*inputs)):
             assert np.array_equal(ours, theirs)
