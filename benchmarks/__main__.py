@@ -51,6 +51,7 @@ FEATURES = {
     "compile": ("compile_time", "compile time and peak memory against genai's builder and Optimum"),
     "gemm": ("gemm_ceiling", "ORT's GEMM and MatMulNBits ceilings per projection shape"),
     "prefill-profile": ("prefill_profile", "ORT's profiler over a prefill: time per op type and per node"),
+    "artifact-ab": ("artifact_ab", "two compiles of one model taking turns in one process: decode and prefill, B / A"),
     "decode": ("decode_speed", "kvforge against transformers eager in one process, a random Llama or named shape"),
     "hybrid": ("hybrid_bench", "a hybrid shape (LFM2-350M) against transformers and a full-attention Llama twin"),
     "coverage": ("coverage", "every causal-LM family of transformers compiled tiny and checked token by token"),

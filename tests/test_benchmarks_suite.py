@@ -243,3 +243,18 @@ def test_prefill_profile_splits_a_prefill_by_op_and_runs_the_lm_head_on_the_last
         assert sum(o["share"] for o in report["ops"]) == pytest.approx(1.0)
         assert report["lm_head_rows"] == 1  # the logits of the last token only, whatever M is
     assert "| GroupQueryAttention | 4 |" in run.stdout
+
+
+def test_artifact_ab_times_both_sides_on_the_same_calls_and_refuses_too_many_rows(tiny_artifact, tmp_path):
+    out = tmp_path / "ab.json"
+    args = ("artifact-ab", str(tiny_artifact), str(tiny_artifact), "--prompt-lens", "16", "--rounds", "2")
+    run = _suite(*args, "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["schema"] == "kvforge.artifact_ab" and report["threads"] == 2
+    assert [c["case"] for c in report["cases"]] == ["decode b1", "prefill 16"]
+    for case in report["cases"]:
+        assert case["a_ms"] > 0 and case["b_ms"] > 0 and case["ratio"] == pytest.approx(case["b_ms"] / case["a_ms"])
+        assert f"{case['case']}: A {case['a_ms']:.1f} ms, B {case['b_ms']:.1f} ms" in run.stdout
+    refused = _suite("artifact-ab", str(tiny_artifact), str(tiny_artifact), "--rows", "99", "--prompt-lens")
+    assert refused.returncode != 0 and "max_batch" in refused.stderr and "< 99 rows; compile with --max-batch" in refused.stderr
