@@ -275,7 +275,7 @@ def _schema(name: str, inputs: Sequence[str], outputs: Sequence[str], optional: 
             for i, x in enumerate(inputs)
         ],
         outputs=[param(x, "T") for x in outputs],
-        type_constraints=[("T", ["tensor(float)"], "float32")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "the model's float type")],
     )
 
 
@@ -322,9 +322,10 @@ def _name(nodes: Sequence[ir.Node], prefix: str) -> None:
                 _name(list(attr.value), f"{node.name}/{attr.name}")
 
 
-def _branch(builder: _Builder, outputs: Sequence[ir.Value], name: str) -> ir.Graph:
-    for out in outputs:
-        out.dtype = ir.DataType.FLOAT
+def _branch(builder: _Builder, outputs: Sequence[ir.Value], like: Sequence[ir.Value], name: str) -> ir.Graph:
+    """A branch of ``builder``'s nodes whose outputs have the types of the node's, ``like``."""
+    for out, old in zip(outputs, like):
+        out.dtype = old.dtype
     return ir.Graph([], list(outputs), nodes=builder.nodes, name=name)
 
 
@@ -354,8 +355,8 @@ def _lower_rule(node: ir.Node, one_token: bool, prefix: str) -> tuple[list[ir.No
     top = _Builder()
     results = top.If(
         top.Equal(top.Shape(key, start=2, end=3), _ints(top, 1)),
-        then_branch=_branch(step, single, f"{prefix}/one_token"),
-        else_branch=_branch(chunked, results, f"{prefix}/chunked"),
+        then_branch=_branch(step, single, node.outputs, f"{prefix}/one_token"),
+        else_branch=_branch(chunked, results, node.outputs, f"{prefix}/chunked"),
         _outputs=2,
     )
     return list(top.nodes), results
@@ -378,8 +379,8 @@ def _lower_conv(node: ir.Node, one_token: bool, prefix: str) -> tuple[list[ir.No
     out = one_window_conv(step, x, weight2d, column)
     results = top.If(
         top.Equal(top.Shape(x, start=2, end=3), _ints(top, width)),
-        then_branch=_branch(step, [out], f"{prefix}/one_window"),
-        else_branch=_branch(conv, [y], f"{prefix}/conv"),
+        then_branch=_branch(step, [out], node.outputs, f"{prefix}/one_window"),
+        else_branch=_branch(conv, [y], node.outputs, f"{prefix}/conv"),
     )
     return list(top.nodes), [results]
 
