@@ -288,10 +288,11 @@ def translation_table() -> dict[object, Callable]:
     import torch
     from onnxscript import values
 
-    from kvforge.graphs import state  # noqa: F401  (registers kvforge::depthwise_conv)
+    import kvforge.graphs.state  # noqa: F401  (registers kvforge::depthwise_conv)
 
     opset = values.Opset(DOMAIN, 1)
-    rule, kda = (values.Op(opset, name, _schema(name, _INPUTS, ("output", "final_state"), optional=1)) for name in _RULES)
+    outputs = ("output", "final_state")
+    rule, kda = (values.Op(opset, name, _schema(name, _INPUTS, outputs, optional=1)) for name in _RULES)
     conv = values.Op(opset, "DepthwiseConv", _schema("DepthwiseConv", ("x", "weight", "bias"), ("y",), optional=1))
 
     def gated_delta_rule(query, key, value, g, beta, state, continues=None):

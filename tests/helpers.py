@@ -140,7 +140,9 @@ def check_delta_rule_branches(graph, layers) -> None:
 
     ops = [n.op_type for n in graph.node]
     assert "Scan" not in ops and "Loop" not in ops and "Conv" not in ops
-    readers = [n.op_type for n in graph.node if any(i.startswith("past_state.") and i.endswith(".recurrent") for i in n.input)]
+    recurrent = {v.name for v in graph.input if v.name.startswith("past_state.") and v.name.endswith(".recurrent")}
+    assert len(recurrent) == len(layers), recurrent
+    readers = [n.op_type for n in graph.node if recurrent & set(n.input)]
     assert readers == [], readers  # only the rule's branches read them (outer-scope names, not node inputs)
     rules, convs = {}, {}
     for node in (n for n in graph.node if n.op_type == "If"):

@@ -83,7 +83,8 @@ def _exported_rule(tmp_path, op, example, one_token: bool = True):
         verbose=False,
     )
     model = program.model
-    assert [n.op_type for n in model.graph if n.domain == gated_delta_onnx.DOMAIN] == [op.__name__.title().replace("_", "")]
+    recorded = [n.op_type for n in model.graph if n.domain == gated_delta_onnx.DOMAIN]
+    assert recorded == [op.__name__.title().replace("_", "")]
     assert gated_delta_onnx.expand(model, one_token=one_token) == 1
     path = tmp_path / f"{op.__name__}_{one_token}_{len(example)}.onnx"
     ir.save(model, path)
@@ -108,7 +109,8 @@ def test_gated_delta_rule_translation_matches_the_op_at_every_length(tmp_path):
     assert branch.op_type == "If"
     branches = {a.name: onnx.helper.get_attribute_value(a) for a in branch.attribute}
     then, orelse = branches["then_branch"], branches["else_branch"]
-    assert {n.op_type for n in then.node}.isdisjoint({"Scan", "Loop", "Pad", "Reshape"}) and sum(n.op_type != "Constant" for n in then.node) <= 19
+    assert {n.op_type for n in then.node}.isdisjoint({"Scan", "Loop", "Pad", "Reshape"})
+    assert sum(n.op_type != "Constant" for n in then.node) <= 19
     assert [n.op_type for n in orelse.node].count("Scan") == 1 and "Loop" not in [n.op_type for n in orelse.node]
     for length in (1, 3, 64, 65, 130):
         inputs = _delta_rule_inputs(length, seed=length)

@@ -2,15 +2,18 @@
 conv state and a float32 recurrent state each, beside one attention layer): the artifact records
 both states per linear layer and KV only for the layer that attends; its graphs run transformers'
 swapped-out delta rule kernels as kvforge's rule, per linear layer one ``If`` on the length (a
-one-token step; the chunked rule, one ``Scan`` over chunks) and no other loop; prefill and decode logits are within the families' fp32 tolerance of
-transformers; a prompt prefilled in chunks (across the rule's 64-token chunk) gives the logits of
-one call; greedy output equals transformers' generate at both ends of ``max_seq`` (a 1-token
-prompt run to a full row, a full-length prompt); a ragged batch and in-flight batching with more
-requests than rows give every request its solo result; prompt-lookup drafting and the prefix
-cache (a chat's next turn resuming from a state snapshot) give the tokens of a plain engine."""
+one-token step; the chunked rule, one ``Scan`` over chunks) and no other loop; prefill and
+decode logits are within the families' fp32 tolerance of transformers; a prompt prefilled in
+chunks (across the rule's 64-token chunk) gives the logits of one call; greedy output equals
+transformers' generate at both ends of ``max_seq`` (a 1-token prompt run to a full row, a
+full-length prompt); a ragged batch and in-flight batching with more requests than rows give
+every request its solo result; a one-token prompt in a used row starts from a zero state;
+prompt-lookup drafting and the prefix cache (a chat's next turn resuming from a state snapshot)
+give the tokens of a plain engine."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 import transformers
@@ -18,13 +21,15 @@ import transformers
 from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from tests.helpers import (
-    check_delta_rule_branches,
+    assert_close,
     check_chunked_prefill,
+    check_delta_rule_branches,
     check_greedy_at_both_ends_of_max_seq,
     check_in_flight_batching,
     check_prefill_and_decode_logits,
     check_state_features,
     hf_greedy,
+    hf_logits,
 )
 
 ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
@@ -79,3 +84,17 @@ def test_ragged_batches_and_in_flight_batching_give_each_request_its_solo_result
 
 def test_drafting_and_the_prefix_cache_give_plain_tokens(qwen35_artifact):
     check_state_features(qwen35_artifact, [5, 6, 7, 8, 9] * 2, [40, 41, 42], new=10)
+
+
+def test_a_one_token_prompt_in_a_used_row_starts_from_a_zero_state(engine, reference):
+    """A new sequence whose prompt is one token runs the rule's one-token step with ``continues`` 0:
+    it zeroes the row's state by scaling the step's factors, not by a pass over the state, so the
+    row's previous sequence (a long prompt and decode steps) must leave no trace: the logits of
+    the one token are transformers' for it alone, and equal whether the row was used before."""
+    fresh = engine.prefill([[7]])[0].copy()
+    engine.prefill([LONG])
+    for token in (3, 9, 11):
+        engine.decode([token])
+    reused = engine.prefill([[7]])[0]
+    np.testing.assert_array_equal(reused, fresh)
+    assert_close(reused, hf_logits(reference, [7])[-1], ATOL, RTOL, "one token in a used row")

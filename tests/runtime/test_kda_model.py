@@ -21,8 +21,8 @@ from kvforge.graphs import manifest as mf
 from kvforge.runtime import Engine
 from tests import families
 from tests.helpers import (
-    check_delta_rule_branches,
     check_chunked_prefill,
+    check_delta_rule_branches,
     check_greedy_at_both_ends_of_max_seq,
     check_in_flight_batching,
     check_prefill_and_decode_logits,
