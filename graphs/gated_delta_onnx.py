@@ -19,9 +19,9 @@ the state ``[B, H, Dk, Dv]`` (the only loop: ``N`` iterations).
 
 **One token**: what the chunked form computes when ``C = N = 1``, without the chunk machinery
 (~100 small ops a layer): every within-chunk matrix is ``1 x 1`` (``T = I``, the decays between
-positions ``exp(0) = 1``), so the step is the Scan body on the token itself, 19 ops. Products by
-``T``'s ``1``, by ``exp(0)``, and MatMuls over an axis of length 1 are exact, so the step gives
-the chunked form's values bit for bit (tested).
+positions ``exp(0) = 1``), so the step is the Scan body on the token itself, ~12 ops, with the
+output read from the new state (:func:`one_token_rule` says why): equal to the chunked form
+within float32 rounding (tested).
 
 **The short convolution**: a ``Conv`` with ``group = C`` over the window (past state and chunk);
 for one token, whose window is the kernel's width, ``K`` products and a sum per channel
@@ -97,18 +97,12 @@ def _pass_state(op, state, new_values, k_cumdecay, q_decayed, intra, k_decayed, 
     )
 
 
-def _chunk_step(op, s, nv, kcd, qd, att, kd, cd, att_is_scalar: bool = False):
+def _chunk_step(op, s, nv, kcd, qd, att, kd, cd):
     """One chunk (the Scan body): the state ``s (B, H, Dk, Dv)`` and the chunk's ``(B, H, C, *)``
-    slices -> ``(new state, outputs (B, H, C, Dv))``. ``att_is_scalar``: ``C = 1``, where the
-    products by the ``1 x 1`` matrices are elementwise (the same values: one product each)."""
+    slices -> ``(new state, outputs (B, H, C, Dv))``."""
     v_new = op.Sub(nv, op.MatMul(kcd, s))  # (B, H, C, Dv): the values less what the state recalls
-    kd_t = op.Transpose(kd, perm=[0, 1, 3, 2])  # (B, H, Dk, C)
-    if att_is_scalar:
-        out = op.Add(op.MatMul(qd, s), op.Mul(att, v_new))
-        s_new = op.Add(op.Mul(s, cd), op.Mul(kd_t, v_new))
-    else:
-        out = op.Add(op.MatMul(qd, s), op.MatMul(att, v_new))
-        s_new = op.Add(op.Mul(s, cd), op.MatMul(kd_t, v_new))
+    out = op.Add(op.MatMul(qd, s), op.MatMul(att, v_new))
+    s_new = op.Add(op.Mul(s, cd), op.MatMul(op.Transpose(kd, perm=[0, 1, 3, 2]), v_new))
     return s_new, out
 
 
@@ -228,29 +222,30 @@ def chunked_kda_rule(op, query, key, value, g, beta, state, dv: int, name: str):
 
 
 def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = False, continues=None):
-    """The chunked form at ``S = 1`` (one chunk of one token) in the 19 ops that do not vanish:
-    query/key ``[B, H, 1, Dk]``, value ``[B, H, 1, Dv]``, g ``[B, H, 1]`` (``[B, H, 1, Dk]`` when
-    ``per_channel``: KDA), beta ``[B, H, 1]``, state -> ``(output [B, H, 1, Dv], final state)``.
-    The chunked tensors it stands for: ``new_values = v·beta``, ``k_cumdecay = k·beta·d``,
-    ``q_decayed = q·d``, ``intra = q·k``, ``k_decayed = k``, ``chunk_decay = d``, with
-    ``d = exp(max(g, floor))``. ``continues [B]`` (1 or 0; optional): the three factors that read
-    the state are scaled by it, which gives a new sequence's row (0) the step from a zero state
-    without a pass over the state (which holds finite numbers: zeros, or what the graph wrote)."""
+    """The rule for one token: query/key ``[B, H, 1, Dk]``, value ``[B, H, 1, Dv]``, g ``[B, H, 1]``
+    (``[B, H, 1, Dk]`` when ``per_channel``: KDA), beta ``[B, H, 1]``, state -> ``(output [B, H, 1,
+    Dv], final state)``. With ``d = exp(max(g, floor))``: ``v' = v·beta - (k·beta·d) S``, ``S' =
+    d S + kᵀ v'`` (the chunked form's state step at ``C = 1``, where ``T = I`` and the decays
+    between positions are ``exp(0)``), and ``output = q S'``, which is the chunked form's ``(q·d) S
+    + (q·k) v'`` read from the new state: the runtime binds the present state to the past's buffer,
+    and an output that read the past could run after the new state is written over it; read from
+    the new state, it cannot. (Equal to the chunked form within float32 rounding, not bit for bit.)
+    ``continues [B]`` (1 or 0; optional): the two factors that read the state are scaled by it,
+    which gives a new sequence's row (0) the step from a zero state without a pass over the state
+    (which holds finite numbers: zeros, or what the graph wrote)."""
     beta = op.Unsqueeze(beta, _ints(op, -1))  # (B, H, 1, 1)
     if per_channel:
         d = _decay(op, g)  # (B, H, 1, Dk)
-        intra = op.ReduceSum(op.Mul(query, key), _ints(op, -1), keepdims=1)  # (B, H, 1, 1)
-        chunk_decay = op.Transpose(d, perm=[0, 1, 3, 2])  # (B, H, Dk, 1)
+        chunk_decay = op.Transpose(d, perm=[0, 1, 3, 2])  # (B, H, Dk, 1): the state's rows
     else:
-        d = op.Unsqueeze(_decay(op, g), _ints(op, -1))  # (B, H, 1, 1)
-        intra = op.MatMul(query, op.Transpose(key, perm=[0, 1, 3, 2]))  # (B, H, 1, 1)
-        chunk_decay = d
-    new_values, k_cumdecay, q_decayed = op.Mul(value, beta), op.Mul(op.Mul(key, beta), d), op.Mul(query, d)
+        d = chunk_decay = op.Unsqueeze(_decay(op, g), _ints(op, -1))  # (B, H, 1, 1)
+    k_cumdecay = op.Mul(op.Mul(key, beta), d)  # (B, H, 1, Dk)
     if continues is not None:
         row = op.Reshape(continues, _ints(op, -1, 1, 1, 1))  # (B, 1, 1, 1)
-        k_cumdecay, q_decayed, chunk_decay = op.Mul(k_cumdecay, row), op.Mul(q_decayed, row), op.Mul(chunk_decay, row)
-    final, output = _chunk_step(op, state, new_values, k_cumdecay, q_decayed, intra, key, chunk_decay, True)
-    return output, final
+        k_cumdecay, chunk_decay = op.Mul(k_cumdecay, row), op.Mul(chunk_decay, row)
+    v_new = op.Sub(op.Mul(value, beta), op.MatMul(k_cumdecay, state))  # (B, H, 1, Dv)
+    final = op.Add(op.Mul(state, chunk_decay), op.Mul(op.Transpose(key, perm=[0, 1, 3, 2]), v_new))
+    return op.MatMul(query, final), final
 
 
 def one_window_conv(op, x, weight2d, bias_column):
