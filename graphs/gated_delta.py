@@ -368,11 +368,11 @@ def use_export_kernels(model: torch.nn.Module) -> None:
     for export, with at least one such layer: Gated DeltaNet's or KDA's) for kvforge's
     (:class:`ExportChunkGatedDeltaRule` for either chunked rule, :class:`ExportRecurrentGatedDeltaRule`
     or :class:`ExportRecurrentKda` for the one-token step), and their causal convolution's
-    ``causal_conv1d_forward`` where they register it (:class:`kvforge.graphs.state.ExportCausalConv1dForward`),
-    through the ``kernels`` package's mapping and ``kernelize`` (the extension point transformers
-    registers them with). Only ``model``'s own
-    kernel wrappers change: another instance of the family (the parity reference) keeps
-    transformers' kernels."""
+    ``causal_conv1d_forward`` where they register it
+    (:class:`kvforge.graphs.state.ExportCausalConv1dForward`), through the ``kernels`` package's
+    mapping and ``kernelize`` (the extension point transformers registers them with). Only
+    ``model``'s own kernel wrappers change: another instance of the family (the parity reference)
+    keeps transformers' kernels."""
     counts = kernel_swap.kernelize(model, {**{name: layer for pair in _PAIRS for name, layer in pair.items()}, **_CONV})
     swapped = [all(counts[name] for name in pair) for pair in _PAIRS]
     partly = [any(counts[name] for name in pair) and not whole for pair, whole in zip(_PAIRS, swapped)]

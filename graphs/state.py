@@ -15,7 +15,8 @@ every other family.
 Semantics (checked against :func:`kvforge.graphs.reference.conv_update` and transformers):
 
 * a row whose ``write_indices`` is 0 starts a sequence: its past state is replaced by zeros in the
-  graph (``Where``), so the runtime never resets a state buffer;
+  graph, so the runtime never resets a state buffer: a ``Where`` over the past, except for the
+  delta rules' recurrent states, which the rule zeroes itself (:meth:`ExportStateCache.unmasked`);
 * the state written is the one after the row's last real token, ``lengths[b]`` new tokens in
   (``input_lengths`` in prefill; padding after them never reaches it).
 
