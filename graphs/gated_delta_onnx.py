@@ -19,7 +19,7 @@ the state ``[B, H, Dk, Dv]`` (the only loop: ``N`` iterations).
 
 **One token**: what the chunked form computes when ``C = N = 1``, without the chunk machinery
 (~100 small ops a layer): every within-chunk matrix is ``1 x 1`` (``T = I``, the decays between
-positions ``exp(0) = 1``), so the step is the Scan body on the token itself, ~12 ops, with the
+positions ``exp(0) = 1``), so the step is the Scan body on the token itself, 14 ops, with the
 output read from the new state (:func:`one_token_rule` says why): equal to the chunked form
 within float32 rounding (tested).
 
