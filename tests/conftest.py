@@ -131,11 +131,19 @@ def mamba_artifact(mamba_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen35_dir(tmp_path_factory) -> Path:
     """The tiny Qwen3.5 of tests/families.py: Gated DeltaNet layers 0, 2, 3 (a conv and a float32
-    recurrent state each) and one attention layer, 1."""
+    recurrent state each) and one attention layer, 1, with a vocabulary of 384, eos id 0 and a
+    tokenizer (as ``lfm2_dir``), so that the batch-loop features run on it."""
+    from transformers import GenerationConfig
+
     from tests import families
+    from tests.helpers import save_tokenizer
 
     [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == "qwen3.5"]
-    return families.build(tmp_path_factory.mktemp("qwen35") / "model", architecture, config_class, overrides)
+    overrides = {**overrides, "vocab_size": 384, "eos_token_id": 0}
+    path = families.build(tmp_path_factory.mktemp("qwen35") / "model", architecture, config_class, overrides)
+    GenerationConfig(eos_token_id=0).save_pretrained(path)
+    save_tokenizer(path, 384)
+    return path
 
 
 @pytest.fixture(scope="session")

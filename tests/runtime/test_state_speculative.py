@@ -173,21 +173,33 @@ def test_a_rejection_on_a_hybrid_is_priced_as_a_second_call():
     assert [best_k(a, 8, 0.2, rerun=True) for a in (0.7, 0.9)] == [1, 4]  # a draft model's tokens cost too
 
 
-def test_every_batch_loop_feature_with_ngram_drafts_gives_each_request_its_solo_answer(lfm2_artifact):
+@pytest.mark.parametrize("artifact", ["lfm2_artifact", "qwen35_artifact"])
+def test_every_batch_loop_feature_with_ngram_drafts_gives_each_request_its_solo_answer(artifact, request):
     """test_state_model's feature batch (greedy, regex, seeded sampling, a stop string, a
     cancellation, chunked prefills on 2 rows, a prefix-cache hit on a state snapshot) with
-    prompt-lookup drafting on: each request as when it runs alone on the same engine."""
+    prompt-lookup drafting on, plus a row whose prediction (its greedy answer with one token
+    changed) is drafted for certain, accepted up to the change and rejected there: each request as
+    when it runs alone on the same engine. On LFM2 (short convolutions) and Qwen3.5 (Gated
+    DeltaNet: decode steps take the delta rule's one-token branch, chunked prefills and verify
+    calls its chunked one, in the same batch)."""
     pytest.importorskip("llguidance")
     from tests.runtime.test_state_model import FEATURES, _features
 
-    with Engine.load(lfm2_artifact, threads=1, speculative="ngram:4") as spec:
+    with Engine.load(request.getfixturevalue(artifact), threads=1, speculative="ngram:4") as spec:
         solo = {name: _features(spec, {name: r})[name] for name, r in FEATURES.items()}
+        prompt, new, _, _ = FEATURES["greedy"]
+        wrong = list(solo["greedy"].token_ids)
+        wrong[new // 2] = (wrong[new // 2] + 1) % 384
+        predicted = SamplingParams(temperature=0.0, prediction=wrong)
+        requests = {**FEATURES, "predicted": (prompt, new, predicted, None)}
+        solo["predicted"] = solo["greedy"]  # a prediction changes the calls, never the tokens
         spec.prefill_chunk = 3
-        together = _features(spec, FEATURES, cancel=True)
-    for name in FEATURES:
+        together = _features(spec, requests, cancel=True)
+    for name in requests:
         got, want = together[name], solo[name]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), name
     assert together["cancelled"].finish_reason == "cancelled"
-    assert sum(r.drafted_tokens for r in together.values()) > 0  # drafts were verified beside the other rows
+    verified = together["predicted"]  # its drafts were verified beside the other rows
+    assert verified.prediction_accepted >= new // 2 - 1 and verified.prediction_rejected > 0, verified
     assert solo["prefix"].cached_tokens == 6  # resumed from the snapshot its lead-in left
     assert together["prefix"].cached_tokens == 9  # its whole prompt, with the logits its solo run kept
