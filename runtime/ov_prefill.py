@@ -15,20 +15,31 @@ perplexity and greedy agreement: benchmarks/FINDINGS.md, "The bf16 prefill"). Re
 without bf16 arithmetic, where OpenVINO would quietly run f32 instead.
 
 How. OpenVINO reads the artifact's ``prefill.onnx`` (the graph before ORT's optimization; its
-``gqa`` lowering: the ``onnx`` lowering's ``TensorScatter`` has no OpenVINO conversion) and
-compiles it once. A call binds the engine's own arrays by pointer (``ov.Tensor(array,
-shared_memory=True)``): the step inputs, the logits and each layer's cache view as the past input.
-The present outputs cannot share those views: OpenVINO's translation of ``GroupQueryAttention``
-returns the keys of positions ``[0, past + S)`` as a tensor of that length, not the ``S_max``
-buffer written in place, so a present bound to the view would be laid out at the wrong pitch.
-OpenVINO keeps the presents, and after the call the new positions of each row (its prompt's K/V,
-``[start, start + length)``) are copied into the engine's cache: the cache stays the engine's one
-allocation, whichever runtime wrote a row.
+``gqa`` lowering: the ``onnx`` lowering's ``TensorScatter`` has no OpenVINO conversion) through
+its ONNX reader with one conversion of kvforge's own, registered at the reader's extension point
+(``ConversionExtension``): each ``GroupQueryAttention`` becomes OpenVINO's
+``PagedAttentionExtension``, the op OpenVINO GenAI's pipeline runs, whose CPU kernel skips the
+causal upper half and writes the layer's keys and values into blocks of ``BLOCK`` positions. The
+stock translation decomposes it into a whole ``S x S`` score matrix per head plus transposes and
+concatenations of the presents; the paged one prefilled SmolLM2-135M int4 in 0.6-0.75x its time
+(benchmarks/FINDINGS.md, "OpenVINO's paged attention on kvforge's graph"), the same tokens. The
+layer's past input is the op's block cache (shape ``[blocks, H_kv, BLOCK, D]``, float32 or
+bfloat16 as the precision), the present outputs are dropped, and the op's past length, block
+table and context length are computed in the graph from its ``total_sequence_length``.
 
-Rows. OpenVINO 2026.4's translation of the graph fails at batch > 1 (a ``Reshape`` to one row
-inside its GroupQueryAttention), so a prefill call of B rows, each of at least ``min_tokens``
-tokens, runs as B one-row calls, each of its row's own length (no padding), into its own cache row
-and logits row. A call with a shorter row, and every decode step, stays on ORT.
+A call binds the engine's step inputs and logits by pointer (``ov.Tensor(array,
+shared_memory=True)``) and each layer's block arrays, kept here and grown to the longest call. A
+row that resumes a cached prefix (``write_indices > 0``) first has its past positions copied from
+the engine's cache into the blocks; after the call the row's new positions are copied from the
+blocks into the engine's cache (the cache stays the engine's one allocation, whichever runtime
+wrote a row). Full causal attention only: a graph whose attention has a sliding window, a
+softcap, sinks or in-op rotary is refused at load (:func:`unsupported`).
+
+Rows. OpenVINO 2026.4's translation of the graph fails at batch > 1 (a ``Reshape`` to one row),
+and the paged op's lengths are computed for one sequence, so a prefill call of B rows, each of at
+least ``min_tokens`` tokens, runs as B one-row calls, each of its row's own length (no padding),
+into its own cache row and logits row. A call with a shorter row, and every decode step, stays on
+ORT.
 
 Limits (refused at load by :func:`check_artifact`): float32 artifacts of the ``gqa`` lowering
 with a KV cache only (no model state, no 8-bit KV); the CPU; no speculative decoding (its step
@@ -42,6 +53,7 @@ tokens, +130-190 ms near 1024; ORT has no such cost).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,12 +62,20 @@ import numpy as np
 from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
 
+try:  # a dependency of onnx: numpy's bfloat16
+    from ml_dtypes import bfloat16
+except ImportError:  # pragma: no cover
+    bfloat16 = None
+
 # Calls of fewer tokens (B x S) stay on ORT: OpenVINO beat ORT from ~32 tokens (FINDINGS.md).
 MIN_TOKENS = 32
 INSTALL = "pip install 'kvforge[openvino]'"
 # Engine.load's prefill= choices that run here -> OpenVINO's INFERENCE_PRECISION_HINT.
 PRECISIONS = {"openvino": "f32", "openvino:bf16": "bf16"}
 CHOICES = ("ort", *PRECISIONS)  # Engine.load(prefill=...) and the CLI's --prefill
+BLOCK = 32  # positions a KV block of OpenVINO's CPU paged attention holds
+# GroupQueryAttention's attributes the paged translation takes, at the values it takes them
+_PLAIN = {"local_window_size": -1, "softcap": 0.0, "do_rotary": 0, "smooth_softmax": 0}
 
 
 def check_artifact(manifest: mf.Manifest, choice: str = "openvino") -> None:
@@ -70,16 +90,128 @@ def check_artifact(manifest: mf.Manifest, choice: str = "openvino") -> None:
     elif manifest.dtype != "float32":
         why = f"it is {manifest.dtype}; the OpenVINO prefill binds float32 caches"
     if why:
-        raise ValueError(
-            f"prefill={choice!r} cannot run this artifact: {why}; load it with prefill='ort' (the default)"
-        )
+        raise ValueError(_refusal(choice, why))
+
+
+def _refusal(choice: str, why: str) -> str:
+    return f"prefill={choice!r} cannot run this artifact: {why}; load it with prefill='ort' (the default)"
+
+
+def unsupported(graph) -> str | None:
+    """Why the paged translation cannot run this ``onnx.GraphProto``'s attention, or None: it
+    takes full causal attention, not a sliding window, a softcap, sinks or in-op rotary."""
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        extra = [name for name in node.input[7:] if name]
+        if extra:
+            return f"its attention {node.name!r} takes {len(extra)} input(s) past the seventh (rotary caches or sinks)"
+        for attribute in node.attribute:
+            value = onnx_value(attribute)
+            if attribute.name in _PLAIN and value != _PLAIN[attribute.name]:
+                return f"its attention {node.name!r} has {attribute.name}={value}"
+    return None
+
+
+def onnx_value(attribute):
+    import onnx
+
+    return onnx.helper.get_attribute_value(attribute)
+
+
+def _paged_attention(node):
+    """The ONNX reader's conversion of one ``GroupQueryAttention`` (one row): OpenVINO's
+    ``PagedAttentionExtension`` over the layer's past input as its block cache. Outputs: the
+    attention, then empty placeholders for the presents (the caller drops those results)."""
+    from openvino import opset13 as ops
+    from openvino._pyopenvino.op import _PagedAttentionExtension
+
+    def const(value, dtype):
+        return ops.constant(np.asarray(value, dtype))
+
+    query, key, value, past_key, past_value, _, total = (node.get_input(i) for i in range(7))
+    heads, kv_heads = node.get_attribute("num_heads"), node.get_attribute("kv_num_heads")
+    head_dim = past_key.get_partial_shape()[3].get_length()
+    scale = node.get_attribute("scale", 0.0) or head_dim**-0.5
+    new = ops.gather(ops.shape_of(query, "i32"), const([1], np.int64), const(0, np.int64))  # [1]: S
+    context = ops.reshape(ops.convert(total, "i32"), const([1], np.int64), False)  # [1]: past + S
+    blocks = ops.divide(ops.add(context, const([BLOCK - 1], np.int32)), const([BLOCK], np.int32))
+    zero, none_i32, none_f32 = const([0], np.int32), const([], np.int32), const([], np.float32)
+    widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    inputs = [
+        *(ops.reshape(x, const([-1, width], np.int64), False) for x, width in zip((query, key, value), widths)),
+        past_key,  # key_cache [blocks, H_kv, BLOCK, D]
+        past_value,  # value_cache
+        ops.subtract(context, new),  # past_lens
+        ops.concat([zero, new], 0),  # subsequence_begins
+        ops.range(const(0, np.int32), ops.squeeze(blocks, const(0, np.int64)), const(1, np.int32), "i32"),  # table
+        ops.concat([zero, blocks], 0),  # block_indices_begins
+        const(scale, np.float32),
+        const(0, np.int32),  # sliding_window: none
+        none_f32,  # alibi_slopes
+        ops.squeeze(context, const(0, np.int64)),  # max_context_len
+        const(0, np.int32),  # score_aggregation_window
+        none_i32,
+        none_i32,
+        none_f32,  # rotated_block_indices, rotation_deltas, rotation_trig_lut
+        none_f32,
+        const(0, np.int32),
+        const(0, np.int32),  # xattention threshold, block size, stride
+        none_f32,  # sinks
+        const(0, np.int32),
+        none_i32,
+        none_i32,
+        none_i32,  # adaptive R-KV
+        none_i32,
+        const([], np.uint8),
+        none_i32,  # token_type_ids, qq_bias, qq_bias_begins
+    ]
+    paged = _PagedAttentionExtension([x.output(0) if hasattr(x, "output") else x for x in inputs])
+    info = paged.get_rt_info()  # the CPU plugin sizes the blocks from these
+    for name, size in {"k_head_size": head_dim, "num_k_heads": kv_heads, "v_head_size": head_dim}.items():
+        info[name] = size
+    info["num_v_heads"] = kv_heads
+    attention = ops.reshape(paged.output(0), ops.shape_of(query), False)
+    # the presents: placeholders (their results are dropped); returning the pasts would rename them
+    empty = [const(np.zeros((1, kv_heads, 0, head_dim)), np.float32) for _ in range(2)]
+    return [attention.output(0), *(e.output(0) for e in empty)]
+
+
+def _blocks_view(blocks: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Positions ``[start, stop)`` of ``blocks`` ``[N, H, BLOCK, D]``, a run inside one block or of
+    whole blocks, as a view ``[H, n, D]`` or ``[H, n / BLOCK, BLOCK, D]``."""
+    first, offset = divmod(start, BLOCK)
+    if offset == 0 and (stop - start) % BLOCK == 0:
+        return blocks[first : first + (stop - start) // BLOCK].transpose(1, 0, 2, 3)
+    return blocks[first, :, offset : offset + stop - start]
+
+
+def _runs(start: int, stop: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut at the block boundaries inside it into at most three runs, each inside
+    one block or of whole blocks."""
+    cuts = {p for p in (-(-start // BLOCK) * BLOCK, stop // BLOCK * BLOCK) if start < p < stop}
+    edges = sorted({start, stop, *cuts})
+    return list(itertools.pairwise(edges))
+
+
+def blocks_to_cache(blocks: np.ndarray, cache: np.ndarray, start: int, stop: int) -> None:
+    """Positions ``[start, stop)`` of ``blocks`` ``[N, H, BLOCK, D]`` into ``cache`` ``[H, S, D]``."""
+    for a, b in _runs(start, stop):
+        cache[:, a:b] = _blocks_view(blocks, a, b).reshape(cache.shape[0], b - a, cache.shape[2])
+
+
+def cache_to_blocks(cache: np.ndarray, blocks: np.ndarray, start: int, stop: int) -> None:
+    """Positions ``[start, stop)`` of ``cache`` ``[H, S, D]`` into ``blocks`` ``[N, H, BLOCK, D]``."""
+    for a, b in _runs(start, stop):
+        view = _blocks_view(blocks, a, b)
+        view[...] = cache[:, a:b].reshape(view.shape)
 
 
 @dataclass
 class OvBinding:
     calls: list[dict[str, object]]  # one per row: input or logits name -> ov.Tensor over the engine's array
     spans: list[tuple[int, int]]  # each row's new positions: (start, length)
-    presents: dict[str, np.ndarray]  # present output -> the cache view [B, H, S_max, D] its rows go to
+    caches: dict[str, np.ndarray]  # past input -> the engine's cache view [B, H, S_max, D] (in place)
     arrays: list[np.ndarray]  # keeps the bound arrays alive while the binding exists
 
 
@@ -92,8 +224,14 @@ class OpenVinoPrefill:
     ) -> None:
         try:
             import openvino as ov
+            from openvino.frontend.onnx import ConversionExtension
         except ImportError as e:
             raise ValueError(f"prefill='openvino' needs OpenVINO: {INSTALL}") from e
+        import onnx
+
+        why = unsupported(onnx.load(str(graph_file), load_external_data=False).graph)
+        if why:
+            raise ValueError(_refusal(next(c for c, p in PRECISIONS.items() if p == precision), why))
         self._ov = ov
         core = ov.Core()
         if precision == "bf16" and "BF16" not in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
@@ -101,32 +239,71 @@ class OpenVinoPrefill:
                 "prefill='openvino:bf16' needs a CPU with bfloat16 arithmetic (AVX512-BF16 or AMX), and OpenVINO "
                 "finds none on this one; load with prefill='openvino' (f32)"
             )
-        config = {"INFERENCE_PRECISION_HINT": precision}  # stated: OpenVINO's own default would be bf16
+        # stated: OpenVINO's own defaults would be bf16 arithmetic and an 8-bit cache
+        config = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
         if threads is not None:
             config["INFERENCE_NUM_THREADS"] = threads
         try:
-            self.compiled = core.compile_model(str(graph_file), "CPU", config)
+            core.add_extension(ConversionExtension("GroupQueryAttention", "com.microsoft", _paged_attention))
+            model = core.read_model(str(graph_file))
+            pasts = self._to_block_caches(model)
+            self.compiled = core.compile_model(model, "CPU", config)
         except Exception as e:  # OpenVINO's conversion errors are RuntimeErrors of many lines
             detail = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
             raise mf.ArtifactError(
                 f"OpenVINO cannot compile {graph_file.name} ({detail}); load the artifact with prefill='ort'"
             ) from e
+        self._port = {p.get_friendly_name(): i for i, p in enumerate(model.get_parameters())}
+        self._block_type = {name: self.compiled.input(self._port[name]).get_element_type() for name in pasts}
+        self._dtype = np.float32 if precision == "f32" else bfloat16
+        self._blocks: dict[str, np.ndarray] = {}  # past input -> [N, H_kv, BLOCK, D], grown to the longest call
         self.request = self.compiled.create_infer_request()
         self.precision = precision
         self.min_tokens = min_tokens
         self.calls = 0  # one-row calls run here (bench and the tests read it)
+
+    @staticmethod
+    def _to_block_caches(model) -> list[str]:
+        """Drop the present results and make each past input a block cache of any length and element
+        type (the CPU plugin fixes ``BLOCK`` and the precision's type); the past inputs' names."""
+        ov = __import__("openvino")
+        for result in list(model.get_results()):
+            if any(name.startswith("present.") for name in result.output(0).get_names()):
+                model.remove_result(result)
+        pasts = []
+        for parameter in model.get_parameters():
+            name = parameter.get_friendly_name()
+            if name.startswith("past_key_values."):
+                shape = parameter.get_partial_shape()
+                parameter.set_element_type(ov.Type.dynamic)
+                parameter.set_partial_shape(ov.PartialShape([-1, shape[1], -1, shape[3]]))
+                parameter.validate_and_infer_types()
+                pasts.append(name)
+        model.validate_nodes_and_infer_types()
+        return pasts
 
     def wants(self, graph: str, inputs: dict[str, np.ndarray]) -> bool:
         """Whether a call of ``graph`` with these inputs runs here: prefill calls whose every row has
         at least ``min_tokens`` tokens."""
         return graph == "prefill" and int(inputs[contract.INPUT_LENGTHS].min()) >= self.min_tokens
 
+    def _block_tensors(self, caches: dict[str, np.ndarray], positions: int) -> dict[str, object]:
+        """Each layer's blocks for a row of ``positions`` positions, wrapped by pointer."""
+        count = -(-positions // BLOCK)
+        tensors = {}
+        for name, view in caches.items():
+            blocks = self._blocks.get(name)
+            if blocks is None or len(blocks) < count:
+                blocks = self._blocks[name] = np.zeros((count, view.shape[1], BLOCK, view.shape[3]), self._dtype)
+            bits = blocks[:count].view(np.uint32 if self._dtype is np.float32 else np.uint16)  # OpenVINO reads raw
+            tensors[name] = self._ov.Tensor(bits, bits.shape, self._block_type[name])
+        return tensors
+
     def bind(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> OvBinding:
-        """One call per row: that row's ids and positions (its own length), its cache row as the past,
-        its logits row, wrapped by pointer; the presents are copied out after each call."""
-        presents = {name: array for name, array in outputs.items() if name != contract.LOGITS}
+        """One call per row: that row's ids and positions (its own length) and its logits row, wrapped
+        by pointer; the cache views are read and written around each call (``run``)."""
         steps = (contract.INPUT_IDS, contract.POSITION_IDS, contract.WRITE_INDICES, contract.INPUT_LENGTHS)
-        pasts = {name: array for name, array in inputs.items() if name not in steps}  # the cache views
+        caches = {name: array for name, array in inputs.items() if name not in steps}  # the past = present views
         starts = inputs[contract.WRITE_INDICES].tolist()
         lengths = inputs[contract.INPUT_LENGTHS].tolist()
         calls, arrays = [], []
@@ -137,26 +314,26 @@ class OpenVinoPrefill:
                 contract.WRITE_INDICES: inputs[contract.WRITE_INDICES][b : b + 1],
                 contract.INPUT_LENGTHS: inputs[contract.INPUT_LENGTHS][b : b + 1],
                 contract.LOGITS: outputs[contract.LOGITS][b : b + 1],
-                **{name: array[b : b + 1] for name, array in pasts.items()},
             }
             row = {name: np.ascontiguousarray(array) for name, array in row.items()}  # ids/positions: copies
             calls.append({name: self._ov.Tensor(array, shared_memory=True) for name, array in row.items()})
             arrays.extend(row.values())
-        return OvBinding(calls, list(zip(starts, lengths)), presents, arrays)
+        return OvBinding(calls, list(zip(starts, lengths)), caches, arrays)
 
     def run(self, binding: OvBinding) -> None:
         for b, (tensors, (s0, n)) in enumerate(zip(binding.calls, binding.spans)):
-            for name, tensor in tensors.items():
-                self.request.set_tensor(name, tensor)
+            blocks = self._block_tensors(binding.caches, s0 + n)
+            for name, view in binding.caches.items():
+                if s0:  # a resumed prefix: its positions are the paged attention's past
+                    cache_to_blocks(view[b], self._blocks[name], 0, s0)
+            for name, tensor in (*tensors.items(), *blocks.items()):
+                if name == contract.LOGITS:
+                    self.request.set_output_tensor(0, tensor)  # the one result left
+                else:
+                    self.request.set_input_tensor(self._port[name], tensor)
             self.request.infer()
-            for name, view in binding.presents.items():
-                present = self.request.get_tensor(name).data  # [1, H_kv, past + S, D]: positions from 0
-                if present.shape[2] < s0 + n:
-                    raise RuntimeError(
-                        f"OpenVINO's {name} holds {present.shape[2]} positions, not the {s0 + n} of row {b}: "
-                        "this OpenVINO translates GroupQueryAttention differently; load with prefill='ort'"
-                    )
-                view[b, :, s0 : s0 + n] = present[0, :, s0 : s0 + n]
+            for name, view in binding.caches.items():
+                blocks_to_cache(self._blocks[name], view[b], s0, s0 + n)
             self.calls += 1
 
     def close(self) -> None:

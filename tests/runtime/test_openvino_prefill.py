@@ -211,3 +211,42 @@ def test_serve_takes_prefill_in_one_process_only(llama_artifact, capsys):
         "kvforge: error: --prefill openvino runs in the one-process server for now; drop it or --ray and the "
         "worker flags\n"
     )
+
+
+@pytest.mark.parametrize("start, stop", [(0, 96), (5, 10), (30, 40), (32, 64), (0, 31), (48, 82), (64, 65)])
+def test_positions_go_between_the_cache_and_the_paged_blocks_unchanged(start, stop):
+    from kvforge.runtime.ov_prefill import BLOCK, blocks_to_cache, cache_to_blocks
+
+    heads, seq, dim = 2, 96, 8
+    cache = RNG.standard_normal((heads, seq, dim)).astype(np.float32)
+    blocks = np.full((seq // BLOCK, heads, BLOCK, dim), 7.0, np.float32)
+    cache_to_blocks(cache, blocks, start, stop)
+    for p in range(seq):  # position p lives at block p // BLOCK, slot p % BLOCK
+        want = cache[:, p] if start <= p < stop else np.full((heads, dim), 7.0, np.float32)
+        np.testing.assert_array_equal(blocks[p // BLOCK, :, p % BLOCK], want, err_msg=f"position {p}")
+    back = np.zeros_like(cache)
+    blocks_to_cache(blocks, back, start, stop)
+    np.testing.assert_array_equal(back[:, start:stop], cache[:, start:stop])
+    assert not back[:, :start].any() and not back[:, stop:].any()
+
+
+def test_attention_the_paged_translation_cannot_run_is_named():
+    import onnx
+    from onnx import helper
+
+    from kvforge.runtime.ov_prefill import unsupported
+
+    def graph(inputs=7, **attributes):
+        names = [f"x{i}" for i in range(inputs)]
+        attributes = dict(num_heads=4, kv_num_heads=2, **attributes)
+        node = helper.make_node("GroupQueryAttention", names, ["y"], name="attn0", domain="com.microsoft", **attributes)
+        return helper.make_graph([node], "g", [], [])
+
+    assert unsupported(graph()) is None
+    assert unsupported(graph(local_window_size=-1, softcap=0.0)) is None
+    assert unsupported(graph(local_window_size=16)) == "its attention 'attn0' has local_window_size=16"
+    assert unsupported(graph(softcap=30.0)) == "its attention 'attn0' has softcap=30.0"
+    assert unsupported(graph(inputs=12)) == (
+        "its attention 'attn0' takes 5 input(s) past the seventh (rotary caches or sinks)"
+    )
+    assert isinstance(graph(), onnx.GraphProto)
