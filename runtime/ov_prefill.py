@@ -7,10 +7,11 @@ in its brgemm kernels: SmolLM2-135M int4, 128 tokens, 2 threads: 80.7 ms on Open
 Its decode step through the same graph is ~3.5x ORT's, so only calls of many tokens go to it.
 
 Precision. ``"openvino"`` compiles the graph at f32, kvforge's arithmetic. ``"openvino:bf16"``
-compiles it at bf16 (OpenVINO's own default on such CPUs, what OpenVINO GenAI runs): the weights
-and activations of the prompt's pass in bfloat16 on the AMX / AVX512-BF16 units, the cache it
-writes still float32. About twice as fast again (SmolLM2 int4: 53 against 80 ms at 128 tokens,
-405 against 766 ms at 1024), at bfloat16's rounding of the prompt's logits and K/V (its cost in
+compiles it at bf16 (OpenVINO's own default on such CPUs, what OpenVINO GenAI runs): the weights,
+activations and paged K/V blocks of the prompt's pass in bfloat16 on the AMX / AVX512-BF16 units,
+the engine's cache still float32 (holding bfloat16 values). About twice as fast again (SmolLM2
+int4 through the engine: 61.5 against 104.0 ms at 128 tokens, 349 against 732 ms at 1024;
+docs/performance.md), at bfloat16's rounding of the prompt's logits and K/V (its cost in
 perplexity and greedy agreement: benchmarks/FINDINGS.md, "The bf16 prefill"). Refused on a CPU
 without bf16 arithmetic, where OpenVINO would quietly run f32 instead.
 
@@ -21,8 +22,8 @@ its ONNX reader with one conversion of kvforge's own, registered at the reader's
 ``PagedAttentionExtension``, the op OpenVINO GenAI's pipeline runs, whose CPU kernel skips the
 causal upper half and writes the layer's keys and values into blocks of ``BLOCK`` positions. The
 stock translation decomposes it into a whole ``S x S`` score matrix per head plus transposes and
-concatenations of the presents; the paged one prefilled SmolLM2-135M int4 in 0.6-0.75x its time
-(benchmarks/FINDINGS.md, "OpenVINO's paged attention on kvforge's graph"), the same tokens. The
+concatenations of the presents; the paged one prefilled SmolLM2-135M in 0.6-0.75x its time, at
+the same perplexity (benchmarks/FINDINGS.md, "OpenVINO's paged attention on kvforge's graph"). The
 layer's past input is the op's block cache (shape ``[blocks, H_kv, BLOCK, D]``, float32 or
 bfloat16 as the precision), the present outputs are dropped, and the op's past length, block
 table and context length are computed in the graph from its ``total_sequence_length``.
@@ -35,20 +36,22 @@ blocks into the engine's cache (the cache stays the engine's one allocation, whi
 wrote a row). Full causal attention only: a graph whose attention has a sliding window, a
 softcap, sinks or in-op rotary is refused at load (:func:`unsupported`).
 
-Rows. OpenVINO 2026.4's translation of the graph fails at batch > 1 (a ``Reshape`` to one row),
-and the paged op's lengths are computed for one sequence, so a prefill call of B rows, each of at
-least ``min_tokens`` tokens, runs as B one-row calls, each of its row's own length (no padding),
+Rows. The paged op's past length and block table are computed for one sequence (and OpenVINO
+2026.4's stock translation of the graph failed at batch > 1), so a prefill call of B rows, each of
+at least ``min_tokens`` tokens, runs as B one-row calls, each of its row's own length (no padding),
 into its own cache row and logits row. A call with a shorter row, and every decode step, stays on
 ORT.
 
 Limits (refused at load by :func:`check_artifact`): float32 artifacts of the ``gqa`` lowering
 with a KV cache only (no model state, no 8-bit KV); the CPU; no speculative decoding (its step
-graph is the verify graph, which stays on ORT). Cost: OpenVINO holds its own compiled copy of
-the model (SmolLM2-135M: +550 MiB resident at int4, +1.2 GiB at fp32 and f32; of the int4
-compile's ~480 MiB, ~260 MiB are the memory-mapped weights file, clean pages the kernel may drop
-under pressure, ~220 MiB OpenVINO's own). Each new prompt
-length costs OpenVINO a shape preparation on its first call (SmolLM2 int4 bf16: +20 ms at 130
-tokens, +130-190 ms near 1024; ORT has no such cost).
+graph is the verify graph, which stays on ORT); OpenVINO's ``PagedAttentionExtension`` of the
+pinned release series (its 28 inputs are OpenVINO 2026.4's; another series' fails to compile, with
+OpenVINO's message). Cost: OpenVINO holds its own compiled copy of the model (SmolLM2-135M: +550
+MiB resident at int4, +1.2 GiB at fp32 and f32; of the int4 compile's ~480 MiB, ~260 MiB are the
+memory-mapped weights file, clean pages the kernel may drop under pressure, ~220 MiB OpenVINO's
+own), and the block arrays hold one row of the longest call's K/V (SmolLM2, 1024 tokens: 45 MiB
+float32, 23 MiB bfloat16). Each new prompt length costs OpenVINO a shape preparation on its first
+call (SmolLM2 int4 bf16: +20 ms at 130 tokens, +130-190 ms near 1024; ORT has no such cost).
 """
 
 from __future__ import annotations
@@ -61,11 +64,6 @@ import numpy as np
 
 from kvforge.graphs import contract
 from kvforge.graphs import manifest as mf
-
-try:  # a dependency of onnx: numpy's bfloat16
-    from ml_dtypes import bfloat16
-except ImportError:  # pragma: no cover
-    bfloat16 = None
 
 # Calls of fewer tokens (B x S) stay on ORT: OpenVINO beat ORT from ~32 tokens (FINDINGS.md).
 MIN_TOKENS = 32
@@ -228,6 +226,7 @@ class OpenVinoPrefill:
         except ImportError as e:
             raise ValueError(f"prefill='openvino' needs OpenVINO: {INSTALL}") from e
         import onnx
+        from ml_dtypes import bfloat16  # onnx's dependency: numpy's bfloat16
 
         why = unsupported(onnx.load(str(graph_file), load_external_data=False).graph)
         if why:
@@ -266,7 +265,8 @@ class OpenVinoPrefill:
     def _to_block_caches(model) -> list[str]:
         """Drop the present results and make each past input a block cache of any length and element
         type (the CPU plugin fixes ``BLOCK`` and the precision's type); the past inputs' names."""
-        ov = __import__("openvino")
+        import openvino as ov
+
         for result in list(model.get_results()):
             if any(name.startswith("present.") for name in result.output(0).get_names()):
                 model.remove_result(result)
@@ -323,8 +323,8 @@ class OpenVinoPrefill:
     def run(self, binding: OvBinding) -> None:
         for b, (tensors, (s0, n)) in enumerate(zip(binding.calls, binding.spans)):
             blocks = self._block_tensors(binding.caches, s0 + n)
-            for name, view in binding.caches.items():
-                if s0:  # a resumed prefix: its positions are the paged attention's past
+            if s0:  # a resumed prefix: its positions are the paged attention's past
+                for name, view in binding.caches.items():
                     cache_to_blocks(view[b], self._blocks[name], 0, s0)
             for name, tensor in (*tensors.items(), *blocks.items()):
                 if name == contract.LOGITS:
