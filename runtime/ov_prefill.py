@@ -29,18 +29,19 @@ bfloat16 as the precision), the present outputs are dropped, and the op's past l
 table and context length are computed in the graph from its ``total_sequence_length``.
 
 A call binds the engine's step inputs and logits by pointer (``ov.Tensor(array,
-shared_memory=True)``) and each layer's block arrays, kept here and grown to the longest call. A
+shared_memory=True)``) and each layer's block arrays, kept here and grown to the largest call. A
 row that resumes a cached prefix (``write_indices > 0``) first has its past positions copied from
 the engine's cache into the blocks; after the call the row's new positions are copied from the
 blocks into the engine's cache (the cache stays the engine's one allocation, whichever runtime
 wrote a row). Full causal attention only: a graph whose attention has a sliding window, a
 softcap, sinks or in-op rotary is refused at load (:func:`unsupported`).
 
-Rows. The paged op's past length and block table are computed for one sequence (and OpenVINO
-2026.4's stock translation of the graph failed at batch > 1), so a prefill call of B rows, each of
-at least ``min_tokens`` tokens, runs as B one-row calls, each of its row's own length (no padding),
-into its own cache row and logits row. A call with a shorter row, and every decode step, stays on
-ORT.
+Rows. A prefill call of B rows, each of at least ``min_tokens`` tokens, is one OpenVINO call of
+the engine's padded ``[B, S]`` inputs (as ORT's): the paged op takes each row as a sequence of S
+tokens with its own past length (``seqlens_k + 1 - S``) and its own run of blocks, and only each
+row's real positions are copied into the cache. (OpenVINO 2026.4's stock translation failed at
+batch > 1, so the translation before this one ran a call per row: ×1.45 OV GenAI's TTFT at 4
+prompts of 128.) A call with a shorter row, and every decode step, stays on ORT.
 
 Limits (refused at load by :func:`check_artifact`): float32 artifacts of the ``gqa`` lowering
 with a KV cache only (no model state, no 8-bit KV); the CPU; no speculative decoding (its step
@@ -49,8 +50,8 @@ pinned release series (its 28 inputs are OpenVINO 2026.4's; another series' fail
 OpenVINO's message). Cost: OpenVINO holds its own compiled copy of the model (SmolLM2-135M: +550
 MiB resident at int4, +1.2 GiB at fp32 and f32; of the int4 compile's ~480 MiB, ~260 MiB are the
 memory-mapped weights file, clean pages the kernel may drop under pressure, ~220 MiB OpenVINO's
-own), and the block arrays hold one row of the longest call's K/V (SmolLM2, 1024 tokens: 45 MiB
-float32, 23 MiB bfloat16). Each new prompt length costs OpenVINO a shape preparation on its first
+own), and the block arrays hold the largest call's K/V (SmolLM2, one row of 1024 tokens: 45
+MiB float32, 23 MiB bfloat16). Each new prompt length costs OpenVINO a shape preparation on its first
 call (SmolLM2 int4 bf16: +20 ms at 130 tokens, +130-190 ms near 1024; ORT has no such cost).
 """
 
@@ -118,8 +119,10 @@ def onnx_value(attribute):
 
 
 def _paged_attention(node):
-    """The ONNX reader's conversion of one ``GroupQueryAttention`` (one row): OpenVINO's
-    ``PagedAttentionExtension`` over the layer's past input as its block cache. Outputs: the
+    """The ONNX reader's conversion of one ``GroupQueryAttention``: OpenVINO's
+    ``PagedAttentionExtension`` over the layer's past input as its block cache, each of the B rows
+    a sequence of the call's S (padded) tokens with ``rows_blocks`` blocks of its own (row b's are
+    ``[b * n, (b + 1) * n)``, n = ceil(past + S) / BLOCK of the longest row). Outputs: the
     attention, then empty placeholders for the presents (the caller drops those results)."""
     from openvino import opset13 as ops
     from openvino._pyopenvino.op import _PagedAttentionExtension
@@ -127,28 +130,37 @@ def _paged_attention(node):
     def const(value, dtype):
         return ops.constant(np.asarray(value, dtype))
 
-    query, key, value, past_key, past_value, _, total = (node.get_input(i) for i in range(7))
+    def scalar(x):
+        return ops.squeeze(x, const(0, np.int64))
+
+    query, key, value, past_key, past_value, seqlens, total = (node.get_input(i) for i in range(7))
     heads, kv_heads = node.get_attribute("num_heads"), node.get_attribute("kv_num_heads")
     head_dim = past_key.get_partial_shape()[3].get_length()
     scale = node.get_attribute("scale", 0.0) or head_dim**-0.5
-    new = ops.gather(ops.shape_of(query, "i32"), const([1], np.int64), const(0, np.int64))  # [1]: S
-    context = ops.reshape(ops.convert(total, "i32"), const([1], np.int64), False)  # [1]: past + S
-    blocks = ops.divide(ops.add(context, const([BLOCK - 1], np.int32)), const([BLOCK], np.int32))
-    zero, none_i32, none_f32 = const([0], np.int32), const([], np.int32), const([], np.float32)
+    shape = ops.shape_of(query, "i32")
+    rows, new = (ops.gather(shape, const([i], np.int64), const(0, np.int64)) for i in (0, 1))  # [1]: B, S
+    context = ops.reshape(ops.convert(total, "i32"), const([1], np.int64), False)  # [1]: the longest past + S
+    blocks = ops.divide(ops.add(context, const([BLOCK - 1], np.int32)), const([BLOCK], np.int32))  # a row's
+    zero, none_i32, none_f32 = const(0, np.int32), const([], np.int32), const([], np.float32)
+    # seqlens_k is past + S - 1 of each row (its own past, the call's S)
+    past_lens = ops.subtract(ops.add(ops.convert(seqlens, "i32"), const([1], np.int32)), new)
+    begins = ops.range(zero, scalar(ops.add(ops.multiply(rows, new), new)), scalar(new), "i32")  # 0, S, .., B*S
+    table = ops.range(zero, scalar(ops.multiply(rows, blocks)), const(1, np.int32), "i32")
+    table_begins = ops.range(zero, scalar(ops.add(ops.multiply(rows, blocks), blocks)), scalar(blocks), "i32")
     widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     inputs = [
         *(ops.reshape(x, const([-1, width], np.int64), False) for x, width in zip((query, key, value), widths)),
         past_key,  # key_cache [blocks, H_kv, BLOCK, D]
         past_value,  # value_cache
-        ops.subtract(context, new),  # past_lens
-        ops.concat([zero, new], 0),  # subsequence_begins
-        ops.range(const(0, np.int32), ops.squeeze(blocks, const(0, np.int64)), const(1, np.int32), "i32"),  # table
-        ops.concat([zero, blocks], 0),  # block_indices_begins
+        past_lens,
+        begins,  # subsequence_begins
+        table,  # block_indices
+        table_begins,  # block_indices_begins
         const(scale, np.float32),
         const(0, np.int32),  # sliding_window: none
         none_f32,  # alibi_slopes
-        ops.squeeze(context, const(0, np.int64)),  # max_context_len
-        const(0, np.int32),  # score_aggregation_window
+        scalar(context),  # max_context_len
+        ops.broadcast(const(0, np.int32), rows),  # score_aggregation_window: [B] (the CPU kernel checks)
         none_i32,
         none_i32,
         none_f32,  # rotated_block_indices, rotation_deltas, rotation_trig_lut
@@ -207,8 +219,10 @@ def cache_to_blocks(cache: np.ndarray, blocks: np.ndarray, start: int, stop: int
 
 @dataclass
 class OvBinding:
-    calls: list[dict[str, object]]  # one per row: input or logits name -> ov.Tensor over the engine's array
-    spans: list[tuple[int, int]]  # each row's new positions: (start, length)
+    tensors: dict[str, object]  # input or logits name -> ov.Tensor over the engine's array
+    starts: list[int]  # each row's first new position (its write index)
+    lengths: list[int]  # each row's real new tokens (the call's S counts its padding too)
+    width: int  # S
     caches: dict[str, np.ndarray]  # past input -> the engine's cache view [B, H, S_max, D] (in place)
     arrays: list[np.ndarray]  # keeps the bound arrays alive while the binding exists
 
@@ -287,9 +301,8 @@ class OpenVinoPrefill:
         at least ``min_tokens`` tokens."""
         return graph == "prefill" and int(inputs[contract.INPUT_LENGTHS].min()) >= self.min_tokens
 
-    def _block_tensors(self, caches: dict[str, np.ndarray], positions: int) -> dict[str, object]:
-        """Each layer's blocks for a row of ``positions`` positions, wrapped by pointer."""
-        count = -(-positions // BLOCK)
+    def _block_tensors(self, caches: dict[str, np.ndarray], count: int) -> dict[str, object]:
+        """Each layer's first ``count`` blocks, wrapped by pointer."""
         tensors = {}
         for name, view in caches.items():
             blocks = self._blocks.get(name)
@@ -300,41 +313,35 @@ class OpenVinoPrefill:
         return tensors
 
     def bind(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> OvBinding:
-        """One call per row: that row's ids and positions (its own length) and its logits row, wrapped
-        by pointer; the cache views are read and written around each call (``run``)."""
+        """The step inputs and the logits, wrapped by pointer; the cache views are read and written
+        around the call (``run``)."""
         steps = (contract.INPUT_IDS, contract.POSITION_IDS, contract.WRITE_INDICES, contract.INPUT_LENGTHS)
+        arrays = {name: np.ascontiguousarray(inputs[name]) for name in steps}  # ids/positions: copies
+        arrays[contract.LOGITS] = outputs[contract.LOGITS]
+        tensors = {name: self._ov.Tensor(array, shared_memory=True) for name, array in arrays.items()}
         caches = {name: array for name, array in inputs.items() if name not in steps}  # the past = present views
-        starts = inputs[contract.WRITE_INDICES].tolist()
-        lengths = inputs[contract.INPUT_LENGTHS].tolist()
-        calls, arrays = [], []
-        for b, n in enumerate(lengths):
-            row = {
-                contract.INPUT_IDS: inputs[contract.INPUT_IDS][b : b + 1, :n],
-                contract.POSITION_IDS: inputs[contract.POSITION_IDS][b : b + 1, :n],
-                contract.WRITE_INDICES: inputs[contract.WRITE_INDICES][b : b + 1],
-                contract.INPUT_LENGTHS: inputs[contract.INPUT_LENGTHS][b : b + 1],
-                contract.LOGITS: outputs[contract.LOGITS][b : b + 1],
-            }
-            row = {name: np.ascontiguousarray(array) for name, array in row.items()}  # ids/positions: copies
-            calls.append({name: self._ov.Tensor(array, shared_memory=True) for name, array in row.items()})
-            arrays.extend(row.values())
-        return OvBinding(calls, list(zip(starts, lengths)), caches, arrays)
+        starts, lengths = inputs[contract.WRITE_INDICES].tolist(), inputs[contract.INPUT_LENGTHS].tolist()
+        width = inputs[contract.INPUT_IDS].shape[1]
+        return OvBinding(tensors, starts, lengths, width, caches, list(arrays.values()))
 
     def run(self, binding: OvBinding) -> None:
-        for b, (tensors, (s0, n)) in enumerate(zip(binding.calls, binding.spans)):
-            blocks = self._block_tensors(binding.caches, s0 + n)
+        per_row = -(-(max(binding.starts) + binding.width) // BLOCK)  # as the graph computes it
+        blocks = self._block_tensors(binding.caches, len(binding.starts) * per_row)
+        rows = [slice(b * per_row, (b + 1) * per_row) for b in range(len(binding.starts))]
+        for b, s0 in enumerate(binding.starts):
             if s0:  # a resumed prefix: its positions are the paged attention's past
                 for name, view in binding.caches.items():
-                    cache_to_blocks(view[b], self._blocks[name], 0, s0)
-            for name, tensor in (*tensors.items(), *blocks.items()):
-                if name == contract.LOGITS:
-                    self.request.set_output_tensor(0, tensor)  # the one result left
-                else:
-                    self.request.set_input_tensor(self._port[name], tensor)
-            self.request.infer()
+                    cache_to_blocks(view[b], self._blocks[name][rows[b]], 0, s0)
+        for name, tensor in (*binding.tensors.items(), *blocks.items()):
+            if name == contract.LOGITS:
+                self.request.set_output_tensor(0, tensor)  # the one result left
+            else:
+                self.request.set_input_tensor(self._port[name], tensor)
+        self.request.infer()
+        for b, (s0, n) in enumerate(zip(binding.starts, binding.lengths)):
             for name, view in binding.caches.items():
-                blocks_to_cache(self._blocks[name], view[b], s0, s0 + n)
-            self.calls += 1
+                blocks_to_cache(self._blocks[name][rows[b]], view[b], s0, s0 + n)
+        self.calls += 1
 
     def close(self) -> None:
         self.request = self.compiled = None

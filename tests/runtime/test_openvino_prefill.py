@@ -49,12 +49,12 @@ def test_greedy_generation_equals_transformers(engines, llama_reference):
     assert result.token_ids == hf_greedy(llama_reference, LONG, 20)
 
 
-def test_a_batch_runs_a_row_a_call_and_decode_continues_from_rows_openvino_wrote(engines):
+def test_a_batch_runs_as_one_call_and_decode_continues_from_rows_openvino_wrote(engines):
     ov, ort = engines
     calls = ov.backend.long_prefill.calls
-    # OpenVINO's translation runs one row a call: the batch is two calls, each of its row's own length.
+    # one call of both rows, padded as ORT's: its paged attention takes each row as a sequence
     got = ov.prefill([LONG, SECOND]).copy()
-    assert ov.backend.long_prefill.calls == calls + 2
+    assert ov.backend.long_prefill.calls == calls + 1
     want = ort.prefill([LONG, SECOND]).copy()
     assert_close(got, want, ATOL, RTOL, "per-row prefill logits vs ORT's batch")
     for row, n in enumerate((len(LONG), len(SECOND))):
@@ -130,7 +130,7 @@ def test_a_bf16_prefill_rounds_as_bf16_and_decode_continues_on_ort(llama_artifac
     _, ort = engines
     with Engine.load(llama_artifact, prefill="openvino:bf16") as bf:
         got = bf.prefill([LONG, SECOND]).copy()
-        assert bf.backend.long_prefill.calls == 2
+        assert bf.backend.long_prefill.calls == 1
         want = ort.prefill([LONG, SECOND]).copy()
         assert_close(got, want, BF16_ATOL, 0, "bf16 prefill logits vs ORT's fp32")
         assert np.abs(got - want).max() > ATOL, "no bf16 rounding: OpenVINO ran f32"
@@ -155,13 +155,13 @@ LONG_TEXT = "The for statement runs the body once for each item. " * 2  # 32-88 
 
 @pytest.fixture
 def openvino_calls(monkeypatch):
-    """The one-row OpenVINO calls made while a test runs (a spy on OpenVinoPrefill.run)."""
+    """The rows of each OpenVINO call made while a test runs (a spy on OpenVinoPrefill.run)."""
     from kvforge.runtime.ov_prefill import OpenVinoPrefill
 
     calls = []
     run = OpenVinoPrefill.run
     monkeypatch.setattr(
-        OpenVinoPrefill, "run", lambda self, binding: (calls.append(len(binding.calls)), run(self, binding))
+        OpenVinoPrefill, "run", lambda self, binding: (calls.append(len(binding.starts)), run(self, binding))
     )
     return calls
 
@@ -184,7 +184,7 @@ def test_generate_and_bench_take_prefill(llama_artifact, engines, openvino_calls
     assert openvino_calls[1:] == [
         2,
         1,
-    ]  # the cell's batch of 2 prompts (two one-row calls), then the prefix figure's row
+    ]  # the cell's batch of 2 prompts (one call), then the prefix figure's row
 
 
 def test_the_server_prefills_long_prompts_on_openvino(llama_artifact, engines, openvino_calls):
