@@ -99,6 +99,8 @@ def _refusal(choice: str, why: str) -> str:
 def unsupported(graph) -> str | None:
     """Why the paged translation cannot run this ``onnx.GraphProto``'s attention, or None: it
     takes full causal attention, not a sliding window, a softcap, sinks or in-op rotary."""
+    import onnx
+
     for node in graph.node:
         if node.op_type != "GroupQueryAttention":
             continue
@@ -106,24 +108,18 @@ def unsupported(graph) -> str | None:
         if extra:
             return f"its attention {node.name!r} takes {len(extra)} input(s) past the seventh (rotary caches or sinks)"
         for attribute in node.attribute:
-            value = onnx_value(attribute)
+            value = onnx.helper.get_attribute_value(attribute)
             if attribute.name in _PLAIN and value != _PLAIN[attribute.name]:
                 return f"its attention {node.name!r} has {attribute.name}={value}"
     return None
 
 
-def onnx_value(attribute):
-    import onnx
-
-    return onnx.helper.get_attribute_value(attribute)
-
-
 def _paged_attention(node):
     """The ONNX reader's conversion of one ``GroupQueryAttention``: OpenVINO's
     ``PagedAttentionExtension`` over the layer's past input as its block cache, each of the B rows
-    a sequence of the call's S (padded) tokens with ``rows_blocks`` blocks of its own (row b's are
-    ``[b * n, (b + 1) * n)``, n = ceil(past + S) / BLOCK of the longest row). Outputs: the
-    attention, then empty placeholders for the presents (the caller drops those results)."""
+    a sequence of the call's S (padded) tokens with a run of n blocks of its own (row b's:
+    ``[b * n, (b + 1) * n)``, n = ceil((the longest past + S) / BLOCK)). Outputs: the attention,
+    then empty placeholders for the presents (the caller drops those results)."""
     from openvino import opset13 as ops
     from openvino._pyopenvino.op import _PagedAttentionExtension
 
@@ -148,6 +144,13 @@ def _paged_attention(node):
     table = ops.range(zero, scalar(ops.multiply(rows, blocks)), const(1, np.int32), "i32")
     table_begins = ops.range(zero, scalar(ops.add(ops.multiply(rows, blocks), blocks)), scalar(blocks), "i32")
     widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    unused = [  # the features kvforge does not use, each input empty or zero
+        none_i32, none_i32, none_f32,  # cache rotation: rotated_block_indices, rotation_deltas, rotation_trig_lut
+        none_f32, zero, zero,  # xattention: threshold, block size, stride
+        none_f32,  # sinks
+        zero, none_i32, none_i32, none_i32,  # adaptive R-KV: start size, evictable sizes, diversity sets, their begins
+        none_i32, const([], np.uint8), none_i32,  # token_type_ids, qq_bias, qq_bias_begins
+    ]  # fmt: skip
     inputs = [
         *(ops.reshape(x, const([-1, width], np.int64), False) for x, width in zip((query, key, value), widths)),
         past_key,  # key_cache [blocks, H_kv, BLOCK, D]
@@ -157,30 +160,16 @@ def _paged_attention(node):
         table,  # block_indices
         table_begins,  # block_indices_begins
         const(scale, np.float32),
-        const(0, np.int32),  # sliding_window: none
+        zero,  # sliding_window: none
         none_f32,  # alibi_slopes
         scalar(context),  # max_context_len
-        ops.broadcast(const(0, np.int32), rows),  # score_aggregation_window: [B] (the CPU kernel checks)
-        none_i32,
-        none_i32,
-        none_f32,  # rotated_block_indices, rotation_deltas, rotation_trig_lut
-        none_f32,
-        const(0, np.int32),
-        const(0, np.int32),  # xattention threshold, block size, stride
-        none_f32,  # sinks
-        const(0, np.int32),
-        none_i32,
-        none_i32,
-        none_i32,  # adaptive R-KV
-        none_i32,
-        const([], np.uint8),
-        none_i32,  # token_type_ids, qq_bias, qq_bias_begins
+        ops.broadcast(zero, rows),  # score_aggregation_window: [B] zeros (the CPU kernel checks its length)
+        *unused,
     ]
     paged = _PagedAttentionExtension([x.output(0) if hasattr(x, "output") else x for x in inputs])
     info = paged.get_rt_info()  # the CPU plugin sizes the blocks from these
-    for name, size in {"k_head_size": head_dim, "num_k_heads": kv_heads, "v_head_size": head_dim}.items():
-        info[name] = size
-    info["num_v_heads"] = kv_heads
+    info["k_head_size"] = info["v_head_size"] = head_dim
+    info["num_k_heads"] = info["num_v_heads"] = kv_heads
     attention = ops.reshape(paged.output(0), ops.shape_of(query), False)
     # the presents: placeholders (their results are dropped); returning the pasts would rename them
     empty = [const(np.zeros((1, kv_heads, 0, head_dim)), np.float32) for _ in range(2)]
