@@ -41,7 +41,8 @@ the engine's padded ``[B, S]`` inputs (as ORT's): the paged op takes each row as
 tokens with its own past length (``seqlens_k + 1 - S``) and its own run of blocks, and only each
 row's real positions are copied into the cache. (OpenVINO 2026.4's stock translation failed at
 batch > 1, so the translation before this one ran a call per row: ×1.45 OV GenAI's TTFT at 4
-prompts of 128, against ×1.08 as one call; docs/performance.md.) A call with a shorter row, and every decode step, stays on ORT.
+prompts of 128, against ×1.08 as one call; docs/performance.md.) A call with a shorter row, and
+every decode step, stays on ORT.
 
 Limits (refused at load by :func:`check_artifact`): float32 artifacts of the ``gqa`` lowering
 with a KV cache only (no model state, no 8-bit KV); the CPU; no speculative decoding (its step
