@@ -259,7 +259,7 @@ class OpenVinoPrefill:
         self._port = {p.get_friendly_name(): i for i, p in enumerate(model.get_parameters())}
         self._block_type = {name: self.compiled.input(self._port[name]).get_element_type() for name in pasts}
         self._dtype = np.float32 if precision == "f32" else bfloat16
-        self._blocks: dict[str, np.ndarray] = {}  # past input -> [N, H_kv, BLOCK, D], grown to the longest call
+        self._blocks: dict[str, np.ndarray] = {}  # past input -> [N, H_kv, BLOCK, D], grown to the largest call
         self.request = self.compiled.create_infer_request()
         self.precision = precision
         self.min_tokens = min_tokens
