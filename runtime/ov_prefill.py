@@ -177,6 +177,88 @@ def _paged_attention(node):
     return [attention.output(0), *(e.output(0) for e in empty)]
 
 
+def unpack_projections(model) -> int:
+    """Undo compile's projection packing (``kvforge.compile.packing``) in this ``openvino.Model``,
+    in place; returns the products unpacked. Each ``MatMul`` whose one reader is a ``VariadicSplit``
+    of its output columns becomes one ``MatMul`` per part, writing the split's outputs: the same
+    values (an output column is its own dot product; bit-equal at f32). OpenVINO runs such a split
+    as a reference kernel and cannot fuse the gate's SiLU into a product whose output is split;
+    unpacked, SmolLM2-135M prefilled 1024 tokens in 0.95x the time (benchmarks/FINDINGS.md). An
+    int4 part's weight is the chain OpenVINO's ONNX reader made of ``MatMulNBits`` (blocks less a
+    zero point, times scales, ``[N, K]``) over copies of the packed constants' rows (:func:`_rows`);
+    a float ``[K, N]`` weight is split by columns by a ``VariadicSplit`` of the constant, which
+    OpenVINO folds when it compiles. A product of any other form is left packed."""
+    from openvino import opset13 as ops
+
+    unpacked = 0
+    for split in model.get_ordered_ops():
+        product = split.input_value(0).get_node() if split.get_type_name() == "VariadicSplit" else None
+        if product is None or product.get_type_name() != "MatMul" or len(product.output(0).get_target_inputs()) != 1:
+            continue
+        axis, sizes = (_constant(split.input_value(i)) for i in (1, 2))
+        rank = split.get_input_partial_shape(0).rank.get_length()
+        if axis is None or sizes is None or int(axis) % rank != rank - 1:
+            continue
+        bounds = np.cumsum([0, *sizes.tolist()]).tolist()
+        x, weight = product.input_value(0), product.input_value(1)
+        flags = product.get_attributes()  # transpose_a, transpose_b
+        if flags["transpose_b"]:  # [N, K]: a part is a range of rows, through the decompression chain
+            parts = [_rows(weight, lo, hi, bounds[-1]) for lo, hi in itertools.pairwise(bounds)]
+        elif weight.get_node().get_type_name() == "Constant":  # [K, N] floats
+            parts = ops.variadic_split(
+                weight, ops.constant(np.int64(1)), ops.constant(np.asarray(sizes, np.int64))
+            ).outputs()
+        else:
+            continue
+        if any(part is None for part in parts):
+            continue
+        for out, part in zip(split.outputs(), parts):
+            out.replace(ops.matmul(x, part, flags["transpose_a"], flags["transpose_b"]).output(0))
+        unpacked += 1
+    return unpacked
+
+
+def _constant(value) -> np.ndarray | None:
+    node = value.get_node()
+    return node.get_data() if node.get_type_name() == "Constant" else None
+
+
+def _rows(value, start: int, stop: int, rows: int):
+    """Rows ``[start, stop)`` of ``value``, a weight of ``rows`` rows made of constants by
+    ``Convert`` / ``Subtract`` / ``Multiply`` / ``Reshape`` (what OpenVINO's ONNX reader makes of
+    ``MatMulNBits``: int4 blocks less a zero point, times scales, reshaped to ``[N, K]``), rebuilt
+    over copies of the constants' rows; inputs that are not per row (a zero point) are shared.
+    None for any other op."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    shape = value.get_partial_shape()
+    if shape.rank.get_length() == 0 or shape[0].is_dynamic or shape[0].get_length() != rows:
+        return value  # broadcast over the rows
+    node, kind = value.get_node(), value.get_node().get_type_name()
+    inputs = [node.input_value(i) for i in range(node.get_input_size())]
+    if kind == "Constant":  # int4 data comes packed, two to a byte: a row is whole bytes
+        data = node.get_tensor_view().data.reshape(-1).view(np.uint8)
+        size = data.size // rows
+        new_shape = ov.Shape([stop - start, *value.get_shape()[1:]])
+        piece = ov.Tensor(data[start * size : stop * size], new_shape, node.get_element_type())  # points into it
+        return ops.constant(piece, shared_memory=False).output(0)  # a copy
+    parts = [_rows(x, start, stop, rows) for x in inputs]
+    if any(part is None for part in parts):
+        return None
+    if kind == "Convert":
+        return ops.convert(parts[0], node.get_destination_type()).output(0)
+    if kind in ("Subtract", "Multiply"):
+        return getattr(ops, kind.lower())(*parts).output(0)
+    if kind == "Reshape" and (target := _constant(inputs[1])) is not None:
+        keep = node.get_special_zero() and target[0] == 0  # "the input's first axis": the rows
+        if not keep and target[0] != rows:
+            return None
+        target = target if keep else np.concatenate([[stop - start], target[1:]]).astype(target.dtype)
+        return ops.reshape(parts[0], ops.constant(target), node.get_special_zero()).output(0)
+    return None
+
+
 def _blocks_view(blocks: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Positions ``[start, stop)`` of ``blocks`` ``[N, H, BLOCK, D]``, a run inside one block or of
     whole blocks, as a view ``[H, n, D]`` or ``[H, n / BLOCK, BLOCK, D]``."""
@@ -222,7 +304,12 @@ class OpenVinoPrefill:
     ``min_tokens`` tokens each; ``precision``: ``"f32"`` or ``"bf16"`` (see the module docstring)."""
 
     def __init__(
-        self, graph_file: Path, threads: int | None = None, min_tokens: int = MIN_TOKENS, precision: str = "f32"
+        self,
+        graph_file: Path,
+        threads: int | None = None,
+        min_tokens: int = MIN_TOKENS,
+        precision: str = "f32",
+        unpack: bool = True,
     ) -> None:
         try:
             import openvino as ov
@@ -249,6 +336,7 @@ class OpenVinoPrefill:
         try:
             core.add_extension(ConversionExtension("GroupQueryAttention", "com.microsoft", _paged_attention))
             model = core.read_model(str(graph_file))
+            self.unpacked = unpack_projections(model) if unpack else 0
             pasts = self._to_block_caches(model)
             self.compiled = core.compile_model(model, "CPU", config)
         except Exception as e:  # OpenVINO's conversion errors are RuntimeErrors of many lines

@@ -248,3 +248,43 @@ def test_attention_the_paged_translation_cannot_run_is_named():
     assert unsupported(graph(inputs=12)) == (
         "its attention 'attn0' takes 5 input(s) past the seventh (rotary caches or sinks)"
     )
+
+
+@pytest.fixture(scope="module")
+def llama_int4_artifact(llama_dir, tmp_path_factory):
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "llama-int4"
+    compile_model(llama_dir, out, max_batch=4, max_seq=96, quantize="int4", progress=None)
+    return out
+
+
+def _layer_kinds(prefill) -> dict[str, int]:
+    """How many layers of each kind OpenVINO compiled ``prefill``'s graph into."""
+    from collections import Counter
+
+    ops = prefill.compiled.get_runtime_model().get_ops()
+    return Counter(op.get_rt_info()["layerType"].astype(str) for op in ops)
+
+
+@pytest.mark.parametrize("artifact", ["llama_artifact", "llama_int4_artifact"])
+def test_packed_projections_run_as_one_product_each_with_the_same_logits(artifact, request):
+    from kvforge.runtime.ov_prefill import OpenVinoPrefill
+
+    root = request.getfixturevalue(artifact)
+    with Engine.load(root, prefill="openvino") as ov:
+        unpacked = ov.backend.long_prefill
+        packed = OpenVinoPrefill(root / "prefill.onnx", unpack=False)
+        assert unpacked.unpacked == 4  # q|k|v and gate|up in each of the tiny Llama's 2 layers
+        kinds, packed_kinds = _layer_kinds(unpacked), _layer_kinds(packed)
+        assert packed_kinds["Split"] == 4 and "Split" not in kinds
+        assert kinds["FullyConnected"] == packed_kinds["FullyConnected"] + 2 * (2 + 1)  # +2 for q|k|v, +1 gate|up
+        got = ov.prefill([LONG, SECOND]).copy()
+        ov.backend.long_prefill = packed
+        try:
+            want = ov.prefill([LONG, SECOND]).copy()
+        finally:
+            ov.backend.long_prefill = unpacked
+            packed.close()
+    assert packed.calls == unpacked.calls == 1
+    assert_close(got, want, 1e-6, 0, "logits, unpacked vs packed projections")  # measured: bit-equal
