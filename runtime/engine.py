@@ -245,12 +245,12 @@ class StepEngine(KVTransfer):
         checksum). :meth:`close` unlinks the segment.
 
         ``prefill="openvino"`` (CPU, ``pip install 'kvforge[openvino]'``): prefill calls whose rows have
-        at least 32 tokens each run the artifact's prefill graph on OpenVINO's CPU plugin at f32, a row a
-        call, bound to the same cache; decode steps and shorter calls stay on ORT
-        (:mod:`kvforge.runtime.ov_prefill`: what it refuses, and why it pays for int4 artifacts on CPUs
-        with AMX/VNNI). ``"openvino:bf16"``: the same at bfloat16 (CPUs with AVX512-BF16 or AMX), about
-        twice as fast, the prompt's logits and K/V rounded as bf16 computes them. ``"ort"``: everything
-        on ORT.
+        at least 32 tokens each run the artifact's prefill graph on OpenVINO's CPU plugin at f32, the
+        batch in one call, bound to the same cache; decode steps and shorter calls stay on ORT (with
+        ``speculative``, the verify steps; :mod:`kvforge.runtime.ov_prefill`: what it refuses, and why
+        it pays for int4 artifacts on CPUs with AMX/VNNI). ``"openvino:bf16"``: the same at bfloat16
+        (CPUs with AVX512-BF16 or AMX), about twice as fast, the prompt's logits and K/V rounded as
+        bf16 computes them. ``"ort"``: everything on ORT.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
@@ -277,12 +277,10 @@ class StepEngine(KVTransfer):
             raise check.InvalidValue(
                 f"prefill={check.short_repr(prefill)} is not accepted: one of {', '.join(map(repr, PREFILL_CHOICES))}"
             )
-        if prefill != "ort" and (device != "cpu" or speculative is not None):
-            why = (
-                f"device={device!r}" if device != "cpu" else "speculative decoding runs every call on the verify graph"
-            )
+        if prefill != "ort" and device != "cpu":
             raise ValueError(
-                f"prefill={prefill!r} runs the prefill graph on the CPU, and {why}; load it with prefill='ort'"
+                f"prefill={prefill!r} runs the prefill graph on the CPU, and device={device!r}; "
+                "load it with prefill='ort'"
             )
         budget = parse_bytes(DEFAULT_PREFIX_CACHE if prefix_cache is None and device == "cpu" else prefix_cache or 0)
         if budget and device == "cuda":
@@ -481,12 +479,16 @@ class StepEngine(KVTransfer):
         batch = len(rows)
         inputs = self._fill_inputs(rows, list(start), max(len(r) for r in rows), first)
         outputs = self._outputs(batch, first)
-        if self.step_graph == "verify":  # logits at each row's last real token, [B, 1, V]
+        graph = self.step_graph
+        long_prefill = getattr(self.backend, "long_prefill", None)
+        if graph == "verify" and long_prefill is not None and long_prefill.wants("prefill", inputs):
+            graph = "prefill"  # a prompt OpenVINO takes: its prefill graph, the steps stay on verify
+        if graph == "verify":  # logits at each row's last real token, [B, 1, V]
             picks = self._pre_picks[:batch]
             np.subtract(inputs.pop(contract.INPUT_LENGTHS), 1, out=picks)
             inputs[contract.LOGIT_INDICES] = picks.reshape(batch, 1)
             outputs[contract.LOGITS] = outputs[contract.LOGITS].reshape(batch, 1, self.vocab_size)
-        binding = self.backend.bind(self.step_graph, inputs, outputs)
+        binding = self.backend.bind(graph, inputs, outputs)
         self.backend.run(binding)
         self.last_bindings["prefill"] = binding
         return self._logits[: batch * self.vocab_size].reshape(batch, self.vocab_size)

@@ -48,11 +48,11 @@ tokens with its own past length (``seqlens_k + 1 - S``) and its own run of block
 row's real positions are copied into the cache. (OpenVINO 2026.4's stock translation failed at
 batch > 1, so the translation before this one ran a call per row: ×1.45 OV GenAI's TTFT at 4
 prompts of 128, against ×1.08 as one call; docs/performance.md.) A call with a shorter row, and
-every decode step, stays on ORT.
+every decode step, stays on ORT. With speculative decoding the engine's step graph is the verify
+graph: a prompt OpenVINO takes runs this prefill graph instead, and the verify steps stay on ORT.
 
 Limits (refused at load by :func:`check_artifact`): float32 artifacts of the ``gqa`` lowering
-with a KV cache only (no model state, no 8-bit KV); the CPU; no speculative decoding (its step
-graph is the verify graph, which stays on ORT); OpenVINO's ``PagedAttentionExtension`` of the
+with a KV cache only (no model state, no 8-bit KV); the CPU; OpenVINO's ``PagedAttentionExtension`` of the
 pinned release series (its 28 inputs are OpenVINO 2026.4's; another series' fails to compile, with
 OpenVINO's message). Cost: OpenVINO holds its own compiled copy of the model (SmolLM2-135M: +550
 MiB resident at int4, +1.2 GiB at fp32 and f32; of the int4 compile's ~480 MiB, ~260 MiB are the

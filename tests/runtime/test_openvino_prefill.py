@@ -1,7 +1,8 @@
 """``Engine.load(prefill="openvino")``: prefill calls of many tokens on OpenVINO, decode on ORT, one
 cache. Against the ORT engine and transformers on the tiny Llama (fp32, gqa): logits and the cache
 rows a prefill wrote within fp32 tolerance, greedy tokens equal, ragged batches, a chunked
-continuation, short calls left on ORT, and the refusals."""
+continuation, short calls left on ORT, speculative decoding (prompts on OpenVINO, verify steps on
+ORT; with every batch-loop feature in one batch), and the refusals."""
 
 from __future__ import annotations
 
@@ -112,8 +113,22 @@ def test_artifacts_it_cannot_run_are_refused_at_load(artifact, message, request)
 def test_bad_choices_are_refused(llama_artifact):
     with pytest.raises(ValueError, match=r"^prefill='tvm' is not accepted: one of 'ort', 'openvino', 'openvino:bf16'$"):
         Engine.load(llama_artifact, prefill="tvm")
-    with pytest.raises(ValueError, match="speculative decoding runs every call on the verify graph"):
-        Engine.load(llama_artifact, prefill="openvino", speculative="ngram")
+    with pytest.raises(ValueError, match=r"^prefill='openvino' runs the prefill graph on the CPU, and device='cuda'"):
+        Engine.load(llama_artifact, prefill="openvino", device="cuda")
+
+
+def test_speculative_decoding_prefills_on_openvino_and_verifies_on_ort(llama_artifact, engines):
+    _, ort = engines
+    prompt = [0, *([5, 6, 7, 8, 9, 10, 11, 12] * 5)]  # 41 tokens whose n-grams repeat: drafts for certain
+    with Engine.load(llama_artifact, prefill="openvino", speculative="ngram", prefix_cache=0) as spec:
+        assert spec.step_graph == "verify"
+        [got] = spec.generate([prompt], max_new_tokens=16)
+        assert spec.backend.long_prefill.calls == 1  # the prompt: the prefill graph, on OpenVINO
+        [short] = spec.generate([prompt[:9]], max_new_tokens=4)  # under MIN_TOKENS: the verify graph, on ORT
+        assert spec.backend.long_prefill.calls == 1
+    assert got.drafted_tokens > 0 and got.verify_steps > 0
+    assert got.token_ids == ort.generate([prompt], max_new_tokens=16)[0].token_ids
+    assert short.token_ids == ort.generate([prompt[:9]], max_new_tokens=4)[0].token_ids
 
 
 def _bf16_cpu() -> bool:
@@ -288,3 +303,27 @@ def test_packed_projections_run_as_one_product_each_with_the_same_logits(artifac
             packed.close()
     assert packed.calls == unpacked.calls == 1
     assert_close(got, want, 1e-6, 0, "logits, unpacked vs packed projections")  # measured: bit-equal
+
+
+def test_every_batch_loop_feature_with_the_prompts_on_openvino(tiny_artifact, openvino_calls):
+    """tests/runtime/test_batch_features.py's batch (drafts, a regex, a seeded sample with a logit
+    bias, stop strings, a prediction, a cancellation, then a prefix hit) with n-gram drafts on and
+    every prefill call on OpenVINO (``min_tokens`` 1: prompts and the hit's suffix after its cached
+    prefix), the steps verified on ORT: each request gives its solo answer on a plain ORT engine."""
+    from tests.runtime.test_batch_features import GREEDY, REPEAT, _run, _same, _solo_answers
+
+    requests, solo, hit_solo = _solo_answers(tiny_artifact)
+    with Engine.load(tiny_artifact, prefill="openvino", speculative="ngram", threads=1) as engine:
+        engine.backend.long_prefill.min_tokens = 1
+        together = _run(engine, requests, cancel="cancelled")
+        assert sum(openvino_calls) >= len(requests)  # every prompt's row (grouped into calls), none of the steps
+        del openvino_calls[:]
+        hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+        assert openvino_calls == [1]  # the suffix after the cached prefix
+        [alone] = engine.generate([REPEAT], max_new_tokens=24, sampling=GREEDY)
+    for name in requests:
+        got, want = _same(together[name], solo[name])
+        assert got == want, name
+    assert together["cancelled"].finish_reason == "cancelled"
+    assert hit.cached_tokens > 0 and (hit.token_ids, hit.text) == (hit_solo.token_ids, hit_solo.text)
+    assert alone.drafted_tokens > 0 and alone.token_ids == solo["drafts"].token_ids
