@@ -159,7 +159,7 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
         torch.set_num_threads(threads)
     model = onnx_program.model
     del onnx_program
-    gated_delta_onnx.expand(model)  # the delta rules' nodes to their lowering
+    gated_delta_onnx.expand(model, fast=lowering_name == "gqa")  # the delta rules' nodes to their lowering
     return model
 
 

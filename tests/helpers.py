@@ -130,27 +130,35 @@ def corrupt_head_size(graph_file: Path) -> None:
     onnx.save(model, graph_file)
 
 
-def check_delta_rule_branches(graph, layers) -> None:
+def check_delta_rule_branches(graph, layers, fast: bool = False) -> None:
     """Each linear-attention layer in ``layers`` (an ONNX ``GraphProto``'s ``/model/layers.{i}/``
     scopes) runs its delta rule as one ``If`` on the length (a one-token branch with no loop, a
-    chunked one whose only loop is one ``Scan``) and its short convolutions as ``If``s too (one
-    window: no ``Conv``; longer: one ``Conv``); nothing else in the graph loops or convolves, and
-    no pass outside the rule zeroes new sequences' recurrent states (the rule does it)."""
+    chunked one whose only loop is one ``Scan``), or (``fast``: the gqa lowering of a per-head rule)
+    as one ``com.microsoft`` ``LinearAttention`` that reads the layer's recurrent past itself; its
+    short convolutions as ``If``s (one window: no ``Conv``; longer: one ``Conv``); nothing else in
+    the graph loops or convolves, and no pass outside the rule zeroes new sequences' recurrent
+    states (the rule does it)."""
     import onnx
 
     ops = [n.op_type for n in graph.node]
     assert "Scan" not in ops and "Loop" not in ops and "Conv" not in ops
     recurrent = {v.name for v in graph.input if v.name.startswith("past_state.") and v.name.endswith(".recurrent")}
     assert len(recurrent) == len(layers), recurrent
-    readers = [n.op_type for n in graph.node if recurrent & set(n.input)]
-    assert readers == [], readers  # only the rule's branches read them (outer-scope names, not node inputs)
+    readers = [(n.op_type, n.domain) for n in graph.node if recurrent & set(n.input)]
+    # only the rule reads them: the fast path's node, or the If's branches (outer-scope names, not node inputs)
+    assert readers == ([("LinearAttention", "com.microsoft")] * len(layers) if fast else []), readers
     rules, convs = {}, {}
+    if fast:
+        for node in (n for n in graph.node if n.op_type == "LinearAttention"):
+            layer = next(i for i in layers if f"/model/layers.{i}/" in node.name)
+            rules[layer] = rules.get(layer, 0) + 1
     for node in (n for n in graph.node if n.op_type == "If"):
         graphs = {a.name: [n.op_type for n in onnx.helper.get_attribute_value(a).node] for a in node.attribute}
         layer = next(i for i in layers if f"/model/layers.{i}/" in node.name)
         step, longer = graphs["then_branch"], graphs["else_branch"]
         assert "Scan" not in step and "Loop" not in step and "Conv" not in step, (node.name, step)
         kind = rules if "Scan" in longer else convs
+        assert not (fast and kind is rules), node.name
         kind[layer] = kind.get(layer, 0) + 1
         assert longer.count("Scan" if kind is rules else "Conv") == 1 and "Loop" not in longer, (node.name, longer)
     assert rules == dict.fromkeys(layers, 1), rules

@@ -57,7 +57,7 @@ def _delta_rule_inputs(seq: int, seed: int = 0, batch: int = 2, per_channel: boo
     return query, key, value, decay, beta, torch.randn(b, h, dk, dv, generator=g)
 
 
-def _exported_rule(tmp_path, op, example, one_token: bool = True):
+def _exported_rule(tmp_path, op, example, one_token: bool = True, fast: bool = False):
     """``op`` exported once with a dynamic batch and length, its node expanded
     (gated_delta_onnx.expand), as a checked ONNX file: ``(onnx.ModelProto, session)``. A seventh
     example tensor is the optional ``continues [B]``."""
@@ -85,8 +85,8 @@ def _exported_rule(tmp_path, op, example, one_token: bool = True):
     model = program.model
     recorded = [n.op_type for n in model.graph if n.domain == gated_delta_onnx.DOMAIN]
     assert recorded == [op.__name__.title().replace("_", "")]
-    assert gated_delta_onnx.expand(model, one_token=one_token) == 1
-    path = tmp_path / f"{op.__name__}_{one_token}_{len(example)}.onnx"
+    assert gated_delta_onnx.expand(model, one_token=one_token, fast=fast) == 1
+    path = tmp_path / f"{op.__name__}_{one_token}_{fast}_{len(example)}.onnx"
     ir.save(model, path)
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)
@@ -155,6 +155,45 @@ def test_one_token_branch_equals_the_chunked_form_in_place(tmp_path, rule, conti
         branched.run_with_iobinding(binding)
         np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], ours[0])
         np.testing.assert_array_equal(state.numpy(), ours[1])
+
+
+@pytest.mark.parametrize("rule", ["gated_delta_rule", "kda_rule"])
+@pytest.mark.parametrize("continues", [False, True])
+def test_gqa_lowering_runs_the_rule_as_ort_linear_attention(tmp_path, rule, continues):
+    """The gqa lowering (``fast``) of either rule (a decay per head; KDA's per key channel) is one
+    ``com.microsoft.LinearAttention`` for every length (no ``If``, no loop): the op's output and
+    final state within float32 rounding for one token, fewer than a chunk, one chunk and more
+    (both rules' chunk sizes), batches of 1 and 4; with
+    ``continues``, rows of 0 start from a zero state (their first token's decay is ``-inf``) though
+    their state holds other numbers; and the final state written into the state's own buffer gives
+    the same results bit for bit, as the runtime binds them."""
+    from kvforge.graphs import gated_delta  # noqa: F401  (registers the op)
+
+    op = getattr(torch.ops.kvforge, rule)
+    kda = rule == "kda_rule"
+    flags = (lambda batch: (torch.arange(batch) % 2 == 0).float()) if continues else None
+    example = _delta_rule_inputs(9, per_channel=kda)
+    model, session = _exported_rule(tmp_path, op, (*example, flags(2)) if continues else example, fast=True)
+    ops = [(n.op_type, n.domain) for n in model.graph.node]
+    assert ops.count(("LinearAttention", "com.microsoft")) == 1
+    assert {"If", "Scan", "Loop"}.isdisjoint(t for t, _ in ops)
+    for length, batch in ((1, 1), (1, 4), (3, 2), (17, 2), (64, 1), (65, 4), (130, 2)):
+        inputs = _delta_rule_inputs(length, seed=length, batch=batch, per_channel=kda)
+        inputs = (*inputs, flags(batch)) if continues else inputs
+        feeds = {n: x.numpy() for n, x in zip(_NAMES, inputs)}
+        got = session.run(None, feeds)
+        for ours, want, what in zip(got, op(*inputs), ("output", "state")):
+            worst = np.max(np.abs(ours - want.numpy()))
+            assert worst < 1e-5, f"{length} tokens, batch {batch}: {what} differs by {worst:.3g}"
+        binding = session.io_binding()
+        state = ort.OrtValue.ortvalue_from_numpy(feeds["state"].copy())
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, state) if name == "state" else binding.bind_cpu_input(name, value)
+        binding.bind_output("output")
+        binding.bind_ortvalue_output("final_state", state)
+        session.run_with_iobinding(binding)
+        np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], got[0])
+        np.testing.assert_array_equal(state.numpy(), got[1])
 
 
 @pytest.mark.parametrize("bias", [False, True])
