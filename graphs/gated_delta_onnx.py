@@ -23,11 +23,16 @@ positions ``exp(0) = 1``), so the step is the Scan body on the token itself, 14 
 output read from the new state (:func:`one_token_rule` says why): equal to the chunked form
 within float32 rounding (tested).
 
+**ONNX Runtime's fast path** (the ``gqa`` lowering, ``expand(fast=True)``): each rule is one
+``com.microsoft.LinearAttention`` (:func:`ort_linear_attention`) for every length, no ``If``: ORT
+1.32's kernel runs the rule faster than the ops above at one token and at 512 (benchmarks/FINDINGS.md).
+
 **The short convolution**: a ``Conv`` with ``group = C`` over the window (past state and chunk);
 for one token, whose window is the kernel's width, ``K`` products and a sum per channel
 (:func:`one_window_conv`): ORT's ``Conv`` runs a depthwise convolution one channel at a time.
 
-Every op here is one TensorRT's ONNX parser takes (``Scan`` and ``If`` included).
+Every op here but ``LinearAttention`` is one TensorRT's ONNX parser takes (``Scan`` and ``If``
+included); the ``onnx`` lowering, TensorRT's, never uses the fast path.
 """
 
 from __future__ import annotations
