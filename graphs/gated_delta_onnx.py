@@ -423,7 +423,9 @@ def _lower_conv(
     """A depthwise conv's node -> ``If(L == K, one_window_conv, Conv)`` (or the ``Conv`` alone).
     The weight's ``[C, K]`` view and the bias column are made in the enclosing graph, where the
     optimizers fold them into its initializers (a constant folded inside a branch would stay the
-    branch's own, which the shared weights file does not take)."""
+    branch's own, which the shared weights file does not take). ``fast`` changes nothing here: ORT's
+    ``CausalConvWithState`` ran a one-token window of 6144 channels ×0.88 of these ops' time, and
+    its present state is the whole padded chunk's last inputs, not each row's (benchmarks/FINDINGS.md)."""
     x, weight, bias = (*node.inputs, None)[:3]
     channels, width = (_static(weight, axis, f"DepthwiseConv {node.name!r}: the weight") for axis in (0, -1))
     top, conv = _Builder(), _Builder()

@@ -96,6 +96,20 @@ def _exported_rule(tmp_path, op, example, one_token: bool = True, fast: bool = F
 _NAMES = ["query", "key", "value", "g", "beta", "state", "continues"]
 
 
+def _assert_same_in_place(session, feeds, results) -> None:
+    """The final state written into the state's own buffer, as the runtime binds them, gives
+    ``results`` (from separate buffers) bit for bit."""
+    binding = session.io_binding()
+    state = ort.OrtValue.ortvalue_from_numpy(feeds["state"].copy())
+    for name, value in feeds.items():
+        binding.bind_ortvalue_input(name, state) if name == "state" else binding.bind_cpu_input(name, value)
+    binding.bind_output("output")
+    binding.bind_ortvalue_output("final_state", state)
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], results[0])
+    np.testing.assert_array_equal(state.numpy(), results[1])
+
+
 def test_gated_delta_rule_translation_matches_the_op_at_every_length(tmp_path):
     """``kvforge::gated_delta_rule`` exported once with a dynamic length gives the op's outputs and
     final state for one token (decode), fewer tokens than a chunk, one chunk, and chunks with a
@@ -146,15 +160,7 @@ def test_one_token_branch_equals_the_chunked_form_in_place(tmp_path, rule, conti
         for a, b, c in zip(ours, theirs, want):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(a, c.numpy(), rtol=1e-6, atol=1e-6)
-        binding = branched.io_binding()
-        state = ort.OrtValue.ortvalue_from_numpy(feeds["state"].copy())
-        for name, value in feeds.items():
-            binding.bind_ortvalue_input(name, state) if name == "state" else binding.bind_cpu_input(name, value)
-        binding.bind_output("output")
-        binding.bind_ortvalue_output("final_state", state)
-        branched.run_with_iobinding(binding)
-        np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], ours[0])
-        np.testing.assert_array_equal(state.numpy(), ours[1])
+        _assert_same_in_place(branched, feeds, ours)
 
 
 @pytest.mark.parametrize("rule", ["gated_delta_rule", "kda_rule"])
@@ -185,15 +191,7 @@ def test_gqa_lowering_runs_the_rule_as_ort_linear_attention(tmp_path, rule, cont
         for ours, want, what in zip(got, op(*inputs), ("output", "state")):
             worst = np.max(np.abs(ours - want.numpy()))
             assert worst < 1e-5, f"{length} tokens, batch {batch}: {what} differs by {worst:.3g}"
-        binding = session.io_binding()
-        state = ort.OrtValue.ortvalue_from_numpy(feeds["state"].copy())
-        for name, value in feeds.items():
-            binding.bind_ortvalue_input(name, state) if name == "state" else binding.bind_cpu_input(name, value)
-        binding.bind_output("output")
-        binding.bind_ortvalue_output("final_state", state)
-        session.run_with_iobinding(binding)
-        np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], got[0])
-        np.testing.assert_array_equal(state.numpy(), got[1])
+        _assert_same_in_place(session, feeds, got)
 
 
 @pytest.mark.parametrize("bias", [False, True])
