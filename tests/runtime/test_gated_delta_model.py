@@ -1,8 +1,9 @@
 """A Gated DeltaNet hybrid end to end on the runtime (Qwen3.5: three linear-attention layers with a
 conv state and a float32 recurrent state each, beside one attention layer): the artifact records
 both states per linear layer and KV only for the layer that attends; its graphs run transformers'
-swapped-out delta rule kernels as kvforge's rule, per linear layer one ``If`` on the length (a
-one-token step; the chunked rule, one ``Scan`` over chunks) and no other loop; prefill and
+swapped-out delta rule kernels as kvforge's rule, per linear layer one ORT ``LinearAttention``
+(the default gqa lowering; the standard-op form is tested in tests/compile/test_op_translations.py
+and, under the onnx lowering, in tests/runtime/test_families.py) and no loop; prefill and
 decode logits are within the families' fp32 tolerance of transformers; a prompt prefilled in
 chunks (across the rule's 64-token chunk) gives the logits of one call; greedy output equals
 transformers' generate at both ends of ``max_seq`` (a 1-token prompt run to a full row, a

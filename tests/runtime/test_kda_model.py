@@ -2,8 +2,9 @@
 layers whose gated delta rule decays each key channel on its own, a conv state and a float32
 recurrent state each, beside one latent-attention layer and MoE MLPs): the artifact records both
 states per KDA layer and expanded KV only for the layer that attends; its graphs run kvforge's
-per-channel rule, per KDA layer an ``If`` on the length (a one-token step; the chunked rule, one
-``Scan`` over 16-token chunks) and no other loop;
+per-channel rule, per KDA layer one ORT ``LinearAttention`` with the decay per key channel (the
+default gqa lowering; the standard-op form, an ``If`` on the length over a one-token step and a
+chunked rule with one ``Scan`` over 16-token chunks, runs under the onnx lowering) and no loop;
 prefill and decode logits are within the families' fp32 tolerance of transformers; a prompt
 prefilled in chunks (on, across and past the rule's chunk) gives the logits of one call; greedy
 output equals transformers' generate at both ends of ``max_seq``; a ragged batch and in-flight
