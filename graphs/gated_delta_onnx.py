@@ -254,7 +254,9 @@ def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = Fa
     return op.MatMul(query, final), final
 
 
-def ort_linear_attention(op, query, key, value, g, beta, state, heads: int, per_channel: bool = False, continues=None):
+def ort_linear_attention(
+    op, query, key, value, g, beta, state, heads: int, dv: int, per_channel: bool = False, continues=None
+):
     """The rule as ONNX Runtime's ``com.microsoft.LinearAttention`` (``update_rule="gated_delta"``),
     the ``gqa`` lowering's fast path: one node for any length (the recurrent step for one token, a
     chunked form for more), the state ``[B, H, Dk, Dv]`` in kvforge's layout, alias-safe (the
@@ -295,7 +297,6 @@ def ort_linear_attention(op, query, key, value, g, beta, state, heads: int, per_
         _domain="com.microsoft",
         _outputs=2,
     )
-    dv = _static(value, -1, "LinearAttention: the value head dim")
     return op.Transpose(op.Reshape(output, _ints(op, 0, 0, heads, dv)), perm=[0, 2, 1, 3]), final  # (B, H, S, Dv)
 
 
@@ -394,7 +395,7 @@ def _lower_rule(
     if fast:
         heads = _static(value, 1, f"{node.op_type} {node.name!r}: the value heads")
         op = _Builder()
-        results = ort_linear_attention(op, query, key, value, g, beta, state, heads, per_channel, continues)
+        results = ort_linear_attention(op, query, key, value, g, beta, state, heads, dv, per_channel, continues)
         return list(op.nodes), results
     chunked = _Builder()
     start = state
@@ -471,6 +472,6 @@ def expand(model: ir.Model, one_token: bool = True, fast: bool = False) -> int:
         graph.remove(node, safe=True)
     if sites:
         model.opset_imports.pop(DOMAIN, None)
-        if any(node.domain == "com.microsoft" for node in graph):
+        if fast and any(site.op_type in _RULES for site in sites):  # LinearAttention's domain
             model.opset_imports.setdefault("com.microsoft", 1)
     return len(sites)

@@ -133,8 +133,8 @@ def corrupt_head_size(graph_file: Path) -> None:
 def check_delta_rule_branches(graph, layers, fast: bool = False) -> None:
     """Each linear-attention layer in ``layers`` (an ONNX ``GraphProto``'s ``/model/layers.{i}/``
     scopes) runs its delta rule as one ``If`` on the length (a one-token branch with no loop, a
-    chunked one whose only loop is one ``Scan``), or (``fast``: the gqa lowering of a per-head rule)
-    as one ``com.microsoft`` ``LinearAttention`` that reads the layer's recurrent past itself; its
+    chunked one whose only loop is one ``Scan``), or (``fast``: the gqa lowering, either rule) as
+    one ``com.microsoft`` ``LinearAttention`` that reads the layer's recurrent past itself; its
     short convolutions as ``If``s (one window: no ``Conv``; longer: one ``Conv``); nothing else in
     the graph loops or convolves, and no pass outside the rule zeroes new sequences' recurrent
     states (the rule does it)."""
