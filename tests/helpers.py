@@ -254,3 +254,67 @@ def check_in_flight_batching(engine, reference, prompts, new, prefill_chunk: int
         engine.prefill_chunk = engine.manifest.limits.max_prompt
     for i, (result, tokens) in enumerate(zip(results, expected)):
         assert result.token_ids == tokens, f"{label}request {i}"
+
+
+def _state_features() -> dict:
+    """name -> (prompt, max_new_tokens, sampling, stop): every batch-loop feature a hybrid runs."""
+    from kvforge.runtime import SamplingParams
+
+    return {
+        "greedy": ("The for statement iterates", 14, SamplingParams(temperature=0.0), None),
+        "regex": ("A list is a mutable", 12, SamplingParams(temperature=0.0, regex=r"[a-z]+( [a-z]+){1,4}\."), None),
+        "sampled": (
+            "Exceptions are",
+            10,
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, logit_bias={5: -100}),
+            None,
+        ),
+        "stop": ("The while loop repeats", 16, SamplingParams(temperature=0.0), ["e"]),
+        # extends "greedy"'s prompt: a prefix hit on the state snapshot at that prompt's end
+        "prefix": ("The for statement iterates over the items", 8, SamplingParams(temperature=0.0), None),
+    }
+
+
+def _feature_requests(engine, requests: dict, cancel: bool = False) -> dict:
+    with engine.scheduler() as sched:
+        handles = {name: sched.submit(p, n, s, stop) for name, (p, n, s, stop) in requests.items()}
+        if cancel:
+            victim = sched.submit("The for statement", max_new_tokens=40)
+            victim.cancel()
+        results = {name: h.result(timeout=120) for name, h in handles.items()}
+        if cancel:
+            results["cancelled"] = victim.result(timeout=120)
+    return results
+
+
+def check_every_batch_loop_feature(engine) -> None:
+    """A hybrid engine (max_batch 2, the test tokenizer of 384 ids) runs every batch-loop feature a
+    hybrid runs at once (a regex-constrained row, seeded sampling with a logit bias, a stop string,
+    a cancellation, prefills chunked 3 tokens at a time beside decoding rows, a prefix-cache hit on
+    a state snapshot) and gives each request its solo answer."""
+    import re
+
+    import pytest
+
+    pytest.importorskip("llguidance")
+    features = _state_features()
+    solo = {name: _feature_requests(engine, {name: r})[name] for name, r in features.items()}
+    # the constraint holds on every token (a random model may not finish the sentence in 12 tokens)
+    assert re.fullmatch(r"[a-z]+( [a-z]*){0,4}\.?", solo["regex"].text), solo["regex"].text
+    assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "e"
+    engine.prefill_chunk = 3  # chunked prefills beside decoding rows, on 2 rows for 5 requests
+    try:
+        together = _feature_requests(engine, features, cancel=True)
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    for name in features:
+        got, want = together[name], solo[name]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_string) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_string,
+        ), name
+    assert together["cancelled"].finish_reason == "cancelled"
+    assert solo["prefix"].cached_tokens == 6  # "The for statement iterates": greedy's prompt's snapshot
+    assert together["prefix"].cached_tokens == 9  # its whole prompt, with the logits its solo run kept
