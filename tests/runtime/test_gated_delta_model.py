@@ -25,7 +25,6 @@ from tests.helpers import (
     assert_close,
     check_chunked_prefill,
     check_delta_rule_branches,
-    check_every_batch_loop_feature,
     check_greedy_at_both_ends_of_max_seq,
     check_in_flight_batching,
     check_prefill_and_decode_logits,
@@ -100,11 +99,3 @@ def test_a_one_token_prompt_in_a_used_row_starts_from_a_zero_state(engine, refer
     reused = engine.prefill([[7]])[0]
     np.testing.assert_array_equal(reused, fresh)
     assert_close(reused, hf_logits(reference, [7])[-1], ATOL, RTOL, "one token in a used row")
-
-
-def test_every_batch_loop_feature_at_once_gives_each_request_its_solo_answer(engine):
-    """A regex row, seeded sampling, a stop string, a cancellation, 3-token prefill chunks beside
-    decoding rows (LinearAttention continuing a state over and over, new rows zeroed through their
-    first token's decay) and a prefix hit on a state snapshot, all in one batch: each request's
-    solo answer."""
-    check_every_batch_loop_feature(engine)

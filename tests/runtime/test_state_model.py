@@ -18,6 +18,8 @@ compare finds it exact (prefill, decode, perplexity, padded batches)."""
 
 from __future__ import annotations
 
+import re
+
 import onnx
 import pytest
 import transformers
@@ -27,7 +29,6 @@ from kvforge.runtime import Engine, SamplingParams
 from tests.helpers import (
     assert_close,
     check_chunked_prefill,
-    check_every_batch_loop_feature,
     check_greedy_at_both_ends_of_max_seq,
     check_in_flight_batching,
     hf_greedy,
@@ -131,8 +132,51 @@ def test_memory_plan_counts_kv_of_attention_layers_and_the_state(lfm2_artifact):
     assert "model state" in format_plan(plan)
 
 
+# name -> (prompt, max_new_tokens, sampling, stop): every batch-loop feature a hybrid runs
+FEATURES = {
+    "greedy": ("The for statement iterates", 14, SamplingParams(temperature=0.0), None),
+    "regex": ("A list is a mutable", 12, SamplingParams(temperature=0.0, regex=r"[a-z]+( [a-z]+){1,4}\."), None),
+    "sampled": ("Exceptions are", 10, SamplingParams(temperature=0.8, top_p=0.9, seed=7, logit_bias={5: -100}), None),
+    "stop": ("The while loop repeats", 16, SamplingParams(temperature=0.0), ["e"]),
+    # extends "greedy"'s prompt: a prefix hit on the state snapshot at that prompt's end
+    "prefix": ("The for statement iterates over the items", 8, SamplingParams(temperature=0.0), None),
+}
+
+
+def _features(engine: Engine, requests: dict, cancel: bool = False) -> dict:
+    with engine.scheduler() as sched:
+        handles = {name: sched.submit(p, n, s, stop) for name, (p, n, s, stop) in requests.items()}
+        if cancel:
+            victim = sched.submit("The for statement", max_new_tokens=40)
+            victim.cancel()
+        results = {name: h.result(timeout=120) for name, h in handles.items()}
+        if cancel:
+            results["cancelled"] = victim.result(timeout=120)
+    return results
+
+
 def test_every_batch_loop_feature_at_once_gives_each_request_its_solo_answer(engine):
-    check_every_batch_loop_feature(engine)
+    pytest.importorskip("llguidance")
+    solo = {name: _features(engine, {name: r})[name] for name, r in FEATURES.items()}
+    # the constraint holds on every token (a random model may not finish the sentence in 12 tokens)
+    assert re.fullmatch(r"[a-z]+( [a-z]*){0,4}\.?", solo["regex"].text), solo["regex"].text
+    assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "e"
+    engine.prefill_chunk = 3  # chunked prefills beside decoding rows, on 2 rows for 5 requests
+    try:
+        together = _features(engine, FEATURES, cancel=True)
+    finally:
+        engine.prefill_chunk = engine.manifest.limits.max_prompt
+    for name in FEATURES:
+        got, want = together[name], solo[name]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_string) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_string,
+        ), name
+    assert together["cancelled"].finish_reason == "cancelled"
+    assert solo["prefix"].cached_tokens == 6  # "The for statement iterates": greedy's prompt's snapshot
+    assert together["prefix"].cached_tokens == 9  # its whole prompt, with the logits its solo run kept
 
 
 def test_inspect_and_the_openai_server_run_on_a_hybrid(lfm2_artifact, engine):
