@@ -180,8 +180,8 @@ def test_every_batch_loop_feature_with_ngram_drafts_gives_each_request_its_solo_
     prompt-lookup drafting on, plus a row whose prediction (its greedy answer with one token
     changed) is drafted for certain, accepted up to the change and rejected there: each request as
     when it runs alone on the same engine. On LFM2 (short convolutions) and Qwen3.5 (Gated
-    DeltaNet: decode steps take the delta rule's one-token branch, chunked prefills and verify
-    calls its chunked one, in the same batch)."""
+    DeltaNet, its rule one ORT ``LinearAttention`` under the default gqa lowering: one-token
+    decode steps, 3-token prefill chunks and verify calls through it in the same batch)."""
     pytest.importorskip("llguidance")
     from tests.runtime.test_state_model import FEATURES, _features
 
