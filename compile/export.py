@@ -28,7 +28,7 @@ import torch
 
 from kvforge.compile import complex_to_real, op_translations, quiet, replicate
 from kvforge.compile.load import LoadedModel
-from kvforge.graphs import contract, gated_delta_onnx, lowering, mamba
+from kvforge.graphs import contract, gated_delta_onnx, lowering, mamba, mamba2
 from kvforge.graphs.wrappers import DecodeGraph, GeneralGraph, PrefillGraph, ScoreGraph
 
 OPSET = 24
@@ -123,7 +123,12 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the eager call runs a few tokens; tracing runs no kernels
     try:
-        with warnings.catch_warnings(), torch.no_grad(), quiet.quiet_logger(quiet.EXPORTER_REGISTRY_LOGGER):
+        with (
+            warnings.catch_warnings(),
+            torch.no_grad(),
+            quiet.quiet_logger(quiet.EXPORTER_REGISTRY_LOGGER),
+            mamba2.linear_attention(lowering_name == "gqa"),  # Mamba2's scan as one op for ORT's kernel
+        ):
             # The exporter warns about things that do not concern us (missing torchvision ops, ...),
             # through Python's warnings and through its registry's logger.
             warnings.simplefilter("ignore")
@@ -159,7 +164,7 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
         torch.set_num_threads(threads)
     model = onnx_program.model
     del onnx_program
-    gated_delta_onnx.expand(model, fast=lowering_name == "gqa")  # the delta rules' nodes to their lowering
+    gated_delta_onnx.expand(model, fast=lowering_name == "gqa")  # the state ops' nodes to their lowering
     return model
 
 

@@ -46,6 +46,7 @@ from kvforge.graphs.gated_delta import CHUNK, KDA_CHUNK, KDA_LEVELS, LEVELS, LOG
 
 DOMAIN = "kvforge.state"  # the nodes the translation records and expand() lowers; never saved
 _INPUTS = ("query", "key", "value", "g", "beta", "state", "continues")  # the last optional
+_MAMBA2_INPUTS = ("x", "dt", "a", "b", "c", "d", "state", "continues")  # the last optional
 
 
 class _Builder(ir.tape.Tape):
@@ -254,6 +255,22 @@ def one_token_rule(op, query, key, value, g, beta, state, per_channel: bool = Fa
     return op.MatMul(query, final), final
 
 
+def _fresh_log_decay(op, g, continues):
+    """``g [B, S, ...]`` (token-major log decays) with ``-inf`` at the first token of the rows
+    whose ``continues [B]`` is 0: ``exp(-inf) = 0`` wipes what the state held before, so such a
+    row starts from zeros without a pass over the state (ONNX Runtime's ``LinearAttention`` takes
+    it at every length: tested). ``continues`` None: ``g`` as it is."""
+    if continues is None:
+        return g
+    seq = op.Squeeze(op.Shape(g, start=1, end=2), _ints(op, 0))
+    first = op.Unsqueeze(
+        op.Equal(op.Range(op.Constant(value_int=0), seq, op.Constant(value_int=1)), op.Constant(value_int=0)),
+        _ints(op, 0, 2),
+    )  # (1, S, 1)
+    new = op.Equal(op.Reshape(continues, _ints(op, -1, 1, 1)), _scalar(op, 0.0))  # (B, 1, 1)
+    return op.Where(op.And(new, first), _scalar(op, float("-inf")), g)
+
+
 def ort_linear_attention(
     op, query, key, value, g, beta, state, heads: int, dv: int, per_channel: bool = False, continues=None
 ):
@@ -275,14 +292,7 @@ def ort_linear_attention(
 
     g = packed(g) if per_channel else op.Transpose(g, perm=[0, 2, 1])  # (B, S, H * Dk) or (B, S, H)
     beta = op.Transpose(beta, perm=[0, 2, 1])  # (B, S, H)
-    if continues is not None:
-        seq = op.Squeeze(op.Shape(g, start=1, end=2), _ints(op, 0))
-        first = op.Unsqueeze(
-            op.Equal(op.Range(op.Constant(value_int=0), seq, op.Constant(value_int=1)), op.Constant(value_int=0)),
-            _ints(op, 0, 2),
-        )  # (1, S, 1)
-        new = op.Equal(op.Reshape(continues, _ints(op, -1, 1, 1)), _scalar(op, 0.0))  # (B, 1, 1)
-        g = op.Where(op.And(new, first), _scalar(op, float("-inf")), g)
+    g = _fresh_log_decay(op, g, continues)
     output, final = op.LinearAttention(
         packed(query),
         packed(key),
@@ -298,6 +308,41 @@ def ort_linear_attention(
         _outputs=2,
     )
     return op.Transpose(op.Reshape(output, _ints(op, 0, 0, heads, dv)), perm=[0, 2, 1, 3]), final  # (B, H, S, Dv)
+
+
+def ort_mamba2_scan(op, x, dt, a, b, c, d, state, continues, heads: int, head_dim: int, groups: int, size: int):
+    """Mamba2's SSD scan (:func:`kvforge.graphs.mamba2.mamba2_scan`) as ONNX Runtime's
+    ``com.microsoft.LinearAttention`` with ``update_rule="gated"`` (``S = exp(g) S + k vᵀ``,
+    ``o = q S``), the ``gqa`` lowering's form: the state update ``h = exp(dt·A) h + (dt·x) ⊗ B`` with
+    ``k = B`` (each group's repeated over its heads), ``v = dt·x``, ``q = C``, ``g = dt·A`` per
+    head, then ``y = o + D·x``. ``x [B, S, H, P]``, ``dt [B, S, H]`` (0 past each row's last real
+    token), ``a``/``d [H]``, ``b``/``c [B, S, G, N]``, ``state [B, H, P, N]`` (the contract's,
+    transformers' layout); the op keeps ``[B, H, Dk = N, Dv = P]``, so the state is transposed on
+    the way in and out (at one token of Granite 4's shape the two transposes are ~0.8 of the 1.2 ms
+    a layer: a contract layout of ``[B, H, N, P]`` would save them). Rows whose ``continues`` is 0
+    start from zeros (:func:`_fresh_log_decay`). Returns ``(y [B, S, H, P], final [B, H, P, N])``."""
+
+    def per_head(t):  # (B, S, G, N) -> (B, S, H * N): group j serves heads [j H/G, (j + 1) H/G)
+        spread = op.Expand(op.Unsqueeze(t, _ints(op, 3)), _ints(op, 1, 1, 1, heads // groups, 1))
+        return op.Reshape(spread, _ints(op, 0, 0, heads * size))
+
+    g = _fresh_log_decay(op, op.Mul(dt, a), continues)  # (B, S, H)
+    value = op.Reshape(op.Mul(x, op.Unsqueeze(dt, _ints(op, -1))), _ints(op, 0, 0, heads * head_dim))
+    output, final = op.LinearAttention(
+        per_head(c),
+        per_head(b),
+        value,
+        op.Transpose(state, perm=[0, 1, 3, 2]),
+        g,
+        q_num_heads=heads,
+        kv_num_heads=heads,
+        update_rule="gated",
+        scale=1.0,
+        _domain="com.microsoft",
+        _outputs=2,
+    )
+    y = op.Add(op.Reshape(output, _ints(op, 0, 0, heads, head_dim)), op.Mul(x, op.Unsqueeze(d, _ints(op, -1))))
+    return y, op.Transpose(final, perm=[0, 1, 3, 2])
 
 
 def one_window_conv(op, x, weight2d, bias_column):
@@ -335,12 +380,14 @@ def translation_table() -> dict[object, Callable]:
     import torch
     from onnxscript import values
 
+    import kvforge.graphs.mamba2  # (registers kvforge::mamba2_scan)
     import kvforge.graphs.state  # noqa: F401  (registers kvforge::depthwise_conv)
 
     opset = values.Opset(DOMAIN, 1)
     outputs = ("output", "final_state")
     rule, kda = (values.Op(opset, name, _schema(name, _INPUTS, outputs, optional=1)) for name in _RULES)
     conv = values.Op(opset, "DepthwiseConv", _schema("DepthwiseConv", ("x", "weight", "bias"), ("y",), optional=1))
+    ssd = values.Op(opset, "Mamba2Scan", _schema("Mamba2Scan", _MAMBA2_INPUTS, ("y", "final_state"), optional=1))
 
     def gated_delta_rule(query, key, value, g, beta, state, continues=None):
         return rule(query, key, value, g, beta, state, continues)
@@ -351,10 +398,14 @@ def translation_table() -> dict[object, Callable]:
     def depthwise_conv(x, weight, bias=None):
         return conv(x, weight, bias)
 
+    def mamba2_scan(x, dt, a, b, c, d, state, continues=None):
+        return ssd(x, dt, a, b, c, d, state, continues)
+
     return {
         torch.ops.kvforge.gated_delta_rule.default: gated_delta_rule,
         torch.ops.kvforge.kda_rule.default: kda_rule,
         torch.ops.kvforge.depthwise_conv.default: depthwise_conv,
+        torch.ops.kvforge.mamba2_scan.default: mamba2_scan,
     }
 
 
@@ -445,7 +496,27 @@ def _lower_conv(
     return list(top.nodes), [results]
 
 
-_LOWERINGS = {"GatedDeltaRule": _lower_rule, "KdaRule": _lower_rule, "DepthwiseConv": _lower_conv}
+def _lower_mamba2(
+    node: ir.Node, one_token: bool, prefix: str, fast: bool = False
+) -> tuple[list[ir.Node], Sequence[ir.Value]]:
+    """A Mamba2 scan's node -> :func:`ort_mamba2_scan`. Only the ``gqa`` lowering records it
+    (:func:`kvforge.graphs.mamba2.linear_attention`); the others trace the scan in standard ops."""
+    if not fast:
+        raise ValueError(f"Mamba2Scan {node.name!r}: only the gqa lowering runs the scan as one op")
+    x, dt, a, b, c, d, state, continues = (*node.inputs, None)[:8]
+    heads, head_dim = (_static(x, axis, f"Mamba2Scan {node.name!r}: x") for axis in (2, 3))
+    groups, size = (_static(b, axis, f"Mamba2Scan {node.name!r}: B") for axis in (2, 3))
+    op = _Builder()
+    results = ort_mamba2_scan(op, x, dt, a, b, c, d, state, continues, heads, head_dim, groups, size)
+    return list(op.nodes), results
+
+
+_LOWERINGS = {
+    "GatedDeltaRule": _lower_rule,
+    "KdaRule": _lower_rule,
+    "DepthwiseConv": _lower_conv,
+    "Mamba2Scan": _lower_mamba2,
+}
 
 
 def expand(model: ir.Model, one_token: bool = True, fast: bool = False) -> int:
@@ -472,6 +543,6 @@ def expand(model: ir.Model, one_token: bool = True, fast: bool = False) -> int:
         graph.remove(node, safe=True)
     if sites:
         model.opset_imports.pop(DOMAIN, None)
-        if fast and any(site.op_type in _RULES for site in sites):  # LinearAttention's domain
+        if fast and any(site.op_type in (*_RULES, "Mamba2Scan") for site in sites):  # LinearAttention's domain
             model.opset_imports.setdefault("com.microsoft", 1)
     return len(sites)

@@ -27,17 +27,45 @@ symbolic), with
 * the initial state the graph's ``past_state.{l}.recurrent`` input gives (zeros for a row that
   starts a sequence, :class:`kvforge.graphs.state.ExportStateCache`), float32 throughout.
 
+The ``gqa`` lowering (ONNX Runtime only) traces the scan as the custom op ``kvforge::mamba2_scan``
+instead (:func:`linear_attention` says when), which :mod:`kvforge.graphs.gated_delta_onnx` lowers
+to ONNX Runtime's ``com.microsoft.LinearAttention`` with ``update_rule="gated"``: the SSD step
+``h = exp(dt·A) h + (dt·x) ⊗ B``, ``y = h·C + D·x`` is that rule with ``k = B``, ``v = dt·x``,
+``q = C`` and the log decay ``dt·A`` per head. One layer of Granite 4's shape (64 heads of 64, state
+128, batch 1, 2 threads): 1.2 against 3.4 ms a token, 24 against 232 ms at 512 tokens, 0.11 against
+5.2 s at 2048 (this scan is quadratic in the call's length; the op's chunked form is not)
+(benchmarks/FINDINGS.md).
+
 Shapes: b batch, s/t positions, h heads, p head dim, g groups, n state size.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 
 from kvforge.graphs import kernel_swap, state
+from kvforge.graphs.gated_delta import fresh
 
 SCAN_FUNCTION = "mamba2_scan_forward"  # transformers' kernel-hub name of the Mamba2 scan
+
+_AS_OP: ContextVar[bool] = ContextVar("kvforge_mamba2_as_op", default=False)
+
+
+@contextlib.contextmanager
+def linear_attention(on: bool) -> Iterator[None]:
+    """While this is on (``on``: the export is for the ``gqa`` lowering), :func:`scan_forward`
+    traces the scan as one ``kvforge::mamba2_scan`` op, which the lowering turns into ONNX
+    Runtime's ``LinearAttention``; otherwise as :func:`ssd_scan`'s standard ops."""
+    token = _AS_OP.set(on)
+    try:
+        yield
+    finally:
+        _AS_OP.reset(token)
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +77,15 @@ def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     sums = torch.cumsum(x.masked_fill(~strict, 0), dim=-2)
     lower = torch.tril(torch.ones(q, q, dtype=torch.bool, device=x.device), diagonal=0)
     return sums.masked_fill(~lower, -torch.inf)
+
+
+def _real_steps(dt: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """``dt [b, s, h]`` with 0 at every position ``>= lengths[b]``: padding after a row's last
+    real token leaves its state unchanged (decay ``exp(0) = 1``, input ``0·x``)."""
+    if lengths is None:
+        return dt
+    real = torch.arange(dt.shape[1], device=dt.device)[None, :] < lengths[:, None]  # (b, s)
+    return torch.where(real[..., None], dt, torch.zeros((), dtype=dt.dtype))
 
 
 def ssd_scan(
@@ -77,10 +114,7 @@ def ssd_scan(
     batch, seq, heads, _ = x.shape
     groups = b.shape[2]
     x = x.float()
-    dt = dt.float()
-    if lengths is not None:  # padding after a row's last real token leaves its state unchanged
-        real = torch.arange(seq, device=x.device)[None, :] < lengths[:, None]  # (b, s)
-        dt = torch.where(real[..., None], dt, torch.zeros((), dtype=dt.dtype))
+    dt = _real_steps(dt.float(), lengths)
     b, c = b.float(), c.float()
     xdt = x * dt[..., None]  # (b, s, h, p): the discretized input
     adt = (a.float()[None, None, :] * dt).transpose(1, 2)  # (b, h, s): log decay of each step
@@ -104,6 +138,30 @@ def ssd_scan(
     return y + d.float()[:, None] * x, final_state
 
 
+@torch.library.custom_op("kvforge::mamba2_scan", mutates_args=())
+def mamba2_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,
+    continues: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_scan` as one op for the exporter (the ``gqa`` lowering), float32 in and out:
+    ``dt`` already 0 past each row's last real token; ``continues [B]`` (1 or 0; optional): rows
+    whose 0 start a new sequence, from a zero state. Returns ``(y [b, s, h, p], final_state [b, h,
+    p, n])``."""
+    y, final_state = ssd_scan(x, dt, a, b, c, d, fresh(state, continues), None)
+    return y.contiguous(), final_state.contiguous()
+
+
+@mamba2_scan.register_fake
+def _(x, dt, a, b, c, d, state, continues=None):
+    return x.new_empty(x.shape), state.new_empty(state.shape)
+
+
 def scan_forward(module, hidden_states, b, c, dt, cache) -> torch.Tensor:
     """``mamba2_scan_forward`` over one graph call of an export wrapper: ``hidden_states [b, s,
     h*p]``, ``b``/``c [b, s, g*n]``, ``dt [b, s, h]`` before its bias and softplus. Reads the
@@ -116,16 +174,19 @@ def scan_forward(module, hidden_states, b, c, dt, cache) -> torch.Tensor:
     if low > 0.0 or high != float("inf"):
         dt = torch.clamp(dt, min=low, max=high)
     initial = cache.get_recurrent_state(module.layer_idx) if cache is not None else None
-    y, final_state = ssd_scan(
-        hidden_states.view(batch, seq, module.num_heads, module.head_dim),
-        dt,
-        -torch.exp(module.A_log.float()),
-        b.view(batch, seq, module.n_groups, module.ssm_state_size),
-        c.view(batch, seq, module.n_groups, module.ssm_state_size),
-        module.D,
-        initial,
-        active.lengths if active is not None else None,
-    )
+    x = hidden_states.view(batch, seq, module.num_heads, module.head_dim)
+    b = b.view(batch, seq, module.n_groups, module.ssm_state_size)
+    c = c.view(batch, seq, module.n_groups, module.ssm_state_size)
+    a = -torch.exp(module.A_log.float())
+    lengths = active.lengths if active is not None else None
+    past = cache.unmasked(initial) if _AS_OP.get() and active is not None and initial is not None else None
+    if past is not None:  # the op zeroes new sequences' states itself (the Where over the state goes unread)
+        y, final_state = torch.ops.kvforge.mamba2_scan(
+            x.float(), _real_steps(dt, lengths), a, b.float(), c.float(), module.D.float(), past.float(),
+            active.continues.to(torch.float32),
+        )  # fmt: skip
+    else:
+        y, final_state = ssd_scan(x, dt, a, b, c, module.D, initial, lengths)
     if cache is not None:
         cache.update_recurrent_state(final_state, module.layer_idx)
     return y.reshape(batch, seq, module.num_heads * module.head_dim)

@@ -245,3 +245,92 @@ def test_depthwise_conv_branches_on_one_window(tmp_path, bias):
         want = torch.nn.functional.conv1d(x, weight, shift, groups=channels)
         assert ours.shape == tuple(want.shape)
         np.testing.assert_allclose(ours, want.numpy(), atol=1e-6, rtol=1e-6)
+
+
+_MAMBA2_NAMES = ["x", "dt", "b", "c", "state", "continues"]
+
+
+def _mamba2_inputs(seq: int, seed: int = 0, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    """``kvforge::mamba2_scan``'s run-time inputs (``a`` and ``d`` are the module's constants): 6
+    heads of 5 in 2 groups, state size 4; steps of ``dt`` up to 1 and ``A`` down to -3, as
+    transformers' initialization spans, with a padded tail (``dt = 0``) in row 1."""
+    g = torch.Generator().manual_seed(seed)
+    h, p, groups, n = 6, 5, 2, 4
+    dt = torch.rand(batch, seq, h, generator=g)
+    if batch > 1 and seq > 2:
+        dt[1, seq - 2 :] = 0.0
+    return (
+        torch.randn(batch, seq, h, p, generator=g),
+        dt,
+        torch.randn(batch, seq, groups, n, generator=g),
+        torch.randn(batch, seq, groups, n, generator=g),
+        torch.randn(batch, h, p, n, generator=g),
+    )
+
+
+@pytest.mark.parametrize("continues", [False, True])
+def test_gqa_lowering_runs_the_mamba2_scan_as_ort_linear_attention(tmp_path, continues):
+    """The gqa lowering of Mamba2's scan (graphs/mamba2.py ``kvforge::mamba2_scan``) is one
+    ``com.microsoft.LinearAttention`` (``update_rule="gated"``) for every length, no ``If`` or
+    loop: its output (the ``D`` skip included) and final state (in the contract's ``[B, H, P,
+    N]``) within float32 rounding of the op for one token, a few, and more than the op's chunks,
+    batches of 1 to 4, groups of B and C shared by three heads each, a padded tail; with
+    ``continues``, rows of 0 start from a zero state though their state holds other numbers; and the
+    final state written into the state's own buffer gives the same results bit for bit."""
+    import onnx_ir as ir
+
+    from kvforge.graphs import gated_delta_onnx, mamba2  # noqa: F401  (registers the op)
+
+    gen = torch.Generator().manual_seed(7)
+    a, d = -3 * torch.rand(6, generator=gen), torch.randn(6, generator=gen)
+    flags = (lambda batch: (torch.arange(batch) % 2 == 0).float()) if continues else None
+
+    class Scan(torch.nn.Module):
+        def forward(self, x, dt, b, c, state, continues=None):
+            return torch.ops.kvforge.mamba2_scan(x, dt, a, b, c, d, state, continues)
+
+    example = _mamba2_inputs(9)
+    example = (*example, flags(2)) if continues else example
+    seq, batch = torch.export.Dim("seq", min=1, max=512), torch.export.Dim("batch", min=1, max=4)
+    program = torch.onnx.export(
+        Scan(),
+        example,
+        dynamo=True,
+        opset_version=24,
+        dynamic_shapes=({0: batch, 1: seq},) * 4 + ({0: batch},) * (len(example) - 4),
+        input_names=_MAMBA2_NAMES[: len(example)],
+        output_names=["y", "final_state"],
+        custom_translation_table=op_translations.translation_table(),
+        verbose=False,
+    )
+    model = program.model
+    assert [n.op_type for n in model.graph if n.domain == gated_delta_onnx.DOMAIN] == ["Mamba2Scan"]
+    with pytest.raises(ValueError, match="only the gqa lowering"):
+        gated_delta_onnx.expand(model)
+    assert gated_delta_onnx.expand(model, fast=True) == 1
+    path = tmp_path / f"mamba2_{continues}.onnx"
+    ir.save(model, path)
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto, full_check=True)
+    ops = [(n.op_type, n.domain) for n in proto.graph.node]
+    assert ops.count(("LinearAttention", "com.microsoft")) == 1
+    assert {"If", "Scan", "Loop"}.isdisjoint(t for t, _ in ops)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for length, rows in ((1, 1), (1, 4), (3, 2), (17, 2), (64, 1), (65, 4), (130, 2)):
+        inputs = _mamba2_inputs(length, seed=length, batch=rows)
+        inputs = (*inputs, flags(rows)) if continues else inputs
+        feeds = {n: x.numpy() for n, x in zip(_MAMBA2_NAMES, inputs)}
+        got = session.run(None, feeds)
+        want = torch.ops.kvforge.mamba2_scan(*inputs[:2], a, *inputs[2:4], d, *inputs[4:])
+        for ours, expected, what in zip(got, want, ("y", "state")):
+            worst = np.max(np.abs(ours - expected.numpy()) / (1 + np.abs(expected.numpy())))
+            assert worst < 1e-5, f"{length} tokens, batch {rows}: {what} differs by {worst:.3g}"
+        binding = session.io_binding()
+        state = ort.OrtValue.ortvalue_from_numpy(feeds["state"].copy())
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, state) if name == "state" else binding.bind_cpu_input(name, value)
+        binding.bind_output("y")
+        binding.bind_ortvalue_output("final_state", state)
+        session.run_with_iobinding(binding)
+        np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], got[0])
+        np.testing.assert_array_equal(state.numpy(), got[1])

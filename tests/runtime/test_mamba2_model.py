@@ -1,13 +1,14 @@
-"""Mamba2 (SSD) families end to end on the runtime: Mamba2 itself (every layer a Mamba2 mixer, no
-KV at all) and Granite 4 (``granitemoehybrid``: Mamba2 layers beside an attention layer, MoE
-MLPs). Each artifact records a conv and a float32 recurrent state per Mamba2 layer and KV only for
-the layer that attends; its graphs hold no loop; prefill and teacher-forced decode logits are
-within fp32 tolerance of transformers; greedy output equals transformers' generate for a ragged
-batch and at both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length
-prompt); chunked prefill (chunks shorter and longer than transformers' ``chunk_size`` of 8)
-equals one-shot prefill; in-flight batching with more requests than rows gives every request its
-solo result; prompt-lookup drafting and the prefix cache (a chat's next turn resuming from a state
-snapshot) give the tokens of a plain engine.
+"""Mamba2 (SSD) families end to end on the runtime: Mamba2 itself (every layer a Mamba2 mixer, no KV
+at all; the ``gqa`` lowering, whose scan is ONNX Runtime's ``LinearAttention``) and Granite 4
+(``granitemoehybrid``: Mamba2 layers beside an attention layer, MoE MLPs; the portable ``onnx``
+lowering, the scan in standard ops). Each artifact records a conv and a float32 recurrent state
+per Mamba2 layer and KV only for the layer that attends; its graphs hold no loop; prefill and
+teacher-forced decode logits are within fp32 tolerance of transformers; greedy output equals
+transformers' generate for a ragged batch and at both ends of ``max_seq`` (a 1-token prompt run
+to a full row, a full-length prompt); chunked prefill (chunks shorter and longer than
+transformers' ``chunk_size`` of 8) equals one-shot prefill; in-flight batching with more requests
+than rows gives every request its solo result; prompt-lookup drafting and the prefix cache (a
+chat's next turn resuming from a state snapshot) give the tokens of a plain engine.
 Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_families.py."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64, 5, 88, 23, 41, 9, 200, 7], [7, 5, 9, 250, 31]]
 MAX_SEQ = 40
 CASES = ("mamba2", "granitemoehybrid")
+LOWERINGS = {"mamba2": "gqa", "granitemoehybrid": "onnx"}
 
 
 def _compile(case: str, root) -> tuple:
@@ -40,11 +42,12 @@ def _compile(case: str, root) -> tuple:
 
     [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == case]
     model_dir = families.build(root / "model", architecture, config_class, overrides)
-    # the portable lowering without ORT's graph optimization, to keep the compile short; both
-    # lowerings with the ORT-optimized graphs run in tests/runtime/test_families.py
+    # without ORT's graph optimization, to keep the compile short: Mamba2 on the CPU default's
+    # lowering (the scan as ORT's LinearAttention), Granite 4 on the portable one (the scan in
+    # standard ops); both lowerings of every Mamba2 family run in tests/runtime/test_families.py
     compile_model(
-        model_dir, root / "out", max_batch=2, max_seq=MAX_SEQ, lowering="onnx", optimize=False, score_graph=False,
-        progress=None,
+        model_dir, root / "out", max_batch=2, max_seq=MAX_SEQ, lowering=LOWERINGS[case], optimize=False,
+        score_graph=False, progress=None,
     )  # fmt: skip
     reference = getattr(transformers, architecture).from_pretrained(model_dir).eval()
     return root / "out", reference
@@ -74,8 +77,11 @@ def test_manifest_records_mamba2_states_and_kv_only_where_layers_attend(mamba2_m
         assert tensors == [("conv", [192, 3], "float32"), ("recurrent", [8, 16, 16], "float32")]
         inputs = [t.name for t in manifest.graphs["prefill"].inputs]
         assert inputs[-2:] == [f"past_state.{stateful[-1]}.conv", f"past_state.{stateful[-1]}.recurrent"]
-        graph = onnx.load(str(artifact / "prefill.onnx"), load_external_data=False).graph
-        assert not {"Loop", "Scan", "If"} & {n.op_type for n in graph.node}, case
+        for name in ("prefill", "decode"):
+            ops = [n.op_type for n in onnx.load(str(artifact / f"{name}.onnx"), load_external_data=False).graph.node]
+            assert not {"Loop", "Scan", "If"} & set(ops), case
+            # gqa: each Mamba2 layer's scan is one ORT LinearAttention; onnx: standard ops only
+            assert ops.count("LinearAttention") == (len(stateful) if LOWERINGS[case] == "gqa" else 0), (case, name)
 
 
 def _hf_steps(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
