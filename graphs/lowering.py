@@ -16,9 +16,10 @@ the op with the translation of the chosen lowering:
   right padding counts as tokens, is written, never attended by a real token, and is overwritten
   later) and ``total_sequence_length = max(seqlens_k) + 1``. A sliding window of ``w`` tokens
   (transformers: keys ``(i - w, i]``) is ``local_window_size = w``, checked against transformers.
-  The state layers' delta rules take ORT's path here too: ``com.microsoft.LinearAttention``
-  (:func:`kvforge.graphs.gated_delta_onnx.ort_linear_attention`), where ``onnx`` and ``exact``
-  keep them in standard ops.
+  The state layers' recurrences take ORT's path here too: ``com.microsoft.LinearAttention``
+  for the delta rules (:func:`kvforge.graphs.gated_delta_onnx.ort_linear_attention`) and for
+  Mamba2's scan (:func:`kvforge.graphs.gated_delta_onnx.ort_mamba2_scan`), where ``onnx`` and
+  ``exact`` keep them in standard ops.
 * ``exact``: ``onnx``'s ``TensorScatter`` cache update, with the attention spelled out in standard
   ops (:func:`_exact_attention`) so that a call of S tokens gives each token bit for bit what a
   one-token call gives: speculative verification then reproduces plain decoding exactly, in
