@@ -178,7 +178,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "Mamba2ForCausalLM",
             state="mamba2",
             ssm_attrs=_MAMBA2_ATTRS,
-            notes="every layer a Mamba2 (SSD) mixer: conv state [C, K-1] and recurrent state [H, P, N] float32, "
+            notes="every layer a Mamba2 (SSD) mixer: conv state [C, K-1] and recurrent state [H, N, P] float32, "
             "no KV; kvforge's chunked scan (kvforge.graphs.mamba2) swapped in through the kernels mapping",
         ),
         ArchSpec(
@@ -341,14 +341,15 @@ def _gated_delta_layout(config: Any, dtype: str) -> Layout:
 def _mamba2_layout(spec: ArchSpec, config: Any, dtype: str) -> Layout:
     """Mamba2 layers are ``layer_types[i] == "linear_attention"`` (transformers' name for them in
     every Mamba2 family); each keeps ``conv [H*P + 2*G*N, K-1]`` in the model's dtype and
-    ``recurrent [H, P, N]`` float32 (what transformers' chunked scan returns). Attention layers
+    ``recurrent [H, N, P]`` float32 (transformers' ``[H, P, N]`` transposed: the layout ONNX Runtime's
+    ``LinearAttention`` updates in place, so the ``gqa`` graphs bind it with no transpose). Attention layers
     (``"full_attention"``) keep KV, a ``"hybrid"`` layer both (Falcon-H1: attention and a Mamba2 mixer
     side by side); any other layer type (Nemotron-H's MLP-only blocks) keeps neither."""
     n = config.num_hidden_layers
     heads, head_dim, size, groups, kernel = (int(getattr(config, a)) for a in spec.ssm_attrs)
     types = list(config.layer_types[:n])
     conv = StateTensor("conv", (heads * head_dim + 2 * groups * size, kernel - 1), dtype)
-    recurrent = StateTensor("recurrent", (heads, head_dim, size), "float32")
+    recurrent = StateTensor("recurrent", (heads, size, head_dim), "float32", axes="hnp")
     entries = tuple(StateEntry(i, "mamba2", (conv, recurrent)) for i, t in enumerate(types) if t in _MAMBA2_TYPES)
     return Layout(tuple(i for i, t in enumerate(types) if t in _ATTENTION_TYPES), entries)
 

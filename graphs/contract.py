@@ -26,7 +26,10 @@ exactly one position (the row's length), unlike KV rows, which are indexed by po
   inputs of the layer's depthwise convolution (``reference.conv_update``);
 * ``gated_delta`` (Qwen3.5, Qwen3-Next): ``conv [C, K-1]`` and ``recurrent [H, Dk, Dv]`` float32
   (``reference.gated_delta_step``);
-* ``mamba2``: ``conv [C, K-1]`` and ``recurrent [H, P, N]`` float32 (``reference.mamba2_step``);
+* ``mamba2``: ``conv [C, K-1]`` and ``recurrent [H, N, P]`` float32 (``reference.mamba2_step``;
+  transformers keeps ``[H, P, N]``: kvforge's is the layout ONNX Runtime's ``LinearAttention``
+  updates in place, ``[Dk, Dv]`` with ``k = B``; artifacts compiled before it recorded ``[H, P, N]``
+  and no ``axes``, and still run, since only the graphs read the state);
 * ``mamba``: ``conv [D, K-1]`` and ``recurrent [D, N]`` float32 (``reference.mamba_step``).
 
 Graph names: input ``past_state.{l}.{part}``, output ``present_state.{l}.{part}`` (``part`` is
@@ -85,11 +88,14 @@ STATE_TENSORS = {
 @dataclass(frozen=True)
 class StateTensor:
     """One state tensor of a layer: ``part`` ("conv", "recurrent"), its per-row ``shape`` (the
-    batch axis excluded) and numpy-style ``dtype``."""
+    batch axis excluded) and numpy-style ``dtype``. ``axes`` names the axes where the kind's
+    layout changed since its first artifacts (a Mamba2 recurrent state: ``"hnp"``; ``""``, the
+    kind's first layout), for the tools that read a state beside transformers' (``compare``)."""
 
     part: str
     shape: tuple[int, ...]
     dtype: str
+    axes: str = ""
 
     @property
     def row_elements(self) -> int:
@@ -111,12 +117,17 @@ class StateEntry:
         return {
             "layer": self.layer,
             "kind": self.kind,
-            "tensors": [{"part": t.part, "shape": list(t.shape), "dtype": t.dtype} for t in self.tensors],
+            "tensors": [
+                {"part": t.part, "shape": list(t.shape), "dtype": t.dtype, **({"axes": t.axes} if t.axes else {})}
+                for t in self.tensors
+            ],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> StateEntry:
-        tensors = tuple(StateTensor(t["part"], tuple(t["shape"]), t["dtype"]) for t in data["tensors"])
+        tensors = tuple(
+            StateTensor(t["part"], tuple(t["shape"]), t["dtype"], str(t.get("axes", ""))) for t in data["tensors"]
+        )
         return cls(int(data["layer"]), str(data["kind"]), tensors)
 
 

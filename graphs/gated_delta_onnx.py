@@ -313,14 +313,12 @@ def ort_linear_attention(
 def ort_mamba2_scan(op, x, dt, a, b, c, d, state, continues, heads: int, head_dim: int, groups: int, size: int):
     """Mamba2's SSD scan (:func:`kvforge.graphs.mamba2.mamba2_scan`) as ONNX Runtime's
     ``com.microsoft.LinearAttention`` with ``update_rule="gated"`` (``S = exp(g) S + k vᵀ``,
-    ``o = q S``), the ``gqa`` lowering's form: the state update ``h = exp(dt·A) h + (dt·x) ⊗ B`` with
-    ``k = B`` (each group's repeated over its heads), ``v = dt·x``, ``q = C``, ``g = dt·A`` per
+    ``o = qᵀ S``), the ``gqa`` lowering's form: the state update ``h = exp(dt·A) h + B ⊗ (dt·x)``
+    with ``k = B`` (each group's repeated over its heads), ``v = dt·x``, ``q = C``, ``g = dt·A`` per
     head, then ``y = o + D·x``. ``x [B, S, H, P]``, ``dt [B, S, H]`` (0 past each row's last real
-    token), ``a``/``d [H]``, ``b``/``c [B, S, G, N]``, ``state [B, H, P, N]`` (the contract's,
-    transformers' layout); the op keeps ``[B, H, Dk = N, Dv = P]``, so the state is transposed on
-    the way in and out (at one token of Granite 4's shape the two transposes are ~0.8 of the 1.2 ms
-    a layer: a contract layout of ``[B, H, N, P]`` would save them). Rows whose ``continues`` is 0
-    start from zeros (:func:`_fresh_log_decay`). Returns ``(y [B, S, H, P], final [B, H, P, N])``."""
+    token), ``a``/``d [H]``, ``b``/``c [B, S, G, N]``, ``state [B, H, N, P]``: the contract's layout
+    is the op's ``[B, H, Dk, Dv]``, bound in place (alias-safe: tested). Rows whose ``continues`` is
+    0 start from zeros (:func:`_fresh_log_decay`). Returns ``(y [B, S, H, P], final [B, H, N, P])``."""
 
     def per_head(t):  # (B, S, G, N) -> (B, S, H * N): group j serves heads [j H/G, (j + 1) H/G)
         spread = op.Expand(op.Unsqueeze(t, _ints(op, 3)), _ints(op, 1, 1, 1, heads // groups, 1))
@@ -332,7 +330,7 @@ def ort_mamba2_scan(op, x, dt, a, b, c, d, state, continues, heads: int, head_di
         per_head(c),
         per_head(b),
         value,
-        op.Transpose(state, perm=[0, 1, 3, 2]),
+        state,
         g,
         q_num_heads=heads,
         kv_num_heads=heads,
@@ -342,7 +340,7 @@ def ort_mamba2_scan(op, x, dt, a, b, c, d, state, continues, heads: int, head_di
         _outputs=2,
     )
     y = op.Add(op.Reshape(output, _ints(op, 0, 0, heads, head_dim)), op.Mul(x, op.Unsqueeze(d, _ints(op, -1))))
-    return y, op.Transpose(final, perm=[0, 1, 3, 2])
+    return y, final
 
 
 def one_window_conv(op, x, weight2d, bias_column):

@@ -30,11 +30,12 @@ symbolic), with
 The ``gqa`` lowering (ONNX Runtime only) traces the scan as the custom op ``kvforge::mamba2_scan``
 instead (:func:`linear_attention` says when), which :mod:`kvforge.graphs.gated_delta_onnx` lowers
 to ONNX Runtime's ``com.microsoft.LinearAttention`` with ``update_rule="gated"``: the SSD step
-``h = exp(dt·A) h + (dt·x) ⊗ B``, ``y = h·C + D·x`` is that rule with ``k = B``, ``v = dt·x``,
-``q = C`` and the log decay ``dt·A`` per head. One layer of Granite 4's shape (64 heads of 64, state
-128, batch 1, 2 threads): 1.2 against 3.4 ms a token, 24 against 232 ms at 512 tokens, 0.11 against
-5.2 s at 2048 (this scan is quadratic in the call's length; the op's chunked form is not)
-(benchmarks/FINDINGS.md).
+``h = exp(dt·A) h + B ⊗ (dt·x)``, ``y = Cᵀ h + D·x`` is that rule with ``k = B``, ``v = dt·x``,
+``q = C`` and the log decay ``dt·A`` per head, its state ``[Dk, Dv] = [N, P]``: kvforge's layout of
+the state, so the graph binds it in place with no transpose. One layer of Granite 4's shape (64
+heads of 64, state 128, batch 1, 2 threads): 0.3–0.5 against 3.4 ms a token, 23 against 232 ms at
+512 tokens, 0.11 against 5.2 s at 2048 (this scan is quadratic in the call's length; the op's
+chunked form is not) (benchmarks/FINDINGS.md).
 
 Shapes: b batch, s/t positions, h heads, p head dim, g groups, n state size.
 """
@@ -98,17 +99,18 @@ def ssd_scan(
     initial_state: torch.Tensor | None,
     lengths: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD scan over ``x [b, s, h, p]`` from ``initial_state [b, h, p, n]`` (None: zeros), the
-    whole call as one chunk of the chunked algorithm.
+    """The SSD scan over ``x [b, s, h, p]`` from ``initial_state [b, h, n, p]`` (None: zeros;
+    kvforge's layout, transformers' ``[b, h, p, n]`` transposed), the whole call as one chunk of the
+    chunked algorithm.
 
     ``dt [b, s, h]`` is already discretized (bias, softplus, clamp); ``a [h]`` negative; ``b``,
     ``c [b, s, g, n]``; ``d [h]``; ``lengths [b]`` int64 real positions per row (None: all ``s``).
-    Returns ``(y [b, s, h, p], final_state [b, h, p, n])`` in float32: ``y`` includes the ``D``
+    Returns ``(y [b, s, h, p], final_state [b, h, n, p])`` in float32: ``y`` includes the ``D``
     skip, and ``final_state`` is the state after each row's ``lengths[b]``-th position, as if
     ``reference.mamba2_step`` ran token by token:
 
     ``y_t = sum_{s<=t} (C_t·B_s) exp(A·(dt_{s+1} + ... + dt_t)) dt_s x_s + C_t·(exp(A·(dt_1 + ... +
-    dt_t)) h_0) + D x_t``, and ``h_S = sum_s exp(A·(dt_{s+1} + ... + dt_S)) dt_s x_s ⊗ B_s +
+    dt_t)) h_0) + D x_t``, and ``h_S = sum_s exp(A·(dt_{s+1} + ... + dt_S)) B_s ⊗ dt_s x_s +
     exp(A·(dt_1 + ... + dt_S)) h_0``: matmuls over ``[s, s]`` decayed scores and sums over
     positions, no loop."""
     batch, seq, heads, _ = x.shape
@@ -130,10 +132,10 @@ def ssd_scan(
     b = b.repeat_interleave(heads // groups, dim=2)  # (b, s, h, n)
     c = c.repeat_interleave(heads // groups, dim=2)
     to_end = torch.exp(a_cumsum[..., -1:] - a_cumsum)  # (b, h, s): decay from each position to the last
-    final_state = torch.einsum("bshn,bhs,bshp->bhpn", b, to_end, xdt)  # (b, h, p, n)
+    final_state = torch.einsum("bshn,bhs,bshp->bhnp", b, to_end, xdt)  # (b, h, n, p)
     if initial_state is not None:  # the state before the call, read at each position and carried to the end
         initial_state = initial_state.float()
-        y = y + torch.einsum("bthn,bhpn,bht->bthp", c, initial_state, torch.exp(a_cumsum))
+        y = y + torch.einsum("bthn,bhnp,bht->bthp", c, initial_state, torch.exp(a_cumsum))
         final_state = final_state + torch.exp(a_cumsum[..., -1])[..., None, None] * initial_state
     return y + d.float()[:, None] * x, final_state
 
@@ -152,7 +154,7 @@ def mamba2_scan(
     """:func:`ssd_scan` as one op for the exporter (the ``gqa`` lowering), float32 in and out:
     ``dt`` already 0 past each row's last real token; ``continues [B]`` (1 or 0; optional): rows
     whose 0 start a new sequence, from a zero state. Returns ``(y [b, s, h, p], final_state [b, h,
-    p, n])``."""
+    n, p])``."""
     y, final_state = ssd_scan(x, dt, a, b, c, d, fresh(state, continues), None)
     return y.contiguous(), final_state.contiguous()
 

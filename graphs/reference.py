@@ -155,12 +155,13 @@ def mamba2_step(
     c: torch.Tensor,
     d: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of Mamba2's selective state update: ``state [B, H, P, N]``, ``x [B, H, P]``,
-    ``dt [B, H]`` (after softplus), ``a [H]`` (negative), ``b``/``c [B, H, N]`` (groups already
-    repeated to heads), ``d [H]``. Returns ``(y [B, H, P], new_state)``."""
+    """One token of Mamba2's selective state update: ``state [B, H, N, P]`` (kvforge's layout:
+    transformers' ``[B, H, P, N]`` transposed), ``x [B, H, P]``, ``dt [B, H]`` (after softplus),
+    ``a [H]`` (negative), ``b``/``c [B, H, N]`` (groups already repeated to heads), ``d [H]``.
+    Returns ``(y [B, H, P], new_state)``: ``h = exp(dt·A) h + B ⊗ (dt·x)``, ``y = Cᵀ h + D·x``."""
     decay = torch.exp(dt * a)[..., None, None]  # (B, H, 1, 1)
-    state = state * decay + (dt[..., None] * x)[..., None] * b[:, :, None, :]  # (B, H, P, N)
-    return (state * c[:, :, None, :]).sum(-1) + d[None, :, None] * x, state
+    state = state * decay + b[..., None] * (dt[..., None] * x)[:, :, None, :]  # (B, H, N, P)
+    return (state * c[..., None]).sum(-2) + d[None, :, None] * x, state
 
 
 def mamba_step(

@@ -249,9 +249,13 @@ def _layer_diffs(engine: Engine, model: torch.nn.Module, tokens: list[int]) -> d
     if ours is None:
         return None
     theirs = reference.cache_tensors(model, tokens)
+    # kvforge's Mamba2 recurrent state is transformers' [H, P, N] transposed (StateTensor.axes)
+    transposed = {(e.layer, t.part) for e, t in engine.manifest.layout.state_tensors() if t.axes == "hnp"}
     diffs = {}
     for (layer, part), array in ours.items():
         mine, ref = torch.from_numpy(np.asarray(array, dtype=np.float32)), theirs.get((layer, part))
+        if ref is not None and (layer, part) in transposed:
+            ref = ref.transpose(-1, -2)
         if ref is not None and part in ("key", "value") and ref.shape[-2] < mine.shape[-2]:
             mine = mine[..., -ref.shape[-2] :, :]  # a sliding window's cache layer keeps the last positions
         if ref is not None and part == "conv" and ref.shape[:-1] == mine.shape[:-1] and ref.shape[-1] > mine.shape[-1]:

@@ -264,7 +264,7 @@ def _mamba2_inputs(seq: int, seed: int = 0, batch: int = 2) -> tuple[torch.Tenso
         dt,
         torch.randn(batch, seq, groups, n, generator=g),
         torch.randn(batch, seq, groups, n, generator=g),
-        torch.randn(batch, h, p, n, generator=g),
+        torch.randn(batch, h, n, p, generator=g),  # kvforge's [B, H, N, P]
     )
 
 
@@ -276,7 +276,8 @@ def test_gqa_lowering_runs_the_mamba2_scan_as_ort_linear_attention(tmp_path, con
     N]``) within float32 rounding of the op for one token, a few, and more than the op's chunks,
     batches of 1 to 4, groups of B and C shared by three heads each, a padded tail; with
     ``continues``, rows of 0 start from a zero state though their state holds other numbers; and the
-    final state written into the state's own buffer gives the same results bit for bit."""
+    final state written into the state's own buffer gives the same results bit for bit. The state
+    is the op's own ``[B, H, Dk = N, Dv = P]``, kvforge's layout: no ``Transpose`` reads or writes it."""
     import onnx_ir as ir
 
     from kvforge.graphs import gated_delta_onnx, mamba2  # noqa: F401  (registers the op)
@@ -315,6 +316,10 @@ def test_gqa_lowering_runs_the_mamba2_scan_as_ort_linear_attention(tmp_path, con
     ops = [(n.op_type, n.domain) for n in proto.graph.node]
     assert ops.count(("LinearAttention", "com.microsoft")) == 1
     assert {"If", "Scan", "Loop"}.isdisjoint(t for t, _ in ops)
+    [state_reader] = [n for n in proto.graph.node if "state" in n.input]
+    assert state_reader.op_type == "LinearAttention"
+    [writer] = [n for n in proto.graph.node if "final_state" in n.output]
+    assert writer.op_type == "LinearAttention"
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for length, rows in ((1, 1), (1, 4), (3, 2), (17, 2), (64, 1), (65, 4), (130, 2)):
         inputs = _mamba2_inputs(length, seed=length, batch=rows)

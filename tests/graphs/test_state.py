@@ -350,7 +350,7 @@ def test_gated_delta_layout_keeps_a_conv_and_a_float32_recurrent_state_per_linea
 def test_mamba2_and_mamba_steps_follow_the_recurrence():
     g = torch.Generator().manual_seed(2)
     b, h, p, n = 2, 3, 4, 5
-    state = torch.randn(b, h, p, n, generator=g)
+    state = torch.randn(b, h, n, p, generator=g)  # kvforge's [B, H, N, P]
     x, dt = torch.randn(b, h, p, generator=g), torch.rand(b, h, generator=g)
     a, bm, cm, d = (
         -torch.rand(h, generator=g),
@@ -359,11 +359,11 @@ def test_mamba2_and_mamba_steps_follow_the_recurrence():
         torch.randn(h, generator=g),
     )
     y, new = reference.mamba2_step(state, x, dt, a, bm, cm, d)
-    for i in range(b):  # h_t = exp(dt·A)·h + dt·x ⊗ B; y = h_t·C + D·x, head by head
+    for i in range(b):  # h_t = exp(dt·A)·h + B ⊗ dt·x; y = Cᵀ·h_t + D·x, head by head
         for j in range(h):
-            expected = torch.exp(dt[i, j] * a[j]) * state[i, j] + dt[i, j] * torch.outer(x[i, j], bm[i, j])
+            expected = torch.exp(dt[i, j] * a[j]) * state[i, j] + dt[i, j] * torch.outer(bm[i, j], x[i, j])
             torch.testing.assert_close(new[i, j], expected)
-            torch.testing.assert_close(y[i, j], expected @ cm[i, j] + d[j] * x[i, j])
+            torch.testing.assert_close(y[i, j], cm[i, j] @ expected + d[j] * x[i, j])
     dm = 6
     state1 = torch.randn(b, dm, n, generator=g)
     x1, dt1 = torch.randn(b, dm, generator=g), torch.rand(b, dm, generator=g)
@@ -664,7 +664,7 @@ def _ssd_inputs(batch=2, seq=11, heads=4, head_dim=3, groups=2, size=5, seed=3):
         b=torch.randn(batch, seq, groups, size, generator=g),
         c=torch.randn(batch, seq, groups, size, generator=g),
         d=torch.randn(heads, generator=g),
-        initial_state=torch.randn(batch, heads, head_dim, size, generator=g),
+        initial_state=torch.randn(batch, heads, size, head_dim, generator=g),  # kvforge's [B, H, N, P]
     )
 
 
@@ -676,12 +676,13 @@ def test_mamba2_scan_equals_transformers_chunk_scan_and_the_recurrent_step():
     t = _ssd_inputs()
     y, final = ssd_scan(**t, lengths=None)
     # transformers' chunked scan in chunks of 4 (11 positions: three chunks, the last one padded)
+    # transformers' state is [B, H, P, N], kvforge's the same transposed
     expected, expected_final = mamba2_chunk_scan(
-        t["x"], t["dt"], t["a"], t["b"], t["c"], chunk_size=4, D=t["d"], initial_states=t["initial_state"],
-        return_final_states=True,
+        t["x"], t["dt"], t["a"], t["b"], t["c"], chunk_size=4, D=t["d"],
+        initial_states=t["initial_state"].transpose(-1, -2), return_final_states=True,
     )  # fmt: skip
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(final, expected_final, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, expected_final.transpose(-1, -2), atol=1e-5, rtol=1e-5)
     # token by token through the reference step: the same outputs and state
     state, outs = t["initial_state"], []
     heads = t["x"].shape[2]
@@ -746,7 +747,7 @@ def _mamba2_family_layout(case: str) -> contract.Layout:
 
 
 def test_mamba2_layouts_of_each_family():
-    conv, recurrent = (128 + 2 * 2 * 16, 3), (8, 16, 16)  # [H*P + 2*G*N, K-1], [H, P, N]
+    conv, recurrent = (128 + 2 * 2 * 16, 3), (8, 16, 16)  # [H*P + 2*G*N, K-1], [H, N, P]
     shapes = [(conv, "float32"), (recurrent, "float32")]
     expected = {
         "mamba2": ((), (0, 1)),  # no layer attends
@@ -761,6 +762,14 @@ def test_mamba2_layouts_of_each_family():
         assert [e.layer for e in layout.states] == list(stateful), case
         assert all(e.kind == "mamba2" for e in layout.states)
         assert [[(t.shape, t.dtype) for t in e.tensors] for e in layout.states] == [shapes] * len(stateful), case
+        # the recurrent state is recorded as kvforge's [H, N, P]; an entry without axes is [H, P, N]
+        assert all([t.axes for t in e.tensors] == ["", "hnp"] for e in layout.states), case
+    entry = _mamba2_family_layout("mamba2").states[0]
+    recorded = {"part": "recurrent", "shape": [8, 16, 16], "dtype": "float32", "axes": "hnp"}
+    assert entry.to_dict()["tensors"][1] == recorded
+    older = entry.to_dict()
+    del older["tensors"][1]["axes"]  # as artifacts compiled before the layout change recorded it
+    assert contract.StateEntry.from_dict(older).tensors[1] == contract.StateTensor("recurrent", (8, 16, 16), "float32")
     names = contract.past_names(_mamba2_family_layout("falcon-h1"))
     assert names[:2] == ["past_key_values.0.key", "past_key_values.0.value"]
     assert names[-4:] == ["past_state.0.conv", "past_state.0.recurrent", "past_state.1.conv", "past_state.1.recurrent"]

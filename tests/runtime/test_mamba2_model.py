@@ -128,3 +128,19 @@ def test_in_flight_batching_moves_states_with_their_rows(family):
 @pytest.mark.parametrize("case", CASES)
 def test_drafting_and_the_prefix_cache_give_plain_tokens(mamba2_models, case):
     check_state_features(mamba2_models[case][0], [5, 6, 7, 8] * 2, [40, 41, 42], new=6)
+
+
+def test_compare_reads_each_mamba2_state_as_transformers_holds_it(family):
+    """``compare``'s per-layer diffs after a prompt and its greedy continuation: every conv and
+    recurrent state (kvforge's ``[H, N, P]`` read against transformers' ``[H, P, N]``) and the
+    attention layer's KV within fp32 tolerance of transformers' cache. The state here is square
+    (P = N = 16), so only reading it the right way round passes."""
+    from kvforge.tools import compare
+
+    case, engine, reference = family
+    continuation = hf_greedy(reference, PROMPTS[0], 4)
+    compare._teacher_forced(engine, [PROMPTS[0]], [continuation])
+    diffs = compare._layer_diffs(engine, reference, PROMPTS[0] + continuation)
+    stateful = [e.layer for e in engine.manifest.layout.states]
+    assert {(layer, "recurrent") for layer in stateful} | {(layer, "conv") for layer in stateful} <= set(diffs), case
+    assert all(d is not None and d < ATOL for d in diffs.values()), (case, diffs)
