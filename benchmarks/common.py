@@ -289,12 +289,60 @@ MODEL_SHAPES = {
         ),
         "qwen3.5-0.8b with full attention in every layer",
     ),
+    # IBM Granite-4.0-H-350M as publicly described (granitemoehybrid: 32 layers, attention at 10, 13,
+    # 17 and 27 with 12 heads / 4 KV of 64 and no positional encoding, the others Mamba2 mixers of 48
+    # heads of 32 with state 128 and conv kernel 4; dense SwiGLU; tied, vocab 100352): 340.3M
+    # parameters. The B/C group count (1) and the MLP width (2048) are assumptions, not its config.
+    "granite-4.0-h-350m": ModelShape(
+        "granitemoehybrid",
+        dict(
+            vocab_size=100352,
+            hidden_size=768,
+            intermediate_size=2048,
+            shared_intermediate_size=2048,
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            num_hidden_layers=32,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            layer_types=["full_attention" if i in (10, 13, 17, 27) else "linear_attention" for i in range(32)],
+            mamba_n_heads=48,
+            mamba_d_head=32,
+            mamba_d_state=128,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            position_embedding_type="nope",
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        ),
+        "IBM Granite-4.0-H-350M's published outline (groups and MLP width assumed)",
+        baseline="llama-granite-4.0-h-350m",
+        matched="llama-granite-4.0-h-350m-params",
+    ),
+    # Granite-4.0-H-350M's size as a full-attention Llama (12 heads / 4 KV of 64 in every layer).
+    "llama-granite-4.0-h-350m": ModelShape(
+        "llama",
+        dict(
+            vocab_size=100352,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=32,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        ),
+        "granite-4.0-h-350m with attention in every layer",
+    ),
 }
 # The twins of the hybrids' parameter counts: the Gated DeltaNet's projections (Q, K, V, Z: 8.4M a
 # layer) hold 2x an attention layer's, so Qwen3.5-0.8B has 752.4M parameters against its same-dimension
 # twin's 644.4M; widening the twin's MLP (3584 -> 5056) gives it 752.9M. LFM2-350M: 354.5M against
-# 344.0M; MLP 4608 -> 4800 gives 353.4M. tests/tools/test_bench_shapes.py checks the counts.
-for _hybrid, _mlp in (("qwen3.5-0.8b", 5056), ("lfm2-350m", 4800)):
+# 344.0M; MLP 4608 -> 4800 gives 353.4M. Granite-4.0-H-350M: 340.3M against 278.4M (a Mamba2 mixer holds
+# 3.8M, an attention layer 1.6M); MLP 2048 -> 2888 gives 340.4M. tests/tools/test_bench_shapes.py checks the counts.
+for _hybrid, _mlp in (("qwen3.5-0.8b", 5056), ("lfm2-350m", 4800), ("granite-4.0-h-350m", 2888)):
     _twin = MODEL_SHAPES[MODEL_SHAPES[_hybrid].baseline]
     MODEL_SHAPES[MODEL_SHAPES[_hybrid].matched] = ModelShape(
         _twin.model_type,

@@ -1,11 +1,12 @@
 """Hybrid shapes (issue 39): ``kvforge bench`` on a random model of a published hybrid's shape
 against transformers in the same run, and its prefill against a full-attention Llama of the same size.
 
-For ``--shape`` (a name of ``common.MODEL_SHAPES`` with twins: ``lfm2-350m``, ``qwen3.5-0.8b``), its
-``baseline`` (the same hidden size, layers, heads, MLP and vocabulary, attention in every layer) and
-its ``matched`` twin (the baseline with its MLP widened to the hybrid's parameter count: Qwen3.5's
-Gated DeltaNet projections hold twice an attention layer's, so the same-dimension twin has 14%
-fewer parameters), each a random float32 model built here (nothing is downloaded):
+For ``--shape`` (a name of ``common.MODEL_SHAPES`` with twins: ``lfm2-350m``, ``qwen3.5-0.8b``,
+``granite-4.0-h-350m``), its ``baseline`` (the same hidden size, layers, heads, MLP and vocabulary,
+attention in every layer) and its ``matched`` twin (the baseline with its MLP widened to the
+hybrid's parameter count: Qwen3.5's Gated DeltaNet projections hold twice an attention layer's, so
+the same-dimension twin has 14% fewer parameters), each a random float32 model built here (nothing
+is downloaded):
 
 1. compile it (``--max-batch 1``, ``--max-seq`` the longest prompt + new tokens, ``--dtype``,
    ``--quantize``; a shape whose compile is refused is reported with compile's reason);

@@ -48,7 +48,15 @@ def test_qwen35_shape_is_qwen35_08b_and_compiles_today(common):
     assert 0.7e9 < sum(p.numel() for p in model.parameters()) < 0.8e9
 
 
-@pytest.mark.parametrize("hybrid", ["qwen3.5-0.8b", "lfm2-350m"])
+def test_granite_shape_is_a_mamba2_hybrid_of_granite_4_h_350m_size(common):
+    model = _meta_model(common, "granite-4.0-h-350m")
+    assert type(model).__name__ == "GraniteMoeHybridForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 340_332_224  # Granite-4.0-H-350M's 340M
+    assert [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"] == [10, 13, 17, 27]
+    assert model.model.layers[0].mamba.num_heads == 48 and model.model.layers[0].mamba.ssm_state_size == 128
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3.5-0.8b", "lfm2-350m", "granite-4.0-h-350m"])
 def test_matched_twins_hold_the_hybrids_parameter_count(common, hybrid):
     """The "same size" twin of hybrid_bench's second reading: the same-dimension twin's MLP widened
     until its parameters are the hybrid's within 0.5%."""
