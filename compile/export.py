@@ -154,7 +154,7 @@ def _trace(module, args, dynamic_shapes, input_names, output_names, lowering_nam
                 custom_translation_table={
                     **op_translations.translation_table(),
                     **lowering.translation_table(lowering_name),
-                    **mamba.translation_table(),
+                    **mamba.translation_table(fast=lowering_name == "gqa"),
                 },
                 optimize=False,  # run below, timed on its own
                 verbose=False,

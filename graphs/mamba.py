@@ -182,9 +182,80 @@ def _scan_body(a, causal, last_step):
     return ir.Graph([h, dt, x, b, c], [h_next, y], nodes=nodes, name="mamba_chunk_scan")
 
 
-def translation_table() -> dict:
-    """``custom_translation_table`` entries for the selective scan."""
-    return {torch.ops.kvforge.selective_scan.default: _onnx_translation()}
+def _linear_attention_schema():
+    """The part of ORT's ``com.microsoft.LinearAttention`` schema (ORT >= 1.32) that the exporter
+    needs to trace a call (onnx ships no schemas for ONNX Runtime's contrib ops)."""
+    from onnx.defs import OpSchema
+
+    param, attr, kind = OpSchema.FormalParameter, OpSchema.Attribute, OpSchema.AttrType
+    maybe = OpSchema.FormalParameterOption.Optional
+    return OpSchema(
+        "LinearAttention",
+        "com.microsoft",
+        1,
+        inputs=[param(n, "T") for n in ("query", "key", "value")]
+        + [param(n, "T", "", param_option=maybe) for n in ("past_state", "decay", "beta")],
+        outputs=[param(n, "T") for n in ("output", "present_state")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and state")],
+        attributes=[
+            attr("q_num_heads", kind.INT, "query heads"),
+            attr("kv_num_heads", kind.INT, "key/value heads"),
+            attr("update_rule", kind.STRING, "linear, gated, delta or gated_delta", required=False),
+            attr("scale", kind.FLOAT, "output scale", required=False),
+        ],
+    )
+
+
+def _linear_attention_translation() -> Callable:
+    """The scan as ONNX Runtime's ``com.microsoft.LinearAttention`` (the ``gqa`` lowering): the
+    recurrence ``h = exp(dt·A) ⊙ h + dt·x·B``, ``y = h·C`` per channel is the op's
+    ``update_rule="gated"`` (``S = exp(g) ⊙ S + k vᵀ``, ``o = qᵀ S``) with each of the ``D``
+    channels a head of ``Dk = N`` and ``Dv = 1``: ``k = B`` and ``q = C`` (shared by every channel,
+    spread to each by ``Expand``), ``v = dt·x``, the log decay ``dt·A`` per key channel (as KDA's),
+    the state ``[B, D, N]`` viewed as the op's ``[B, D, N, 1]``. One node for every length, chunked
+    inside the op: one layer of Mamba-130m's shape (D = 1536, N = 16, batch 1, 2 threads) 0.36
+    against the ``Scan`` form's 3.2 ms a token, 15 against 178 ms at 128 tokens, 96 against 736
+    at 512 (benchmarks/FINDINGS.md)."""
+    from onnxscript import values
+
+    op = values.Opset("", 24)
+    linear_attention = values.Op(values.Opset("com.microsoft", 1), "LinearAttention", _linear_attention_schema())
+
+    def ints(*values_: int):
+        return op.Constant(value_ints=list(values_))
+
+    def selective_scan_linear_attention(x, dt, a, b, c, h0, chunk: int):
+        channels = a.shape[0]  # static
+        flat = ints(0, 0, -1)
+        dt_t = op.Transpose(dt, perm=[0, 2, 1])  # (B, S, D)
+        value = op.Mul(op.Transpose(x, perm=[0, 2, 1]), dt_t)  # (B, S, D): D heads of one value
+
+        def per_channel(t):  # (B, S, N) -> (B, S, D * N)
+            return op.Reshape(op.Expand(op.Unsqueeze(t, ints(2)), ints(1, 1, channels, 1)), flat)
+
+        log_decay = op.Reshape(op.Mul(op.Unsqueeze(dt_t, ints(3)), a), flat)  # (B, S, D * N)
+        output, final = linear_attention(
+            per_channel(c),
+            per_channel(b),
+            value,
+            op.Unsqueeze(h0, ints(3)),
+            log_decay,
+            q_num_heads=channels,
+            kv_num_heads=channels,
+            update_rule="gated",
+            scale=1.0,
+            _outputs=2,
+        )
+        return op.Transpose(output, perm=[0, 2, 1]), op.Squeeze(final, ints(3))
+
+    return selective_scan_linear_attention
+
+
+def translation_table(fast: bool = False) -> dict:
+    """``custom_translation_table`` entries for the selective scan: one ``Scan`` over chunks in
+    standard ops, or (``fast``: the ``gqa`` lowering, ONNX Runtime only) one ``LinearAttention``."""
+    translation = _linear_attention_translation() if fast else _onnx_translation()
+    return {torch.ops.kvforge.selective_scan.default: translation}
 
 
 # ------------------------------------------------------------------------------ the swapped kernel

@@ -569,7 +569,13 @@ def test_chunked_scan_from_zero_equals_transformers_prefill_scan():
     torch.testing.assert_close(h, final, atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_scan_lowers_to_one_scan_over_chunks_and_matches_in_onnx_runtime(tmp_path):
+@pytest.mark.parametrize("fast", [False, True])
+def test_chunked_scan_lowers_to_one_node_and_matches_in_onnx_runtime(tmp_path, fast):
+    """The selective scan's two lowerings: one ``Scan`` over chunks (standard ops, no ``Loop``),
+    or (``fast``, the ``gqa`` lowering) one ``com.microsoft.LinearAttention`` and no loop at all;
+    both give the op's outputs and state for one token, one chunk, a ragged last chunk and several,
+    at batches 1 and 2; the fast form's state written into its own buffer (as the runtime binds
+    it) gives the same results bit for bit."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -587,24 +593,41 @@ def test_chunked_scan_lowers_to_one_scan_over_chunks_and_matches_in_onnx_runtime
     shapes = ({0: batch, 2: seq}, {0: batch, 2: seq}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch})
     program = torch.export.export(Scan(), (x, dt, b, c, h0), dynamic_shapes=shapes)
     onnx_program = torch.onnx.export(
-        program, dynamo=True, opset_version=24, custom_translation_table=mamba.translation_table()
+        program, dynamo=True, opset_version=24, custom_translation_table=mamba.translation_table(fast=fast)
     )
     path = tmp_path / "scan.onnx"
     onnx_program.save(str(path))
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
-    assert [n.op_type for n in model.graph.node].count("Scan") == 1 and "Loop" not in {
-        n.op_type for n in model.graph.node
-    }
+    ops = [n.op_type for n in model.graph.node]
+    assert "Loop" not in ops
+    if fast:
+        assert ops.count("LinearAttention") == 1 and "Scan" not in ops
+    else:
+        assert ops.count("Scan") == 1 and "LinearAttention" not in ops
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for length in (1, 4, 9, 23):  # one token (the decode step), one chunk, a ragged last chunk, several
+    names = [i.name for i in session.get_inputs()]
+    for length, rows in ((1, 1), (1, 2), (4, 2), (9, 1), (23, 2), (70, 2)):  # decode, a chunk, ragged, several
         xs, dts, _, _, bs, cs, _, _, _ = _scan_inputs(seq=length, seed=length)  # a: the exported one
+        xs, dts, bs, cs = (t[:rows] for t in (xs, dts, bs, cs))
         dts = torch.nn.functional.softplus(dts)
-        feeds = dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in (xs, dts, bs, cs, h0)]))
+        start = torch.randn(h0[:rows].shape, generator=torch.Generator().manual_seed(length))
+        feeds = dict(zip(names, [t.numpy() for t in (xs, dts, bs, cs, start)]))
         y, state = session.run(None, feeds)
-        expected_y, expected_state = torch.ops.kvforge.selective_scan(xs, dts, a, bs, cs, h0, 4)
+        expected_y, expected_state = torch.ops.kvforge.selective_scan(xs, dts, a, bs, cs, start, 4)
         np.testing.assert_allclose(y, expected_y.numpy(), atol=1e-5, rtol=1e-5, err_msg=f"S={length}")
         np.testing.assert_allclose(state, expected_state.numpy(), atol=1e-5, rtol=1e-5, err_msg=f"S={length}")
+        if fast:
+            binding = session.io_binding()
+            shared = ort.OrtValue.ortvalue_from_numpy(feeds[names[-1]].copy())
+            for name, value in feeds.items():
+                binding.bind_ortvalue_input(name, shared) if name == names[-1] else binding.bind_cpu_input(name, value)
+            outputs = [o.name for o in session.get_outputs()]
+            binding.bind_output(outputs[0])
+            binding.bind_ortvalue_output(outputs[1], shared)
+            session.run_with_iobinding(binding)
+            np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], y)
+            np.testing.assert_array_equal(shared.numpy(), state)
 
 
 def test_mamba_layout_reads_each_familys_sizes():

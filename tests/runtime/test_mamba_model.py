@@ -1,6 +1,7 @@
 """A Mamba (v1) model end to end on the runtime: no layer attends, every layer keeps a conv state
-and a float32 selective-scan state. The artifact records both per layer and no KV; its graph runs
-the scan as one ONNX ``Scan`` over chunks of tokens per layer (no loop over tokens); prefill and
+and a float32 selective-scan state. The artifact records both per layer and no KV; its graphs (the
+CPU default ``gqa`` lowering) run the scan as one ONNX Runtime ``LinearAttention`` per layer (no
+loop; the ``onnx`` lowering's one ``Scan`` over chunks: tests/graphs/test_state.py); prefill and
 decode logits are within fp32 tolerance of transformers; greedy output equals transformers'
 ``generate`` at both ends of ``max_seq``; a ragged batch and in-flight batching (more requests
 than rows, chunked prefills beside decoding rows) give each request its solo tokens; a prompt
@@ -51,11 +52,9 @@ def test_manifest_records_both_states_of_every_layer_and_no_kv(mamba_artifact):
         ("conv", [128, 3], "float32"),
         ("recurrent", [128, 8], "float32"),
     ]
-    graph = onnx.load(str(mamba_artifact / "prefill.onnx"), load_external_data=False).graph
-    scans = [n for n in graph.node if n.op_type == "Scan"]
-    assert len(scans) == 2 and "Loop" not in {n.op_type for n in graph.node}  # one Scan over chunks per layer
-    [body] = [a.g for a in scans[0].attribute if a.name == "body"]
-    assert {"CumSum", "MatMul", "Exp"} <= {n.op_type for n in body.node}
+    for name in ("prefill", "decode"):  # the gqa lowering: one ORT LinearAttention per layer, no loop
+        ops = [n.op_type for n in onnx.load(str(mamba_artifact / f"{name}.onnx"), load_external_data=False).graph.node]
+        assert ops.count("LinearAttention") == 2 and not {"Scan", "Loop"} & set(ops), name
 
 
 def _hf_steps(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
