@@ -201,5 +201,6 @@ def write_shared(models: dict[str, ir.Model], out_dir: Path) -> SharedWeights:
 
 
 def _initializers(model: ir.Model) -> Iterable[ir.Value]:
-    # The exporter's graphs have no subgraphs or functions holding weights: the top graph is all.
-    return list(model.graph.initializers.values())
+    # Subgraphs included: ORT's offline optimizer folds constants inside a Scan or If body into that
+    # body's own initializers (written to a file of its own, deleted after), which must move too.
+    return [value for graph in model.graphs() for value in graph.initializers.values()]

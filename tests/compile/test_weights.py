@@ -48,3 +48,35 @@ def test_each_tensor_once_the_bytes_decide_and_the_digest_is_the_files(tmp_path)
     assert data[weight.nbytes : second] == bytes(second - weight.nbytes)
     assert data[second:] == almost.tobytes()
     assert weights.sha256() == hashlib.sha256(data).hexdigest()
+
+
+def test_initializers_of_subgraphs_move_into_the_weights_file_too(tmp_path):
+    """A constant that ORT's offline optimizer folded inside a ``Scan`` or ``If`` body is that body's
+    own initializer; it moves into weights.data like the top graph's (a Mamba-130m-sized artifact
+    of the ``onnx`` lowering once pointed its Scan body at a file deleted after the optimizer), and
+    the saved graph runs with the same numbers."""
+    import onnxruntime as ort
+
+    table = np.arange(512, dtype=np.float32)  # 2 KiB: over the 1 KiB threshold
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([512]))
+    flag = ir.Value(name="flag", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    inner = ir.Value(name="table", const_value=ir.tensor(table, name="table"))
+    inner.type, inner.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([512])
+    add = ir.node("Add", [x, inner])
+    add.outputs[0].name = "sum"
+    then = ir.Graph([], [add.outputs[0]], nodes=[add], initializers=[inner], name="then")
+    neg = ir.node("Neg", [x])
+    neg.outputs[0].name = "neg"
+    orelse = ir.Graph([], [neg.outputs[0]], nodes=[neg], name="else")
+    branch = ir.node("If", [flag], {"then_branch": then, "else_branch": orelse})
+    branch.outputs[0].name = "y"
+    branch.outputs[0].type, branch.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([512])
+    graph = ir.Graph([x, flag], [branch.outputs[0]], nodes=[branch], opset_imports={"": 24}, name="g")
+    weights = SharedWeights(tmp_path)
+    weights.add({"m": ir.Model(graph, ir_version=10)})
+    assert isinstance(inner.const_value, ir.ExternalTensor) and weights.references == 1
+    assert (tmp_path / "weights.data").stat().st_size >= table.nbytes
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    ones = np.ones(512, dtype=np.float32)
+    [y] = session.run(None, {"x": ones, "flag": np.array(True)})
+    np.testing.assert_array_equal(y, ones + table)
