@@ -1,6 +1,8 @@
 """The ONNX lowering of the state layers' ops (:mod:`kvforge.graphs.gated_delta`'s
 ``kvforge::gated_delta_rule`` and ``kvforge::kda_rule``, :mod:`kvforge.graphs.state`'s
-``kvforge::depthwise_conv``) in standard opset-24 ops; export-time only. Two steps:
+``kvforge::depthwise_conv``; :mod:`kvforge.graphs.mamba2`'s ``kvforge::mamba2_scan``, which only
+the ``gqa`` lowering records, goes to ONNX Runtime's kernel alone: :func:`ort_mamba2_scan`) in
+standard opset-24 ops; export-time only. Two steps:
 
 * **the translation** (:func:`translation_table`, for ``torch.onnx.export(custom_translation_table=...)``)
   records each call as one node of :data:`DOMAIN` (``GatedDeltaRule``, ``KdaRule``: ``(query, key,
@@ -26,6 +28,7 @@ within float32 rounding (tested).
 **ONNX Runtime's fast path** (the ``gqa`` lowering, ``expand(fast=True)``): each rule is one
 ``com.microsoft.LinearAttention`` (:func:`ort_linear_attention`) for every length, no ``If``: ORT
 1.32's kernel runs the rule faster than the ops above at one token and at 512 (benchmarks/FINDINGS.md).
+Mamba2's scan is the same op's ``gated`` rule (:func:`ort_mamba2_scan`).
 
 **The short convolution**: a ``Conv`` with ``group = C`` over the window (past state and chunk);
 for one token, whose window is the kernel's width, ``K`` products and a sum per channel
