@@ -15,7 +15,7 @@ turns over ``--rounds`` rounds (benchmarks/peer_genai.py's workers and rounds, i
 * ``--model smollm2``: SmolLM2-135M-Instruct, the Q4_1 GGUF (``--gguf``) and the HF directory
   converted from it (``--hf-dir``; ``make smollm2``); int4 and fp32. Prompts: ``--batch`` slices
   of ``--prompt-len`` tokens of the quality text (benchmarks/quality.py), the same ids every side.
-* ``--model qwen3.5-0.8b`` / ``lfm2-350m`` (issue 39's hybrids): a random model of
+* ``--model qwen3.5-0.8b`` / ``lfm2-350m`` / ``granite-4.0-h-350m`` (issue 39's hybrids): a random model of
   ``common.MODEL_SHAPES``' shape with SmolLM2's tokenizer and its 49,152-token vocabulary (llama.cpp's
   converter needs a tokenizer it knows; the shapes' own are not on this machine), float32; the
   GGUF side and the rest as ``large`` below (the GGUF-blocks and genai sides do not take these
@@ -75,7 +75,7 @@ SIDES = ("llamacpp", "gguf", "kvforge", "genai")
 # Qwen2-1.5B's layout as a Llama with SmolLM2's vocabulary: 1.39B parameters.
 LARGE = dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=49152, tied=True)
 # Issue 39's hybrid shapes (common.MODEL_SHAPES), with SmolLM2's tokenizer and vocabulary.
-HYBRIDS = ("qwen3.5-0.8b", "lfm2-350m")
+HYBRIDS = ("qwen3.5-0.8b", "lfm2-350m", "granite-4.0-h-350m")
 MODELS = ("smollm2", "large", *HYBRIDS)
 # The converter expects Qwen3.5's multi-token-prediction layers, which the random model has none of.
 CONVERT_FLAGS = {"qwen3.5-0.8b": ["--no-mtp"]}
@@ -323,6 +323,12 @@ def build_hybrid(job: dict[str, Any]) -> dict[str, Any]:
 
     path, tokenizer = Path(job["model_dir"]), Path(job["tokenizer_dir"])
     params = build_shape(job["shape"], path, vocab_size=LARGE["vocab"])
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") == "granitemoehybrid":  # layer types as Granite 4's checkpoints spell them:
+        # llama.cpp's converter reads "attention" / "mamba"; transformers maps them to its own names
+        spelled = {"full_attention": "attention", "linear_attention": "mamba"}
+        config["layer_types"] = [spelled[t] for t in config["layer_types"]]
+        (path / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
         if (tokenizer / name).exists():
             shutil.copy(tokenizer / name, path / name)
