@@ -238,6 +238,11 @@ def test_prefix_cache_of_the_prefill_worker_serves_a_repeated_prompt(client, eng
 
 
 def test_routing_picks_the_least_loaded_decode_worker(served, client):
+    """Four concurrent requests all go through the one prefill worker; the decode workers share
+    them by load (sequences held now, ties: fewer given so far), so once two sequences reached the
+    decode pool both workers got one. How the rest split depends on which sequences are still
+    decoding when the next hand-off arrives (a 3-1 split is least-loaded routing too, when one
+    worker's first sequence is slow), so the test does not assume an even split."""
     _, server = served
     before = {w["name"]: w["routed"] for w in server.workers()}
     with ThreadPoolExecutor(4) as pool:
@@ -245,7 +250,8 @@ def test_routing_picks_the_least_loaded_decode_worker(served, client):
     after = {w["name"]: w["routed"] for w in server.workers()}
     assert after["prefill-0"] - before["prefill-0"] == 4
     spread = [after[n] - before[n] for n in ("decode-0", "decode-1")]
-    assert sum(spread) <= 4 and max(spread) - min(spread) <= 1, spread
+    # a sequence that ends at its first token ends on the prefill worker and never reaches the pool
+    assert sum(spread) <= 4 and (sum(spread) < 2 or min(spread) >= 1), spread
 
 
 def test_a_prefix_hit_on_a_decode_worker_skips_the_prefill_worker(served, client, engine):
