@@ -147,6 +147,28 @@ def qwen35_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def granite_artifact(tmp_path_factory) -> Path:
+    """The tiny Granite 4 of tests/families.py (Mamba2 layers 0, 2, 3 beside attention layer 1, MoE
+    MLPs) with a vocabulary of 384, eos id 0 and a tokenizer (as ``lfm2_dir``), compiled with the
+    default lowering (gqa: each Mamba2 scan one ORT ``LinearAttention``), max_batch 2, max_seq 80,
+    no score graph: the batch-loop features on a Mamba2 hybrid."""
+    from transformers import GenerationConfig
+
+    from kvforge.compile import compile_model
+    from tests import families
+    from tests.helpers import save_tokenizer
+
+    [(_, architecture, config_class, overrides)] = [c for c in families.CASES if c[0] == "granitemoehybrid"]
+    overrides = {**overrides, "vocab_size": 384, "eos_token_id": 0}
+    path = families.build(tmp_path_factory.mktemp("granite") / "model", architecture, config_class, overrides)
+    GenerationConfig(eos_token_id=0).save_pretrained(path)
+    save_tokenizer(path, 384)
+    out = tmp_path_factory.mktemp("artifacts") / "granite"
+    compile_model(path, out, max_batch=2, max_seq=80, score_graph=False, progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def qwen35_artifact(qwen35_dir, tmp_path_factory) -> Path:
     """The tiny Qwen3.5 compiled with the default lowering (gqa, ORT-optimized graphs), max_batch 2,
     max_seq 80 (a prompt can cross the 64-token chunk of the delta rule), no score graph."""

@@ -173,15 +173,16 @@ def test_a_rejection_on_a_hybrid_is_priced_as_a_second_call():
     assert [best_k(a, 8, 0.2, rerun=True) for a in (0.7, 0.9)] == [1, 4]  # a draft model's tokens cost too
 
 
-@pytest.mark.parametrize("artifact", ["lfm2_artifact", "qwen35_artifact"])
+@pytest.mark.parametrize("artifact", ["lfm2_artifact", "qwen35_artifact", "granite_artifact"])
 def test_every_batch_loop_feature_with_ngram_drafts_gives_each_request_its_solo_answer(artifact, request):
     """test_state_model's feature batch (greedy, regex, seeded sampling, a stop string, a
     cancellation, chunked prefills on 2 rows, a prefix-cache hit on a state snapshot) with
     prompt-lookup drafting on, plus a row whose prediction (its greedy answer with one token
     changed) is drafted for certain, accepted up to the change and rejected there: each request as
-    when it runs alone on the same engine. On LFM2 (short convolutions) and Qwen3.5 (Gated
-    DeltaNet, its rule one ORT ``LinearAttention`` under the default gqa lowering: one-token
-    decode steps, 3-token prefill chunks and verify calls through it in the same batch)."""
+    when it runs alone on the same engine. On LFM2 (short convolutions), Qwen3.5 (Gated DeltaNet)
+    and Granite 4 (Mamba2), whose rule and scan are each one ORT ``LinearAttention`` under the
+    default gqa lowering: one-token decode steps, 3-token prefill chunks and verify calls through
+    it in the same batch, new rows reset by the op's first-token decay."""
     pytest.importorskip("llguidance")
     from tests.runtime.test_state_model import FEATURES, _features
 
