@@ -250,7 +250,11 @@ class StepEngine(KVTransfer):
         ``speculative``, the verify steps; :mod:`kvforge.runtime.ov_prefill`: what it refuses, and why
         it pays for int4 artifacts on CPUs with AMX/VNNI). ``"openvino:bf16"``: the same at bfloat16
         (CPUs with AVX512-BF16 or AMX), about twice as fast, the prompt's logits and K/V rounded as
-        bf16 computes them. ``"ort"``: everything on ORT.
+        bf16 computes them. ``"int8"`` (CPU, int4 artifacts): prefill calls whose rows have at least 2
+        tokens each run a second ORT graph made at load from the prefill graph, its int4 projections
+        on ORT's integer GEMM (the same weights in 8 bits, activations rounded to int8 per token):
+        about half the time to first token, at a perplexity cost in the prompt's pass
+        (:mod:`kvforge.runtime.int8_prefill`). ``"ort"``: everything on ORT.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
@@ -334,7 +338,12 @@ class StepEngine(KVTransfer):
         step = "verify" if spec is not None else "prefill"
         lazy = tuple(name for name in graph_files if name != step)
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
-        if prefill != "ort":
+        if prefill == "int8":
+            from kvforge.runtime.int8_prefill import Int8Prefill
+
+            source = graph_files["prefill"]
+            backend.long_prefill = Int8Prefill(backend, source, preoptimized="prefill" in use_ort)
+        elif prefill != "ort":
             from kvforge.runtime import ov_prefill  # imports OpenVINO when it runs
 
             ov_prefill.check_artifact(manifest, prefill)

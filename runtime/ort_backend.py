@@ -116,7 +116,8 @@ class OrtBackend:
         self.embedding_rows: dict[tuple[str, int, int], EmbeddingRows] = {}
         self._rows_of: dict[str, list[EmbeddingRows]] = {}
         self._rows_lock = threading.Lock()
-        self.long_prefill = None  # an OpenVinoPrefill that runs prefill calls of many tokens (Engine.load)
+        # An OpenVinoPrefill or Int8Prefill that runs prefill calls of many tokens (Engine.load's prefill=)
+        self.long_prefill = None
         for name in graph_files:
             if name not in lazy:
                 self.session(name)
@@ -126,9 +127,34 @@ class OrtBackend:
         """The ``InferenceSession`` of graph ``name``, created on first use."""
         if name in self.sessions:
             return self.sessions[name]
+        path = self.graph_files[name]
+        so = self._session_options(path, preoptimized=name in self.preoptimized)
+        if self._weights is not None:
+            self._weights.add_to(so, path)
+        elif self.options.prepack:
+            self._rows_of[name] = self._add_embedding_rows(so, path)
+        self.sessions[name] = self._create(str(path), so, path.name)
+        return self.sessions[name]
+
+    def add_session(self, name: str, model: bytes, graph_file: Path, preoptimized: bool, initializers: dict) -> None:
+        """A session of graph ``name`` made from ``model`` (serialized bytes): a rewrite of
+        ``graph_file`` whose external data it still reads from beside that file, and whose new
+        ``initializers`` (name -> array, declared external in ``model``) the session is handed."""
         import onnxruntime as ort
 
-        options, path = self.options, self.graph_files[name]
+        so = self._session_options(graph_file, preoptimized=preoptimized)
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_file.parent))
+        if initializers:
+            names = list(initializers)
+            so.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(initializers[n]) for n in names])
+        if self.options.prepack:
+            self._rows_of[name] = self._add_embedding_rows(so, graph_file)
+        self.sessions[name] = self._create(model, so, graph_file.name)
+
+    def _session_options(self, path: Path, preoptimized: bool):
+        import onnxruntime as ort
+
+        options = self.options
         so = ort.SessionOptions()
         so.log_severity_level = options.log_severity
         if options.threads is not None:
@@ -143,21 +169,21 @@ class OrtBackend:
             so.add_session_config_entry("session.set_denormal_as_zero", "1")
         if options.profile is not None:
             so.enable_profiling, so.profile_file_prefix = True, options.profile
-        if name in self.preoptimized:
+        if preoptimized:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        if self._weights is not None:
-            self._weights.add_to(so, path)
-        elif options.prepack:
-            self._rows_of[name] = self._add_embedding_rows(so, path)
+        return so
+
+    def _create(self, model, so, label: str):
+        import onnxruntime as ort
+
         try:
-            self.sessions[name] = ort.InferenceSession(str(path), so, providers=list(options.providers))
+            return ort.InferenceSession(model, so, providers=list(self.options.providers))
         except Exception as e:  # ORT's errors (InvalidProtobuf, Fail, ...) are not ValueErrors: say what it means
             detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise ArtifactError(
-                f"ONNX Runtime cannot load {path.name} ({detail}): the file is corrupted or not a graph of this "
+                f"ONNX Runtime cannot load {label} ({detail}): the file is corrupted or not a graph of this "
                 "kvforge; recompile the model (Engine.load checks sha256 unless verify=False)"
             ) from e
-        return self.sessions[name]
 
     def _add_embedding_rows(self, session_options, graph_path: Path) -> list[EmbeddingRows]:
         """Hand ``session_options`` an :class:`EmbeddingRows` for each table of the graph that only
@@ -211,9 +237,13 @@ class OrtBackend:
 
     def bind(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> Binding:
         """Bind contiguous arrays by name. Outputs are written into the given arrays. A prefill call
-        of many tokens is bound to the OpenVINO prefill when the engine has one."""
+        of many tokens is bound to the engine's long prefill when it has one (OpenVINO, or the int8 graph)."""
         if self.long_prefill is not None and self.long_prefill.wants(graph, inputs):
             return self.long_prefill.bind(graph, inputs, outputs)
+        return self.bind_session(graph, inputs, outputs)
+
+    def bind_session(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> Binding:
+        """Bind to the session of ``graph`` itself, whatever the long prefill would take."""
         binding = self.session(graph).io_binding()
         for name, array in inputs.items():
             binding.bind_input(name, "cpu", 0, array.dtype.type, array.shape, _ptr(array))

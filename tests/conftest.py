@@ -51,6 +51,16 @@ def llama_onnx_artifact(llama_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_int4_artifact(llama_dir, tmp_path_factory) -> Path:
+    """The same model with int4 weights (``--quantize int4``: MatMulNBits, the lm_head 8-bit)."""
+    from kvforge.compile import compile_model
+
+    out = tmp_path_factory.mktemp("artifacts") / "llama-int4"
+    compile_model(llama_dir, out, max_batch=4, max_seq=96, quantize="int4", progress=None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_int8_artifact(llama_dir, tmp_path_factory) -> Path:
     """The same model with an 8-bit KV cache (``--kv-dtype int8``: the onnx lowering); its float twin
     is ``llama_onnx_artifact``."""

@@ -111,7 +111,7 @@ def test_artifacts_it_cannot_run_are_refused_at_load(artifact, message, request)
 
 
 def test_bad_choices_are_refused(llama_artifact):
-    with pytest.raises(ValueError, match=r"^prefill='tvm' is not accepted: one of 'ort', 'openvino', 'openvino:bf16'$"):
+    with pytest.raises(ValueError, match=r"^prefill='tvm' is not accepted: one of 'ort', 'int8', 'openvino', 'openvino:bf16'$"):
         Engine.load(llama_artifact, prefill="tvm")
     with pytest.raises(ValueError, match=r"^prefill='openvino' runs the prefill graph on the CPU, and device='cuda'"):
         Engine.load(llama_artifact, prefill="openvino", device="cuda")
@@ -263,15 +263,6 @@ def test_attention_the_paged_translation_cannot_run_is_named():
     assert unsupported(graph(inputs=12)) == (
         "its attention 'attn0' takes 5 input(s) past the seventh (rotary caches or sinks)"
     )
-
-
-@pytest.fixture(scope="module")
-def llama_int4_artifact(llama_dir, tmp_path_factory):
-    from kvforge.compile import compile_model
-
-    out = tmp_path_factory.mktemp("artifacts") / "llama-int4"
-    compile_model(llama_dir, out, max_batch=4, max_seq=96, quantize="int4", progress=None)
-    return out
 
 
 def _layer_kinds(prefill) -> dict[str, int]:
