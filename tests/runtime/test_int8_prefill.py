@@ -2,8 +2,8 @@
 weights in 8 bits, activations rounded per token), decode steps on the int4 graph, one cache. On the
 tiny Llama and the tiny Qwen3.5 (a hybrid with model state): the rewrite, logits within the
 rounding's tolerance of the int4 graph's, each row independent of its batch (bit-equal to its solo
-run), chunked continuation (the hybrid's state too), one-token calls left on the int4 graph, speculative decoding equal to
-plain decoding, the CLI, and the refusals."""
+run), chunked continuation (the hybrid's state too), one-token calls left on the int4 graph,
+speculative decoding equal to plain decoding, the CLI, and the refusals."""
 
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def test_artifacts_without_int4_projections_and_unpacked_sessions_are_refused(ll
         "prefill='int8' cannot run this artifact: its prefill graph has no symmetric 4-bit projection "
         "(compile with --quantize int4); load it with prefill='ort' (the default)"
     )
-    with pytest.raises(ValueError, match=r"^prefill='int8' packs its int8 weights into ORT's kernels; load it with prepack=True$"):
+    refusal = r"^prefill='int8' packs its int8 weights into ORT's kernels; load it with prepack=True$"
+    with pytest.raises(ValueError, match=refusal):
         Engine.load(llama_int4_artifact, prefill="int8", prepack=False)
 
 
