@@ -161,4 +161,4 @@ class Int8Prefill:
         self.backend.run(binding)
 
     def close(self) -> None:
-        self.backend.sessions.pop(GRAPH, None)
+        self.backend.drop_session(GRAPH)

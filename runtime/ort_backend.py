@@ -116,6 +116,7 @@ class OrtBackend:
         self.embedding_rows: dict[tuple[str, int, int], EmbeddingRows] = {}
         self._rows_of: dict[str, list[EmbeddingRows]] = {}
         self._rows_lock = threading.Lock()
+        self._handed: dict[str, list] = {}  # graph -> the OrtValues add_session handed its session
         # An OpenVinoPrefill or Int8Prefill that runs prefill calls of many tokens (Engine.load's prefill=)
         self.long_prefill = None
         for name in graph_files:
@@ -144,12 +145,19 @@ class OrtBackend:
 
         so = self._session_options(graph_file, preoptimized=preoptimized)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_file.parent))
-        if initializers:
+        if initializers:  # ORT reads them in place: they live as long as the session
             names = list(initializers)
-            so.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(initializers[n]) for n in names])
+            values = [ort.OrtValue.ortvalue_from_numpy(initializers[n]) for n in names]
+            so.add_external_initializers(names, values)
+            self._handed[name] = values
         if self.options.prepack:
             self._rows_of[name] = self._add_embedding_rows(so, graph_file)
         self.sessions[name] = self._create(model, so, graph_file.name)
+
+    def drop_session(self, name: str) -> None:
+        """Close graph ``name``'s session and release what it was handed."""
+        self.sessions.pop(name, None)
+        self._handed.pop(name, None)
 
     def _session_options(self, path: Path, preoptimized: bool):
         import onnxruntime as ort
@@ -280,6 +288,7 @@ class OrtBackend:
             self.long_prefill.close()
             self.long_prefill = None
         self.sessions.clear()
+        self._handed.clear()
         self._weights = None
         for rows in self.embedding_rows.values():
             rows.close()

@@ -486,7 +486,9 @@ def format_report(result: dict[str, Any]) -> str:
         f"{s['new_tokens']} new tokens per row; median of {s['repeat']} runs after {s['warmup']} warm-up(s); "
         f"random prompts (seed {s['seed']})",
     ]
-    if s.get("prefill", "ort") != "ort":
+    if s.get("prefill", "ort") == "int8":
+        lines.append("  kvforge's prompts of 2+ tokens prefilled on ORT's integer GEMM (--prefill int8)")
+    elif s.get("prefill", "ort") != "ort":
         lines.append(f"  kvforge's prompts of 32+ tokens prefilled on OpenVINO (--prefill {s['prefill']})")
     if result["reference"]:
         lines.append(f"  reference: {result['reference']['implementation']} ({result['reference']['path']})")

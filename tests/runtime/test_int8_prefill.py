@@ -97,13 +97,20 @@ def test_speculative_decoding_prefills_int8_and_equals_plain_decoding(llama_int4
     assert got.token_ids == q.generate([prompt], max_new_tokens=16)[0].token_ids
 
 
-def test_the_cli_takes_prefill_int8(llama_int4_artifact, engines, capsys):
+def test_generate_and_bench_take_prefill_int8(llama_int4_artifact, engines, capsys, tmp_path):
+    import json
+
     from kvforge.tools.cli import main
 
     q, _ = engines
     text = "The for statement runs the body once for each item."
     assert main(["generate", str(llama_int4_artifact), text, "--max-new-tokens", "8", "--prefill", "int8"]) == 0
     assert capsys.readouterr().out == text + q.generate([text], max_new_tokens=8)[0].text + "\n"
+    out = tmp_path / "bench.json"
+    argv = ["bench", str(llama_int4_artifact), "--prompt-lens", "40", "--batch-sizes", "2", "--new-tokens", "2"]
+    assert main([*argv, "--repeat", "1", "--warmup", "0", "--prefill", "int8", "--json", str(out)]) == 0
+    assert "kvforge's prompts of 2+ tokens prefilled on ORT's integer GEMM (--prefill int8)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["settings"]["prefill"] == "int8"
 
 
 def test_artifacts_without_int4_projections_and_unpacked_sessions_are_refused(llama_artifact, llama_int4_artifact):
