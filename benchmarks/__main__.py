@@ -50,6 +50,7 @@ FEATURES = {
     "disagg": ("disagg", "colocated against prefill/decode workers, with kvforge plan --serve's prediction"),
     "compile": ("compile_time", "compile time and peak memory against genai's builder and Optimum"),
     "gemm": ("gemm_ceiling", "ORT's GEMM and MatMulNBits ceilings per projection shape"),
+    "int8-prefill": ("int8_prefill", "the int8 prefill of int4 artifacts: kernels, prompt-pass perplexity, TTFT"),
     "prefill-profile": ("prefill_profile", "ORT's profiler over a prefill: time per op type and per node"),
     "artifact-ab": ("artifact_ab", "two compiles of one model taking turns in one process: decode and prefill, B / A"),
     "decode": ("decode_speed", "kvforge against transformers eager in one process, a random Llama or named shape"),

@@ -128,8 +128,26 @@ def rewrite(graph_file: Path):
     if weights:
         del graph.node[:]
         graph.node.extend(nodes)
-        graph.initializer.extend([*(numpy_helper.from_array(v, name) for name, v in consts.items()), *declared])
+        used = _names_read(nodes)
+        kept = [init for init in graph.initializer if init.name in used]  # not the int4 blocks replaced
+        del graph.initializer[:]
+        consts = [numpy_helper.from_array(v, name) for name, v in consts.items() if name in used]
+        graph.initializer.extend([*kept, *consts, *declared])
     return model.SerializeToString(), weights, len(weights) // 2
+
+
+def _names_read(nodes) -> set[str]:
+    """Every name the nodes read, in their subgraphs too (an ``If`` branch reads outer initializers)."""
+    from onnx import AttributeProto
+
+    names = set()
+    for node in nodes:
+        names.update(node.input)
+        for attribute in node.attribute:
+            graphs = [attribute.g] if attribute.type == AttributeProto.GRAPH else list(attribute.graphs)
+            for graph in graphs:
+                names |= _names_read(graph.node)
+    return names
 
 
 class Int8Prefill:
