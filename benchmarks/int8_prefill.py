@@ -29,6 +29,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,14 +38,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _session(model: bytes, threads: int, initializers: dict | None = None):
+def _session(model: bytes, threads: int, data_folder: Path | None = None):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
-    if initializers:
-        names = list(initializers)
-        so.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(initializers[n]) for n in names])
+    if data_folder is not None:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
@@ -62,8 +62,6 @@ def _best_ms(session, x: np.ndarray) -> float:
 
 def kernels(hidden: int, intermediate: int, kv_dim: int, heads_dim: int, rows: list[int], threads: int) -> list[dict]:
     """ms a call of each projection shape on the three kernels (see the module docstring)."""
-    import tempfile
-
     from gemm_ceiling import _nbits_model
     from onnx import TensorProto, helper, numpy_helper
 
@@ -81,7 +79,8 @@ def kernels(hidden: int, intermediate: int, kv_dim: int, heads_dim: int, rows: l
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "one.onnx"
             path.write_bytes(nbits)
-            int8, weights, _ = rewrite(path)
+            int8, root, _ = rewrite(path, Path(tmp) / "int8.data")
+            int8_session = _session(int8, threads, root)  # reads the file now
         w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
         graph = helper.make_graph(
             [helper.make_node("MatMul", ["x", "w"], ["y4"])],
@@ -93,7 +92,7 @@ def kernels(hidden: int, intermediate: int, kv_dim: int, heads_dim: int, rows: l
         fp32 = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
         sessions = {
             "int4": _session(nbits, threads),
-            "int8": _session(int8, threads, weights),
+            "int8": int8_session,
             "fp32": _session(fp32, threads),
         }
         for m in rows:
@@ -120,8 +119,9 @@ def quality(artifact: Path, tokens: int, window: int, threads: int) -> dict:
         logits = {"int4": [engine.score([ids[w.start : w.end]])[0].copy() for w in plan]}
         graph = engine.manifest.graphs["score"]
         source = artifact / (graph.ort_file or graph.file)
-        model, weights, _ = rewrite(source)
-        engine.backend.add_session("score", model, source, preoptimized=bool(graph.ort_file), initializers=weights)
+        with tempfile.TemporaryDirectory() as tmp:
+            model, root, _ = rewrite(source, Path(tmp) / "int8.data")
+            engine.backend.add_session("score", model, source, preoptimized=bool(graph.ort_file), data_folder=root)
         logits["int8"] = [engine.score([ids[w.start : w.end]])[0].copy() for w in plan]
     for kind, per_window in logits.items():
         nll = np.concatenate([ppl.window_nll(lg, ids, w) for lg, w in zip(per_window, plan)])

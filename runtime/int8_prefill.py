@@ -1,40 +1,47 @@
 """Prefill on ONNX Runtime's integer GEMM, decode on its int4 kernel: ``Engine.load(prefill="int8")``.
 
 Why. ORT's int4 kernel (``MatMulNBits``, int8 activations a block of 32) reads few bytes a weight,
-which makes decode fast, but over many tokens it is slower than ORT's own fp32 GEMM on these CPUs
-(SmolLM2-135M's gate/up projection at 128 tokens, 2 threads: 5.0 ms against 2.8 fp32), while ORT's
-8-bit integer GEMM (``MatMulInteger``, u8 x s8 on VNNI / AMX) takes 0.74 ms: through the engine,
-an int4 SmolLM2 prefills 128 tokens in ~0.45x the time and 1024 in ~0.55x (docs/performance.md,
-"An int8 prefill for int4 artifacts").
+which makes decode fast, but over many tokens it is slower than ORT's own fp32 GEMM on these CPUs,
+while ORT's 8-bit integer GEMM (``MatMulInteger``, u8 x s8 on VNNI / AMX) is 2-4x faster than
+either: SmolLM2-135M's gate|up projection at 128 tokens, 2 threads, 3.83 ms int4, 2.34 fp32, 1.00
+int8 (``python -m benchmarks int8-prefill``). Through the engine an int4 SmolLM2 prefills 128 tokens
+in 0.44x the time and 1024 in 0.58x (attention, untouched, is a larger share of the longer prompt):
+OpenVINO GenAI's time to first token at 128 tokens (docs/performance.md, "An int8 prefill").
 
-What runs. At load, the artifact's prefill graph is rewritten into a second graph, in a temporary
-directory, with each symmetric 4-bit ``MatMulNBits`` projection replaced by: the activations
-quantized to int8 per token (a scale per row: ``max|x| / 127``, offset by 128 to the u8 ORT's
-kernel takes), ``MatMulInteger`` against int8 weights with a scale per output channel, and both
-scales applied to the int32 product. The int8 weights are the int4 weights themselves (each block
-dequantized, then rounded per output channel to 8 bits, which moves them by at most half an 8-bit
-step), so the prompt's pass computes the same model as the decode steps: what differs is the
-rounding of the activations (per token, where the int4 kernel rounds a block of 32) and that of
-the weights' second rounding. Other nodes (the 8-bit lm_head, asymmetric or GGUF blocks,
-attention, norms, model state) are the prefill graph's own.
+What runs. At load, the artifact's prefill graph is rewritten in memory into a second graph with
+each symmetric 4-bit ``MatMulNBits`` projection replaced by: the activations quantized to int8 per
+token (a step per row: ``max|x| / 127``, offset by 128 to the u8 ORT's kernel takes),
+``MatMulInteger`` against int8 weights with a step per output channel, and both steps applied to
+the int32 product. The int8 weights are the int4 weights themselves (each block dequantized, then
+rounded per output channel to 8 bits, which moves them by at most half an 8-bit step), so the
+prompt's pass computes the same model as the decode steps: what differs is the rounding of the
+activations (per token, where the int4 kernel rounds a block of 32 channels) and the weights' second
+rounding. Other nodes (the 8-bit lm_head, asymmetric or GGUF blocks, attention, norms, model
+state) are the prefill graph's own. The int8 weights go to a temporary file, which the session
+reads and packs (as it does the artifact's weights file) and which is removed once it has.
 
-Quality. Per-token activation scales round the channels beside an outlier coarsely: SmolLM2-135M
-int4 scored on Genesis (4,096 tokens, windows of 512) through such a graph gives perplexity 10.62
-against the int4 graph's 10.19 (+4%; the weights' second rounding alone: 10.20). It is the prompt's
-pass that pays it (its K/V and the first token's logits); the generated tokens are the int4 decode
-step's. So it is an option, not the default.
+Quality. A per-token step rounds the channels beside an outlier coarsely: SmolLM2-135M int4 scored
+on Genesis (4,096 tokens, windows of 512) through the score graph rewritten the same way gives
+perplexity 10.62 against the int4 graph's 10.19 (+4.2%; teacher-forced argmax agreement 87%; the
+weights' second rounding alone costs 10.19 -> 10.20). It is the prompt's pass that pays it (its K/V
+and the first token's logits); the generated tokens are the int4 decode step's: a 128-token text
+prompt gave the int4 graph's 64 greedy tokens, a 1024-token one 11 of 64 before the first
+difference (OpenVINO GenAI's int4 against kvforge's: 12 and 9). So it is an option, not the default.
 
 Which calls. A prefill call whose every row has at least ``min_tokens`` (2) tokens runs the int8
-graph; decode steps and any call with a one-token row run the artifact's own graphs. A row's
-result therefore does not depend on the other rows' tokens (each token's activations are rounded
-on their own), but a one-token chunk or a one-token row in a ragged batch takes the int4 path.
-With speculative decoding the prompts go to the int8 graph and the verify steps stay on the verify
-graph, as with the OpenVINO prefill (:mod:`kvforge.runtime.ov_prefill`). Memory: one more session
-holding the int8 weights ORT packs (SmolLM2-135M: ~+110 MiB).
+graph; decode steps and any call with a one-token row run the artifact's own graphs. A row's result
+does not depend on the other rows' tokens (each token's activations are rounded on their own), but
+a one-token chunk, or a ragged batch with a one-token row, takes the int4 path. With speculative
+decoding the prompts go to the int8 graph and the verify steps stay on the verify graph, as with the
+OpenVINO prefill (:mod:`kvforge.runtime.ov_prefill`). Memory: one more session, holding the int8
+weights it was handed, ORT's packed copy of them and of the lm_head: SmolLM2-135M's peak RSS 385 ->
+685 MiB. Refused: artifacts with no symmetric 4-bit projection (fp32, fp16, ``--quantize int8``), and
+``prepack=False``.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -45,17 +52,19 @@ GRAPH = "prefill.int8"  # the backend's name for the rewritten graph
 MIN_TOKENS = 2  # a prefill call runs here when every row has at least this many tokens
 
 
-def _external_bytes(init, graph_dir: Path) -> np.ndarray:
+def _tensor(init, graph_file: Path) -> np.ndarray:
+    """An initializer's values, read from the file beside ``graph_file`` where it is external."""
     import onnx
 
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+    from kvforge.runtime.ort_backend import external_location
+
     if init.data_location != onnx.TensorProto.EXTERNAL:
         return onnx.numpy_helper.to_array(init)
-    info = {e.key: e.value for e in init.external_data}
-    with open(graph_dir / info["location"], "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        raw = f.read(int(info["length"]))
-    return np.frombuffer(raw, dtype=dtype).reshape(tuple(init.dims))
+    file, offset, length = external_location(init, graph_file)
+    with open(file, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    return np.frombuffer(raw, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
 
 
 def int8_weights(blocks: np.ndarray, scales: np.ndarray, k: int, n: int, block_size: int):
@@ -70,18 +79,23 @@ def int8_weights(blocks: np.ndarray, scales: np.ndarray, k: int, n: int, block_s
     return np.round(w / step[:, None]).astype(np.int8).T.copy(), step.astype(np.float32)
 
 
-def rewrite(graph_file: Path):
+def rewrite(graph_file: Path, data_file: Path) -> tuple[bytes, Path, int]:
     """``graph_file`` with its symmetric 4-bit projections on the integer GEMM: (the graph as bytes,
-    its new weights by name, the number of projections rewritten). The new weights are declared as
-    external data that the session is handed (``add_external_initializers``), never written out;
-    the artifact's own stay in its weights file."""
+    the folder its external data paths are relative to, the number of projections rewritten). The
+    new int8 weights and steps are written to ``data_file`` one projection at a time (never all in
+    memory); the artifact's own weights stay in its weights file. Load the bytes with ORT's
+    ``session.model_external_initializers_file_folder_path`` set to the folder returned."""
+    import os
+
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     model = onnx.load(str(graph_file), load_external_data=False)
-    graph, source = model.graph, graph_file.parent
+    graph = model.graph
     inits = {init.name: init for init in graph.initializer}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    # One folder above both files: ORT refuses external data outside the folder it is given.
+    root = Path(os.path.commonpath([data_file.resolve().parent, graph_file.resolve().parent]))
     consts = {
         "int8_prefill.eps": np.array(1e-30, np.float32),
         "int8_prefill.inv127": np.array(1 / 127, np.float32),
@@ -89,43 +103,51 @@ def rewrite(graph_file: Path):
         "int8_prefill.zero": np.array(128, np.uint8),
         "int8_prefill.axes": np.array([-1], np.int64),
     }
-    nodes, weights, declared = [], {}, []
-    for node in graph.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type != "MatMulNBits" or attrs.get("bits") != 4 or len(node.input) != 3:
-            nodes.append(node)  # not a symmetric 4-bit projection: the graph's own node
-            continue
-        k, n, bs = attrs["K"], attrs["N"], attrs["block_size"]
-        blocks, scales = (_external_bytes(inits[name], source) for name in node.input[1:])
-        p, x, y = f"{node.name}.int8", node.input[0], node.output[0]
-        weights[p + ".w"], weights[p + ".step"] = int8_weights(blocks, scales, k, n, bs)
-        for name in (p + ".w", p + ".step"):
-            tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(weights[name].dtype))
-            tensor.dims.extend(weights[name].shape)
-            tensor.data_location = TensorProto.EXTERNAL
-            for key, value in (("location", "int8-prefill"), ("offset", "0"), ("length", str(weights[name].nbytes))):
-                tensor.external_data.add(key=key, value=value)
-            declared.append(tensor)
-        reduce = (
-            helper.make_node("ReduceMax", [p + ".abs", "int8_prefill.axes"], [p + ".max"], keepdims=1)
-            if opset >= 18
-            else helper.make_node("ReduceMax", [p + ".abs"], [p + ".max"], axes=[-1], keepdims=1)
-        )
-        nodes += [
-            helper.make_node("Abs", [x], [p + ".abs"]),
-            reduce,
-            helper.make_node("Max", [p + ".max", "int8_prefill.eps"], [p + ".max1"]),
-            helper.make_node("Mul", [p + ".max1", "int8_prefill.inv127"], [p + ".scale"]),  # a token's step
-            helper.make_node("Div", [x, p + ".scale"], [p + ".xs"]),
-            helper.make_node("Round", [p + ".xs"], [p + ".xr"]),
-            helper.make_node("Add", [p + ".xr", "int8_prefill.offset"], [p + ".xu"]),
-            helper.make_node("Cast", [p + ".xu"], [p + ".xq"], to=TensorProto.UINT8),
-            helper.make_node("MatMulInteger", [p + ".xq", p + ".w", "int8_prefill.zero"], [p + ".yi"], name=p),
-            helper.make_node("Cast", [p + ".yi"], [p + ".yf"], to=TensorProto.FLOAT),
-            helper.make_node("Mul", [p + ".yf", p + ".step"], [p + ".yc"]),
-            helper.make_node("Mul", [p + ".yc", p + ".scale"], [y]),
-        ]
-    if weights:
+    location = os.path.relpath(data_file.resolve(), root)
+    nodes, declared, count = [], [], 0
+    with open(data_file, "wb") as data:
+        for node in graph.node:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            if node.op_type != "MatMulNBits" or attrs.get("bits") != 4 or len(node.input) != 3:
+                nodes.append(node)  # not a symmetric 4-bit projection: the graph's own node
+                continue
+            k, n, bs = attrs["K"], attrs["N"], attrs["block_size"]
+            blocks, scales = (_tensor(inits[name], graph_file) for name in node.input[1:])
+            p, x, y = f"{node.name}.int8", node.input[0], node.output[0]
+            for name, array in zip((p + ".w", p + ".step"), int8_weights(blocks, scales, k, n, bs)):
+                offset = data.tell()
+                data.write(array.tobytes())
+                tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+                tensor.dims.extend(array.shape)
+                tensor.data_location = TensorProto.EXTERNAL
+                for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
+                    tensor.external_data.add(key=key, value=value)
+                declared.append(tensor)
+            count += 1
+            reduce = (
+                helper.make_node("ReduceMax", [p + ".abs", "int8_prefill.axes"], [p + ".max"], keepdims=1)
+                if opset >= 18
+                else helper.make_node("ReduceMax", [p + ".abs"], [p + ".max"], axes=[-1], keepdims=1)
+            )
+            nodes += [
+                helper.make_node("Abs", [x], [p + ".abs"]),
+                reduce,
+                helper.make_node("Max", [p + ".max", "int8_prefill.eps"], [p + ".max1"]),
+                helper.make_node("Mul", [p + ".max1", "int8_prefill.inv127"], [p + ".scale"]),  # a token's step
+                helper.make_node("Div", [x, p + ".scale"], [p + ".xs"]),
+                helper.make_node("Round", [p + ".xs"], [p + ".xr"]),
+                helper.make_node("Add", [p + ".xr", "int8_prefill.offset"], [p + ".xu"]),
+                helper.make_node("Cast", [p + ".xu"], [p + ".xq"], to=TensorProto.UINT8),
+                helper.make_node("MatMulInteger", [p + ".xq", p + ".w", "int8_prefill.zero"], [p + ".yi"], name=p),
+                helper.make_node("Cast", [p + ".yi"], [p + ".yf"], to=TensorProto.FLOAT),
+                helper.make_node("Mul", [p + ".yf", p + ".step"], [p + ".yc"]),
+                helper.make_node("Mul", [p + ".yc", p + ".scale"], [y]),
+            ]
+    for init in graph.initializer:  # the artifact's own external data, now relative to root
+        for entry in init.external_data:
+            if entry.key == "location":
+                entry.value = os.path.relpath((graph_file.parent / entry.value).resolve(), root)
+    if count:
         del graph.node[:]
         graph.node.extend(nodes)
         used = _names_read(nodes)
@@ -133,7 +155,7 @@ def rewrite(graph_file: Path):
         del graph.initializer[:]
         consts = [numpy_helper.from_array(v, name) for name, v in consts.items() if name in used]
         graph.initializer.extend([*kept, *consts, *declared])
-    return model.SerializeToString(), weights, len(weights) // 2
+    return model.SerializeToString(), root, count
 
 
 def _names_read(nodes) -> set[str]:
@@ -158,13 +180,16 @@ class Int8Prefill:
     def __init__(self, backend, graph_file: Path, preoptimized: bool, min_tokens: int = MIN_TOKENS) -> None:
         if not backend.options.prepack:
             raise ValueError("prefill='int8' packs its int8 weights into ORT's kernels; load it with prepack=True")
-        model, weights, count = rewrite(graph_file)
-        if not count:
-            raise ValueError(
-                "prefill='int8' cannot run this artifact: its prefill graph has no symmetric 4-bit projection "
-                "(compile with --quantize int4); load it with prefill='ort' (the default)"
-            )
-        backend.add_session(GRAPH, model, graph_file, preoptimized=preoptimized, initializers=weights)
+        # The int8 weights go through a file ORT reads, packs and lets go of (handed from memory, the
+        # session would keep them beside its packed copy: +1.2 GiB at 1.39B); removed once it has.
+        with tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") as tmp:
+            model, root, count = rewrite(graph_file, Path(tmp) / "int8.data")
+            if not count:
+                raise ValueError(
+                    "prefill='int8' cannot run this artifact: its prefill graph has no symmetric 4-bit projection "
+                    "(compile with --quantize int4); load it with prefill='ort' (the default)"
+                )
+            backend.add_session(GRAPH, model, graph_file, preoptimized=preoptimized, data_folder=root)
         self.backend, self.min_tokens, self.projections = backend, min_tokens, count
 
     def wants(self, graph: str, inputs: dict[str, np.ndarray]) -> bool:
@@ -173,10 +198,8 @@ class Int8Prefill:
         return graph == "prefill" and int(inputs[contract.INPUT_LENGTHS].min()) >= self.min_tokens
 
     def bind(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
+        """A binding of the int8 graph's session, which the backend runs as any of its own."""
         return self.backend.bind_session(GRAPH, inputs, outputs)
-
-    def run(self, binding) -> None:
-        self.backend.run(binding)
 
     def close(self) -> None:
         self.backend.drop_session(GRAPH)

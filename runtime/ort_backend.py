@@ -116,7 +116,6 @@ class OrtBackend:
         self.embedding_rows: dict[tuple[str, int, int], EmbeddingRows] = {}
         self._rows_of: dict[str, list[EmbeddingRows]] = {}
         self._rows_lock = threading.Lock()
-        self._handed: dict[str, list] = {}  # graph -> the OrtValues add_session handed its session
         # An OpenVinoPrefill or Int8Prefill that runs prefill calls of many tokens (Engine.load's prefill=)
         self.long_prefill = None
         for name in graph_files:
@@ -137,27 +136,20 @@ class OrtBackend:
         self.sessions[name] = self._create(str(path), so, path.name)
         return self.sessions[name]
 
-    def add_session(self, name: str, model: bytes, graph_file: Path, preoptimized: bool, initializers: dict) -> None:
+    def add_session(self, name: str, model: bytes, graph_file: Path, preoptimized: bool, data_folder: Path) -> None:
         """A session of graph ``name`` made from ``model`` (serialized bytes): a rewrite of
-        ``graph_file`` whose external data it still reads from beside that file, and whose new
-        ``initializers`` (name -> array, declared external in ``model``) the session is handed."""
-        import onnxruntime as ort
-
+        ``graph_file`` (whose embedding tables it shares) with its external data paths relative to
+        ``data_folder``."""
         so = self._session_options(graph_file, preoptimized=preoptimized)
-        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_file.parent))
-        if initializers:  # ORT reads them in place: they live as long as the session
-            names = list(initializers)
-            values = [ort.OrtValue.ortvalue_from_numpy(initializers[n]) for n in names]
-            so.add_external_initializers(names, values)
-            self._handed[name] = values
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
         if self.options.prepack:
             self._rows_of[name] = self._add_embedding_rows(so, graph_file)
         self.sessions[name] = self._create(model, so, graph_file.name)
 
     def drop_session(self, name: str) -> None:
-        """Close graph ``name``'s session and release what it was handed."""
+        """Close graph ``name``'s session."""
         self.sessions.pop(name, None)
-        self._handed.pop(name, None)
+        self._rows_of.pop(name, None)
 
     def _session_options(self, path: Path, preoptimized: bool):
         import onnxruntime as ort
@@ -206,7 +198,7 @@ class OrtBackend:
             return []
         tables = []
         for init in gather_only_tables(graph, contract.INPUT_IDS):
-            file, offset, length = _external_location(init, graph_path)
+            file, offset, length = external_location(init, graph_path)
             key = (str(file), offset, length)
             if key not in self.embedding_rows:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
@@ -288,7 +280,6 @@ class OrtBackend:
             self.long_prefill.close()
             self.long_prefill = None
         self.sessions.clear()
-        self._handed.clear()
         self._weights = None
         for rows in self.embedding_rows.values():
             rows.close()
@@ -316,7 +307,7 @@ class _SharedInitializers:
         for init in graph.graph.initializer:
             if init.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            file, offset, length = _external_location(init, graph_path)
+            file, offset, length = external_location(init, graph_path)
             if file != self.path.resolve():
                 continue
             dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
@@ -327,7 +318,7 @@ class _SharedInitializers:
             session_options.add_initializer(init.name, self.values[key])
 
 
-def _external_location(init, graph_path: Path) -> tuple[Path, int, int]:
+def external_location(init, graph_path: Path) -> tuple[Path, int, int]:
     """Where an externally stored initializer's bytes are: (file, offset, length)."""
     info = {e.key: e.value for e in init.external_data}
     return (graph_path.parent / info["location"]).resolve(), int(info.get("offset", 0)), int(info["length"])

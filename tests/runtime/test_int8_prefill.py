@@ -44,14 +44,27 @@ def test_int4_weights_become_int8_within_half_an_8_bit_step():
     assert np.all(np.abs(w8 * step - w4) <= step / 2 + 1e-6)
 
 
-def test_every_symmetric_int4_projection_is_rewritten(llama_int4_artifact):
+def test_every_symmetric_int4_projection_is_rewritten(llama_int4_artifact, tmp_path):
+    import os
+
     import onnx
 
-    model, weights, count = rewrite(llama_int4_artifact / "prefill.onnx")
-    ops = [node.op_type for node in onnx.load_from_string(model).graph.node]
+    data = tmp_path / "int8.data"
+    model, root, count = rewrite(llama_int4_artifact / "prefill.onnx", data)
+    graph = onnx.load_from_string(model).graph
+    ops = [node.op_type for node in graph.node]
     assert count == 8 == ops.count("MatMulInteger")  # q|k|v, o, gate|up, down in each of 2 layers
     assert ops.count("MatMulNBits") == 1  # the lm_head: 8-bit, the graph's own node
-    assert len(weights) == 16 and all(w.dtype in (np.int8, np.float32) for w in weights.values())
+    int8 = {}  # the new tensors, read back from the data file
+    for init in graph.initializer:
+        where = {e.key: e.value for e in init.external_data}
+        if where:  # every external path leads from root to a file that holds the tensor
+            assert (root / where["location"]).resolve().is_file(), where["location"]
+        if where.get("location") == os.path.relpath(data.resolve(), root):
+            int8[init.name] = init
+    assert len(int8) == 16  # a weight and a step per projection
+    assert sum(int(e.value) for t in int8.values() for e in t.external_data if e.key == "length") == data.stat().st_size
+    assert {t.data_type for t in int8.values()} == {onnx.TensorProto.INT8, onnx.TensorProto.FLOAT}
 
 
 def test_a_prefill_runs_int8_near_the_int4_graph_and_each_row_as_alone(engines):
