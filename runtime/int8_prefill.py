@@ -5,8 +5,9 @@ which makes decode fast, but over many tokens it is slower than ORT's own fp32 G
 while ORT's 8-bit integer GEMM (``MatMulInteger``, u8 x s8 on VNNI / AMX) is 2-4x faster than
 either: SmolLM2-135M's gate|up projection at 128 tokens, 2 threads, 3.83 ms int4, 2.34 fp32, 1.00
 int8 (``python -m benchmarks int8-prefill``). Through the engine an int4 SmolLM2 prefills 128 tokens
-in 0.44x the time and 1024 in 0.58x (attention, untouched, is a larger share of the longer prompt):
-OpenVINO GenAI's time to first token at 128 tokens (docs/performance.md, "An int8 prefill").
+in 0.44x the time and 1024 in 0.58x (attention, untouched, is a larger share of the longer prompt),
+a 1.39B Llama in 0.34x / 0.33x: OpenVINO GenAI's time to first token or under it, but for SmolLM2
+at 1024 tokens (docs/performance.md, "An int8 prefill for int4 artifacts").
 
 What runs. At load, the artifact's prefill graph is rewritten in memory into a second graph with
 each symmetric 4-bit ``MatMulNBits`` projection replaced by: the activations quantized to int8 per
@@ -33,10 +34,11 @@ graph; decode steps and any call with a one-token row run the artifact's own gra
 does not depend on the other rows' tokens (each token's activations are rounded on their own), but
 a one-token chunk, or a ragged batch with a one-token row, takes the int4 path. With speculative
 decoding the prompts go to the int8 graph and the verify steps stay on the verify graph, as with the
-OpenVINO prefill (:mod:`kvforge.runtime.ov_prefill`). Memory: one more session, holding the int8
-weights it was handed, ORT's packed copy of them and of the lm_head: SmolLM2-135M's peak RSS 385 ->
-685 MiB. Refused: artifacts with no symmetric 4-bit projection (fp32, fp16, ``--quantize int8``), and
-``prepack=False``.
+OpenVINO prefill (:mod:`kvforge.runtime.ov_prefill`). Memory: one more session, holding ORT's
+packed copy of the int8 weights and of the lm_head; peak RSS SmolLM2-135M 275 -> 432 MiB, the 1.39B
+1372 -> 2743 (OpenVINO GenAI: 396, 1949); load writes the int8 weights to a temporary file first
+(``tempfile``'s folder; 1.2 GB at 1.39B). Refused: artifacts with no symmetric 4-bit projection
+(fp32, fp16, ``--quantize int8``), and ``prepack=False``.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ class Int8Prefill:
         if not backend.options.prepack:
             raise ValueError("prefill='int8' packs its int8 weights into ORT's kernels; load it with prepack=True")
         # The int8 weights go through a file ORT reads, packs and lets go of (handed from memory, the
-        # session would keep them beside its packed copy: +1.2 GiB at 1.39B); removed once it has.
+        # session would keep them beside its packed copy: 1.39B peak RSS 5.3 against 3.1 GB).
         with tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") as tmp:
             model, root, count = rewrite(graph_file, Path(tmp) / "int8.data")
             if not count:
