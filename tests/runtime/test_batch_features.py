@@ -65,12 +65,13 @@ def _run(
     return results
 
 
-def _solo_answers(artifact, extra: dict | None = None) -> tuple[dict, dict, object]:
+def _solo_answers(artifact, extra: dict | None = None, **load) -> tuple[dict, dict, object]:
     """REQUESTS (the predicted row's prediction: the plain answer's first 10 tokens, then 3 others),
-    each request's answer alone on a plain engine (no prefix cache, no drafts), also for ``extra``,
-    and the answer to a prompt extending the drafting request's."""
+    each request's answer alone on a plain engine (no prefix cache, no drafts; ``load``: more of
+    Engine.load's arguments), also for ``extra``, and the answer to a prompt extending the drafting
+    request's."""
     requests = dict(REQUESTS)
-    with Engine.load(artifact, prefix_cache=0, threads=1) as plain:
+    with Engine.load(artifact, prefix_cache=0, threads=1, **load) as plain:
         predicted = plain.generate([requests["predicted"][0]], max_new_tokens=16, sampling=GREEDY)[0]
         requests["predicted"] = (
             requests["predicted"][0],
@@ -193,4 +194,42 @@ def test_openvino_prefill_with_every_batch_loop_feature_it_allows(tiny_artifact)
         hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
         assert hit.cached_tokens > 0  # the suffix after the cached prefix: prefilled on OpenVINO too
         assert engine.backend.long_prefill.calls == calls + 1
+        assert hit.token_ids == hit_solo.token_ids and hit.text == hit_solo.text
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_artifact(tmp_path_factory):
+    from kvforge.compile import compile_model
+    from tests.conftest import BUNDLED_MODEL
+
+    out = tmp_path_factory.mktemp("artifacts") / "kvforge-tiny-int4"
+    compile_model(BUNDLED_MODEL, out, max_batch=8, max_seq=512, score_graph=False, quantize="int4", progress=None)
+    return out
+
+
+def test_int8_prefill_with_every_batch_loop_feature(tiny_int4_artifact):
+    """``prefill="int8"`` on an int4 compile of the bundled model, with n-gram drafts, the prefix
+    cache, a regex row, a seeded sampled row with a logit bias, a stop string, min_tokens, a
+    prediction, a cancellation and a later prefix hit in one scheduler batch: each request's answer
+    is its solo answer on a plain engine with the same prefill (no prefix cache, no drafts). Prompts
+    run the int8 graph, whether admitted together or alone; steps and verify calls the int4 graphs."""
+    requests, solo, hit_solo = _solo_answers(tiny_int4_artifact, prefill="int8")
+    with Engine.load(tiny_int4_artifact, speculative="ngram", threads=1, prefill="int8") as engine:
+        assert engine.prefix_pool is not None
+        runs, bind = [], engine.backend.long_prefill.bind
+
+        def spy(graph, inputs, outputs):  # the prompts the int8 graph takes
+            runs.append(len(inputs["input_lengths"]))
+            return bind(graph, inputs, outputs)
+
+        engine.backend.long_prefill.bind = spy
+        together = _run(engine, requests, cancel="cancelled")
+        assert runs, "no prompt ran the int8 graph"
+        for name in requests:
+            got, want = _same(together[name], solo[name])
+            assert got == want, name
+        assert together["cancelled"].finish_reason == "cancelled"
+        assert sum(r.drafted_tokens for r in together.values()) > 0
+        hit = engine.generate([REPEAT + " again"], max_new_tokens=8, sampling=GREEDY)[0]
+        assert hit.cached_tokens > 0
         assert hit.token_ids == hit_solo.token_ids and hit.text == hit_solo.text
