@@ -213,10 +213,10 @@ class StepEngine(KVTransfer):
         session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
         the weights into its kernels' layout, once per session). ``spin_stop`` (None: on with a
-        ``draft`` model, for both engines, and with an OpenVINO ``prefill``, which take turns on the
-        same cores; off otherwise): the intra-op threads stop spinning when a run ends (an OpenVINO
-        prefill of 128 tokens right after decode steps: 60-62 against 67-68 ms, the steps within
-        1%). ``one_session`` runs decode steps
+        ``draft`` model, for both engines, and with an OpenVINO or int8 ``prefill``, whose second
+        runtime or session takes turns on the same cores; off otherwise): the intra-op threads stop
+        spinning when a run ends (an OpenVINO prefill of 128 tokens right after decode steps: 60-62
+        against 67-68 ms, the steps within 1%). ``one_session`` runs decode steps
         through the prefill graph's session, so generation holds one packed copy of the weights;
         ``False`` runs them on the decode graph in a session of its own (a second copy). The
         score graph's session is created on first use of :meth:`score`. ``verify`` checks every
@@ -318,7 +318,7 @@ class StepEngine(KVTransfer):
                 "recompile with --dtype float32 (or float16) for CPU"
             )
         if spin_stop is None:
-            # Two engines (or ORT and OpenVINO) taking turns: neither may spin on the other's cores.
+            # Two engines (or two runtimes, or two sessions) taking turns: none may spin on the others' cores.
             spin_stop = draft is not None or prefill != "ort"
         options = OrtOptions(
             threads=threads,
