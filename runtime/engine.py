@@ -341,8 +341,7 @@ class StepEngine(KVTransfer):
         if prefill == "int8":
             from kvforge.runtime.int8_prefill import Int8Prefill
 
-            source = graph_files["prefill"]
-            backend.long_prefill = Int8Prefill(backend, source, preoptimized="prefill" in use_ort)
+            backend.long_prefill = Int8Prefill(backend, graph_files["prefill"], preoptimized="prefill" in use_ort)
         elif prefill != "ort":
             from kvforge.runtime import ov_prefill  # imports OpenVINO when it runs
 

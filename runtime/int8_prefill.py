@@ -17,8 +17,9 @@ the int32 product. The int8 weights are the int4 weights themselves (each block 
 rounded per output channel to 8 bits, which moves them by at most half an 8-bit step), so the
 prompt's pass computes the same model as the decode steps: what differs is the rounding of the
 activations (per token, where the int4 kernel rounds a block of 32 channels) and the weights' second
-rounding. Other nodes (the 8-bit lm_head, asymmetric or GGUF blocks, attention, norms, model
-state) are the prefill graph's own. The int8 weights go to a temporary file, which the session
+rounding (a GGUF file's Q4_0 blocks are such projections too). Other nodes (the 8-bit lm_head,
+blocks with zero points: ``--asymmetric``, GGUF Q4_1; attention, norms, model state) are the
+prefill graph's own. The int8 weights go to a temporary file, which the session
 reads and packs (as it does the artifact's weights file) and which is removed once it has.
 
 Quality. A per-token step rounds the channels beside an outlier coarsely: SmolLM2-135M int4 scored
