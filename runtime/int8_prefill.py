@@ -97,15 +97,10 @@ def rewrite(graph_file: Path, data_file: Path) -> tuple[bytes, Path, int]:
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 21:  # kvforge exports opset 24; blocked QuantizeLinear is opset 21
+        raise ValueError(f"{graph_file.name} imports ONNX opset {opset}; prefill='int8' needs 21 or later (recompile)")
     # One folder above both files: ORT refuses external data outside the folder it is given.
     root = Path(os.path.commonpath([data_file.resolve().parent, graph_file.resolve().parent]))
-    consts = {
-        "int8_prefill.eps": np.array(1e-30, np.float32),
-        "int8_prefill.inv127": np.array(1 / 127, np.float32),
-        "int8_prefill.offset": np.array(128, np.float32),
-        "int8_prefill.zero": np.array(128, np.uint8),
-        "int8_prefill.axes": np.array([-1], np.int64),
-    }
     location = os.path.relpath(data_file.resolve(), root)
     nodes, declared, count = [], [], 0
     with open(data_file, "wb") as data:
@@ -127,25 +122,7 @@ def rewrite(graph_file: Path, data_file: Path) -> tuple[bytes, Path, int]:
                     tensor.external_data.add(key=key, value=value)
                 declared.append(tensor)
             count += 1
-            reduce = (
-                helper.make_node("ReduceMax", [p + ".abs", "int8_prefill.axes"], [p + ".max"], keepdims=1)
-                if opset >= 18
-                else helper.make_node("ReduceMax", [p + ".abs"], [p + ".max"], axes=[-1], keepdims=1)
-            )
-            nodes += [
-                helper.make_node("Abs", [x], [p + ".abs"]),
-                reduce,
-                helper.make_node("Max", [p + ".max", "int8_prefill.eps"], [p + ".max1"]),
-                helper.make_node("Mul", [p + ".max1", "int8_prefill.inv127"], [p + ".scale"]),  # a token's step
-                helper.make_node("Div", [x, p + ".scale"], [p + ".xs"]),
-                helper.make_node("Round", [p + ".xs"], [p + ".xr"]),
-                helper.make_node("Add", [p + ".xr", "int8_prefill.offset"], [p + ".xu"]),
-                helper.make_node("Cast", [p + ".xu"], [p + ".xq"], to=TensorProto.UINT8),
-                helper.make_node("MatMulInteger", [p + ".xq", p + ".w", "int8_prefill.zero"], [p + ".yi"], name=p),
-                helper.make_node("Cast", [p + ".yi"], [p + ".yf"], to=TensorProto.FLOAT),
-                helper.make_node("Mul", [p + ".yf", p + ".step"], [p + ".yc"]),
-                helper.make_node("Mul", [p + ".yc", p + ".scale"], [y]),
-            ]
+            nodes += _integer_projection(p, x, y, k)
     for init in graph.initializer:  # the artifact's own external data, now relative to root
         for entry in init.external_data:
             if entry.key == "location":
@@ -156,9 +133,48 @@ def rewrite(graph_file: Path, data_file: Path) -> tuple[bytes, Path, int]:
         used = _names_read(nodes)
         kept = [init for init in graph.initializer if init.name in used]  # not the int4 blocks replaced
         del graph.initializer[:]
-        consts = [numpy_helper.from_array(v, name) for name, v in consts.items() if name in used]
+        consts = [numpy_helper.from_array(v, name) for name, v in _CONSTS.items() if name in used]
         graph.initializer.extend([*kept, *consts, *declared])
     return model.SerializeToString(), root, count
+
+
+_CONSTS = {
+    "int8_prefill.eps": np.array(1e-30, np.float32),
+    "int8_prefill.inv127": np.array(1 / 127, np.float32),
+    "int8_prefill.zero": np.array(128, np.uint8),
+    "int8_prefill.one": np.array(1, np.float32),
+    "int8_prefill.axes": np.array([-1], np.int64),
+}
+
+
+def _integer_projection(p: str, x: str, y: str, k: int) -> list:
+    """The nodes of one projection ``y = x @ W`` on the integer GEMM, their names prefixed ``p``
+    (the weights ``p.w``, int8 ``[K, N]``, and ``p.step``, ``[N]``): ``x`` rounded to u8 with a step
+    per token (``max|x| / 127``, offset 128) by one blocked ``QuantizeLinear`` (a block of ``K``
+    channels), ``MatMulIntegerToFloat`` (the int32 product times the weights' steps, one pass), then
+    the tokens' steps. ``max|x|`` is ``max(max x, -min x)``: two reductions, no ``Abs`` pass. Bit-equal
+    to ``Div``/``Round``/``Add``/``Cast``, ``MatMulInteger``, a ``Cast`` and two ``Mul``s, and 1.3-2.6x
+    faster at SmolLM2's shapes (2 threads, 128 and 1024 tokens)."""
+    from onnx import helper
+
+    return [
+        helper.make_node("ReduceMax", [x, "int8_prefill.axes"], [p + ".hi"], keepdims=1),
+        helper.make_node("ReduceMin", [x, "int8_prefill.axes"], [p + ".lo"], keepdims=1),
+        helper.make_node("Neg", [p + ".lo"], [p + ".nlo"]),
+        helper.make_node("Max", [p + ".hi", p + ".nlo", "int8_prefill.eps"], [p + ".max"]),
+        helper.make_node("Mul", [p + ".max", "int8_prefill.inv127"], [p + ".scale"]),  # a token's step
+        helper.make_node("Shape", [p + ".scale"], [p + ".rows"]),
+        helper.make_node("Expand", ["int8_prefill.zero", p + ".rows"], [p + ".zp"]),
+        helper.make_node("QuantizeLinear", [x, p + ".scale", p + ".zp"], [p + ".xq"], axis=-1, block_size=k),
+        helper.make_node(
+            "MatMulIntegerToFloat",
+            [p + ".xq", p + ".w", "int8_prefill.one", p + ".step", "int8_prefill.zero"],
+            [p + ".yc"],
+            name=p,
+            domain="com.microsoft",
+        ),
+        helper.make_node("Mul", [p + ".yc", p + ".scale"], [y]),
+    ]
 
 
 def _names_read(nodes) -> set[str]:

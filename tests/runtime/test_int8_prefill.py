@@ -53,7 +53,9 @@ def test_every_symmetric_int4_projection_is_rewritten(llama_int4_artifact, tmp_p
     model, root, count = rewrite(llama_int4_artifact / "prefill.onnx", data)
     graph = onnx.load_from_string(model).graph
     ops = [node.op_type for node in graph.node]
-    assert count == 8 == ops.count("MatMulInteger")  # q|k|v, o, gate|up, down in each of 2 layers
+    assert (
+        count == 8 == ops.count("MatMulIntegerToFloat") == ops.count("QuantizeLinear")
+    )  # q|k|v, o, gate|up, down; 2 layers
     assert ops.count("MatMulNBits") == 1  # the lm_head: 8-bit, the graph's own node
     int8 = {}  # the new tensors, read back from the data file
     for init in graph.initializer:
