@@ -12,7 +12,7 @@ saves in time to first token.
   on the project's quality text (Genesis, KJV: :func:`common.load_text`), ``--tokens`` ids in
   windows of ``--window``, each from an empty cache: perplexity of the prompt's pass on each, and
   how often the two argmaxes agree (teacher-forced).
-* ``ttft``: ``--prompt-lens`` prompts of random ids through ``Engine.prefill``, the artifact
+* ``ttft``: ``--prompt-lens`` prompts of random ids through ``Engine.prefill_prompt``, the artifact
   loaded with ``prefill="ort"`` and ``"int8"`` in processes of their own, taking turns over
   ``--rounds`` rounds; median of prompts 2-5 per round, then of the rounds; decode ms a step
   after each prompt (16 steps) and the worker's peak RSS beside them.
@@ -144,7 +144,7 @@ def _ttft_worker(artifact: str, prefill: str, lengths: list[int], threads: int) 
             for _ in range(5):
                 ids = rng.integers(2, vocab, n).tolist()
                 start = time.perf_counter()
-                token = engine.prefill([ids]).argmax(axis=1)
+                token = engine.prefill_prompt([ids]).argmax(axis=1)
                 times.append(time.perf_counter() - start)
                 for _ in range(16):
                     start = time.perf_counter()

@@ -7,9 +7,10 @@ subprocess, so every side's peak RSS is its own. Each side gets the same ``B`` r
 exactly ``--prompt-len`` tokens (seeded, token ids, no tokenizer in the loop) and decodes
 ``--new-tokens`` greedy tokens per row without stopping at eos.
 
-* TTFT: prompt in until the first token of every row is known. kvforge: ``Engine.prefill`` plus
-  argmax; genai: ``Generator.append_tokens`` plus the first ``generate_next_token``;
-  transformers: ``generate(max_new_tokens=1)``, the fastest of three such calls.
+* TTFT: prompt in until the first token of every row is known. kvforge:
+  ``Engine.prefill_prompt`` (calls of ``chunk_tokens``, as generation prefills) plus argmax;
+  genai: ``Generator.append_tokens`` plus the first ``generate_next_token``; transformers:
+  ``generate(max_new_tokens=1)``, the fastest of three such calls.
 * decode ms/step: the time of the N-1 decode steps divided by N-1 (for transformers
   ``(t_N - t_1) / (N - 1)`` from two ``generate`` calls). kvforge and genai also report the median
   single step (``decode_ms_step_p50``, the median over the rounds of each round's median over its steps).
@@ -356,11 +357,12 @@ def run_kvforge(job: dict[str, Any]) -> dict[str, Any]:
     rows, n = job["prompts"], job["new_tokens"]
     with Engine.load(job["out"], **load_kwargs) as engine:
         next_ids = np.zeros(len(rows), dtype=np.int64)
+        prefill = getattr(engine, "prefill_prompt", engine.prefill)  # in chunks, as generation prefills
 
         def once() -> tuple[float, list[float], list[list[int]]]:
             generated = []
             start = time.perf_counter()
-            np.argmax(engine.prefill(rows), axis=-1, out=next_ids)
+            np.argmax(prefill(rows), axis=-1, out=next_ids)
             ttft = time.perf_counter() - start
             generated.append(next_ids.tolist())
             steps = []

@@ -34,8 +34,9 @@ capacity of ``--max-seq`` tokens a sequence:
   sequence id; ``n_seq_max = batch``, ``n_ctx = batch x --max-seq``) + argmax of each row's
   logits is the TTFT; each later step is one ``llama_decode`` of ``batch`` tokens + argmax.
   llama.cpp's defaults otherwise (flash attention auto, f16 KV cache, mmap).
-* kvforge: ``Engine.prefill`` + argmax, then ``Engine.decode`` + argmax per step (the artifact at
-  compile's defaults: max_batch 4, max_seq 512; only the quantization differs).
+* kvforge: ``Engine.prefill_prompt`` (calls of ``chunk_tokens``, as generation) + argmax, then
+  ``Engine.decode`` + argmax per step (the artifact at compile's defaults: max_batch 4, max_seq
+  512; only the quantization differs).
 * genai: ``append_tokens`` + the first ``generate_next_token``, then one per step; its shared
   KV buffer sized by ``max_length = --max-seq``.
 

@@ -34,7 +34,8 @@ random ids). ``--model``: ``smollm2`` (SmolLM2-135M-Instruct from ``make smollm2
 int4 only unless ``--precisions`` says otherwise, as in peer_llamacpp.py: its int4 compile alone
 peaks at 13.4 GiB, issue 41).
 
-What each side times: kvforge ``Engine.prefill`` + argmax (TTFT), then ``Engine.decode`` + argmax
+What each side times: kvforge ``Engine.prefill_prompt`` + argmax (TTFT: calls of ``chunk_tokens``
+tokens, as generation prefills), then ``Engine.decode`` + argmax
 per step; OV ``LLMPipeline.generate`` of ``TokenizedInputs`` with ``ignore_eos``, greedy: TTFT is
 a call with ``max_new_tokens=1``, a step is ``(t(N) - t(1)) / (N - 1)`` from a call of N (as
 peer_genai.py times transformers); OV's own ``perf_metrics`` TTFT and TPOT go beside them in the

@@ -106,6 +106,15 @@ __all__ = ["StepEngine"]
 # prompt and recent turns of a few dozen conversations, for less memory than the model's weights.
 DEFAULT_PREFIX_CACHE = "512MiB"
 
+# Tokens per prefill call in generation on the CPU (``prefill_chunk``'s default there). ORT's CPU
+# attention (``GroupQueryAttention``) computes a call's whole query x key square and then masks its
+# upper half, so one call of M tokens does M^2 attention work where causal attention needs M^2/2;
+# calls of 256 tokens do (M/256 + 1)/2 of it. SmolLM2-135M, 2 threads, prompts of 1024 / 2000
+# tokens: fp32 x0.92 / x0.90 the one-call time, int4 x0.93 / x0.94, prefill="int8" x0.79 / x0.84;
+# 512 tokens x0.97-0.99 (benchmarks/FINDINGS.md, "Chunked prompts"). GPU attention kernels skip
+# the masked blocks themselves: there a call takes the whole prompt (the artifact's max_prompt).
+CPU_PREFILL_CHUNK = 256
+
 
 class StepEngine(KVTransfer):
     """The step machine (see the module docstring); users load :class:`kvforge.runtime.Engine`."""
@@ -165,7 +174,8 @@ class StepEngine(KVTransfer):
         self.last_bindings: dict[str, object] = {}  # the binding of the latest call, per graph
         # Generation: defaults from generation_config.json, the prefill chunk, row ownership.
         self.generation_defaults = GenerationDefaults.from_artifact(artifact_dir)
-        self.prefill_chunk = limits.max_prompt  # tokens per prefill call in generation; see chunk_tokens
+        # Tokens per prefill call in generation; see chunk_tokens and CPU_PREFILL_CHUNK.
+        self.prefill_chunk = min(limits.max_prompt, CPU_PREFILL_CHUNK) if backend.device == "cpu" else limits.max_prompt
         self._chat_template: object = None  # loaded on first use of chat
         tokenizer_json = artifact_dir / "tokenizer.json" if self.tokenizer is not None else None
         self.grammars = GrammarFactory(tokenizer_json, vocab, self.eos_token_ids)  # structured output
@@ -480,6 +490,28 @@ class StepEngine(KVTransfer):
             self.batch, self._batch_thread = len(rows), threading.get_ident()
             return logits
 
+    def prefill_prompt(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        """:meth:`prefill` of prompts of one length as generation prefills them: in one call when
+        they fit in one chunk together (rows x length <= :attr:`chunk_tokens`, the batch loop's
+        group rule), else each row alone in consecutive calls of ``chunk_tokens`` tokens. Returns
+        the logits of each row's last token, ``[B, V]`` (what ``bench`` and the peer benchmarks
+        time as the first token)."""
+        if len({len(row) for row in rows}) != 1:
+            raise ValueError("prefill_prompt takes prompts of one length; prefill ragged rows with prefill()")
+        chunk, n = self.chunk_tokens, len(rows[0])
+        if len(rows) * n <= chunk:
+            return self.prefill(rows)
+        with self._lock:
+            self._check_step_rows(len(rows))
+            self._check_rows(rows, [0] * len(rows))
+            last = []
+            for i, row in enumerate(rows):
+                for s0 in range(0, n, chunk):
+                    logits = self.prefill_rows([row[s0 : s0 + chunk]], [s0], first=i)
+                last.append(logits[0].copy())
+            self.batch, self._batch_thread = len(rows), threading.get_ident()
+            return np.stack(last)
+
     def prefill_rows(self, rows: Sequence[Sequence[int]], start: Sequence[int], first: int) -> np.ndarray:
         """:meth:`prefill` into cache rows ``[first, first + len(rows))``, without the ownership
         and token checks (the caller has made them; used by generation and sessions). Returns the
@@ -755,8 +787,9 @@ class StepEngine(KVTransfer):
     @property
     def chunk_tokens(self) -> int:
         """Tokens per prefill call in generation, sessions and the scheduler: ``prefill_chunk``
-        (settable; default the artifact's ``max_prompt``), never more than ``max_prompt``. Longer
-        prompts are prefilled in consecutive chunks (``start > 0``), which gives the same logits."""
+        (settable; default :data:`CPU_PREFILL_CHUNK` on the CPU, the artifact's ``max_prompt`` on a
+        GPU), never more than ``max_prompt``. Longer prompts are prefilled in consecutive chunks
+        (``start > 0``), which gives the same logits."""
         chunk = check.count("prefill_chunk", self.prefill_chunk)
         return min(chunk, self.manifest.limits.max_prompt)
 

@@ -177,7 +177,7 @@ def rss_peak_bytes() -> int | None:
 
 def _kvforge_run(engine: Engine, rows: list[list[int]], new_tokens: int) -> reference.TimedRun:
     start = time.perf_counter()
-    next_ids = engine.prefill(rows).argmax(-1)  # (B,)
+    next_ids = engine.prefill_prompt(rows).argmax(-1)  # (B,): in chunks, as generation prefills
     ttft = time.perf_counter() - start
     generated, steps = [next_ids], []
     for _ in range(new_tokens - 1):

@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from kvforge.runtime import ArtifactError, Engine
+from kvforge.runtime.engine import CPU_PREFILL_CHUNK
 from tests.helpers import assert_close, hf_greedy, hf_logits
 
 ATOL, RTOL = 1e-4, 1e-4  # fp32: ORT and torch differ only in summation order
@@ -137,6 +138,48 @@ def test_chunked_prefill_equals_one_shot(engine):
     engine.prefill([prompt[:5]])
     chunked = engine.prefill([prompt[5:]], start=[5]).copy()
     assert_close(chunked, one_shot, 1e-5, 1e-5, "chunked prefill logits")
+
+
+def test_prefill_prompt_prefills_as_generation_does(engine, llama_reference, monkeypatch):
+    prompt = [0, *range(10, 40)]  # 31 tokens
+    one_shot = engine.prefill([prompt, prompt]).copy()
+    calls = []
+    prefill_rows = engine.prefill_rows
+
+    def counted(rows, start, first):
+        calls.append((len(rows), len(rows[0]), list(start), first))
+        return prefill_rows(rows, start, first)
+
+    monkeypatch.setattr(engine, "prefill_rows", counted)
+    monkeypatch.setattr(engine, "prefill_chunk", 62)  # 2 rows x 31 tokens fit in one chunk: one call
+    assert_close(engine.prefill_prompt([prompt, prompt]), one_shot, 1e-5, 1e-5, "one call")
+    assert calls == [(2, 31, [0, 0], 0)]
+    calls.clear()
+    monkeypatch.setattr(engine, "prefill_chunk", 12)  # else each row alone, in calls of 12, 12 and 7 tokens
+    chunked = engine.prefill_prompt([prompt, prompt])
+    assert calls == [
+        (1, 12, [0], 0),
+        (1, 12, [12], 0),
+        (1, 7, [24], 0),
+        (1, 12, [0], 1),
+        (1, 12, [12], 1),
+        (1, 7, [24], 1),
+    ]
+    assert engine.lengths[:2].tolist() == [31, 31] and engine.batch == 2
+    assert_close(chunked, one_shot, 1e-5, 1e-5, "chunked")
+    hf = hf_logits(llama_reference, prompt)[-1]
+    assert_close(chunked[1], hf, ATOL, RTOL, "chunked vs transformers")
+    with pytest.raises(
+        ValueError, match=r"^prefill_prompt takes prompts of one length; prefill ragged rows with prefill\(\)$"
+    ):
+        engine.prefill_prompt([prompt, prompt[:5]])
+
+
+def test_the_cpu_prefills_long_prompts_in_calls_of_256_tokens(engine, tiny_artifact):
+    assert CPU_PREFILL_CHUNK == 256
+    assert engine.chunk_tokens == engine.manifest.limits.max_prompt < 256  # a shorter max_prompt bounds it
+    with Engine.load(tiny_artifact, prefix_cache=0) as big:
+        assert big.manifest.limits.max_prompt > 256 == big.prefill_chunk == big.chunk_tokens
 
 
 def test_eos_stops_a_row(engine):
