@@ -11,7 +11,8 @@ then ``decode``); transformers eager runs its own forward with its default cache
 ``logits_to_keep=1`` at prefill as its ``generate`` does, without ``generate``'s per-step
 bookkeeping. Each cell runs ``warmup`` untimed times, then ``repeat`` timed times:
 
-* ``ttft_ms``: prefill until the first token of every row is known (median over repeats);
+* ``ttft_ms``: prefill (``Engine.prefill_prompt``: as generation prefills) until the first token of
+  every row is known (median over repeats);
 * ``decode_ms_per_token_p50/p90``: one decode step, i.e. the time between two consecutive tokens of
   a row (over every step of every repeat); ``decode_tokens_per_s = B * 1000 / p50``;
 * ``e2e_ms``: TTFT plus every decode step (median over repeats);
