@@ -2,12 +2,12 @@
 
 Why. ORT's int4 kernel (``MatMulNBits``, int8 activations a block of 32) reads few bytes a weight,
 which makes decode fast, but over many tokens it is slower than ORT's own fp32 GEMM on these CPUs,
-while ORT's 8-bit integer GEMM (``MatMulInteger``'s kernel, u8 x s8 on VNNI / AMX) is 2-4x faster than
-either: SmolLM2-135M's gate|up projection at 128 tokens, 2 threads, 3.83 ms int4, 2.34 fp32, 1.00
-int8 (``python -m benchmarks int8-prefill``). Through the engine an int4 SmolLM2 prefills 128 tokens
-in 0.44x the time and 1024 in 0.58x (attention, untouched, is a larger share of the longer prompt),
-a 1.39B Llama in 0.34x / 0.33x: OpenVINO GenAI's time to first token or under it, but for SmolLM2
-at 1024 tokens (docs/performance.md, "An int8 prefill for int4 artifacts").
+while ORT's 8-bit integer GEMM (``MatMulInteger``'s kernel, u8 x s8 on VNNI / AMX) is 2-5x faster
+than either: SmolLM2-135M's gate|up projection at 128 tokens, 2 threads, 2.94 ms int4, 1.44 fp32,
+0.58 int8 (``python -m benchmarks int8-prefill``). Through the engine an int4 SmolLM2 prefills 128
+tokens in 0.34x the time and 1024 in 0.40x (attention, untouched, is a larger share of the longer
+prompt), a 1.39B Llama in 0.27x / 0.28x: under OpenVINO GenAI's time to first token but for SmolLM2
+at 1024 tokens, x1.14 (docs/performance.md, "An int8 prefill for int4 artifacts").
 
 What runs. At load, the artifact's prefill graph is rewritten in memory into a second graph with
 each symmetric 4-bit ``MatMulNBits`` projection replaced by: the activations quantized to int8 per
@@ -15,13 +15,13 @@ token (a step per row: ``max|x| / 127``, offset by 128 to the u8 ORT's kernel ta
 ``QuantizeLinear``), ``MatMulIntegerToFloat`` against int8 weights with a step per output channel
 (applied in the GEMM's pass), and the tokens' steps (one ``Mul``). The int8 weights are the int4
 weights themselves (each block dequantized, then rounded per output channel to 8 bits, which moves
-them by at most half an 8-bit step), so the
-prompt's pass computes the same model as the decode steps: what differs is the rounding of the
-activations (per token, where the int4 kernel rounds a block of 32 channels) and the weights' second
-rounding (a GGUF file's Q4_0 blocks are such projections too). Other nodes (the 8-bit lm_head,
-blocks with zero points: ``--asymmetric``, GGUF Q4_1; attention, norms, model state) are the
-prefill graph's own. The int8 weights go to a temporary file, which the session
-reads and packs (as it does the artifact's weights file) and which is removed once it has.
+them by at most half an 8-bit step), so the prompt's pass computes the same model as the decode
+steps: what differs is the rounding of the activations (per token, where the int4 kernel rounds a
+block of 32 channels) and the weights' second rounding (a GGUF file's Q4_0 blocks are such
+projections too). Other nodes (the 8-bit lm_head, blocks with zero points: ``--asymmetric``, GGUF
+Q4_1; attention, norms, model state) are the prefill graph's own. The int8 weights go to a temporary
+file, which the session reads and packs (as it does the artifact's weights file) and which is
+removed once it has.
 
 Quality. A per-token step rounds the channels beside an outlier coarsely: SmolLM2-135M int4 scored
 on Genesis (4,096 tokens, windows of 512) through the score graph rewritten the same way gives
