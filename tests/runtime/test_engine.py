@@ -178,8 +178,23 @@ def test_prefill_prompt_prefills_as_generation_does(engine, llama_reference, mon
 def test_the_cpu_prefills_long_prompts_in_calls_of_256_tokens(engine, tiny_artifact):
     assert CPU_PREFILL_CHUNK == 256
     assert engine.chunk_tokens == engine.manifest.limits.max_prompt < 256  # a shorter max_prompt bounds it
+    prompt = [1, *range(40, 339)]  # 300 tokens
     with Engine.load(tiny_artifact, prefix_cache=0) as big:
         assert big.manifest.limits.max_prompt > 256 == big.prefill_chunk == big.chunk_tokens
+        calls = []
+        prefill_rows = big.prefill_rows
+
+        def counted(rows, start, first):
+            calls.append((len(rows[0]), list(start)))
+            return prefill_rows(rows, start, first)
+
+        big.prefill_rows = counted
+        [chunked] = big.generate([prompt], max_new_tokens=8)
+        assert calls == [(256, [0]), (44, [256])]  # generation's calls of 256 tokens
+        big.prefill_chunk = big.manifest.limits.max_prompt
+        [one_call] = big.generate([prompt], max_new_tokens=8)
+        assert calls[2:] == [(300, [0])]
+    assert chunked.token_ids == one_call.token_ids
 
 
 def test_eos_stops_a_row(engine):

@@ -295,9 +295,11 @@ def read_bench(paths: list[str | Path], artifact_manifest: Any) -> dict[int, Pha
 
 
 def from_bench(artifact: str | Path, paths: list[str | Path]) -> LatencyTable:
-    """A table from bench reports of ``artifact`` (its manifest gives the rows, chunk and KV size;
-    the copy bandwidth is measured here, a fraction of a second)."""
+    """A table from bench reports of ``artifact`` (its manifest gives the rows, chunk and KV size:
+    the chunk a CPU engine prefills in, ``min(max_prompt, CPU_PREFILL_CHUNK)``, as bench reports
+    are of ORT threads; the copy bandwidth is measured here, a fraction of a second)."""
     from kvforge.graphs import manifest as mf
+    from kvforge.runtime.engine import CPU_PREFILL_CHUNK
 
     manifest = mf.read(Path(artifact), verify=False)
     limits = manifest.limits
@@ -306,7 +308,7 @@ def from_bench(artifact: str | Path, paths: list[str | Path]) -> LatencyTable:
         kv_bytes_per_token(manifest),
         handoff_bandwidth(),
         limits.max_batch,
-        limits.max_prompt,
+        min(limits.max_prompt, CPU_PREFILL_CHUNK),
         limits.max_seq,
         memcpy_bytes_per_s=copy_bandwidth(),
     )
