@@ -206,3 +206,16 @@ def test_greedy_equals_transformers_on_the_gguf_model(gguf_artifact, gguf_refere
         reference = gguf_reference(torch.tensor([PROMPT])).logits[0, -1]
     # int8 activations inside MatMulNBits (accuracy level 4): the weights are exact, x is rounded per block
     assert_close(logits[0], reference, atol=2e-2, rtol=2e-2)
+
+
+def test_the_int8_prefill_takes_the_q4_0_blocks(gguf_artifact):
+    from kvforge.runtime.int8_prefill import GRAPH
+
+    out, _ = gguf_artifact
+    with Engine.load(out) as plain, Engine.load(out, prefill="int8") as int8:
+        # Q4_0 (symmetric blocks): q|k in both layers, layer 0's o; Q4_1 (zero points), Q8_0, F16 stay
+        assert int8.backend.long_prefill.projections == 3
+        got, want = int8.prefill([PROMPT]).copy(), plain.prefill([PROMPT]).copy()
+        assert int8.last_bindings["prefill"].graph == GRAPH
+        assert_close(got, want, atol=2e-2, rtol=0, what="int8 prefill logits vs the Q4_0 graph's")
+        assert np.abs(got - want).max() > 1e-6, "no rounding: the block graph ran"
