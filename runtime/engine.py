@@ -112,7 +112,8 @@ DEFAULT_PREFIX_CACHE = "512MiB"
 # calls of 256 tokens do (M/256 + 1)/2 of it. SmolLM2-135M, 2 threads, prompts of 1024 / 2000
 # tokens: fp32 x0.92 / x0.90 the one-call time, int4 x0.93 / x0.94, prefill="int8" x0.79 / x0.84;
 # 512 tokens x0.97-0.99 (benchmarks/FINDINGS.md, "Chunked prompts"). GPU attention kernels skip
-# the masked blocks themselves: there a call takes the whole prompt (the artifact's max_prompt).
+# the masked blocks themselves, as OpenVINO's paged kernel does (``prefill="openvino"``, x1.11-1.13
+# slower in 256-token calls): there a call takes the whole prompt (the artifact's max_prompt).
 CPU_PREFILL_CHUNK = 256
 
 
@@ -175,7 +176,8 @@ class StepEngine(KVTransfer):
         # Generation: defaults from generation_config.json, the prefill chunk, row ownership.
         self.generation_defaults = GenerationDefaults.from_artifact(artifact_dir)
         # Tokens per prefill call in generation; see chunk_tokens and CPU_PREFILL_CHUNK.
-        self.prefill_chunk = min(limits.max_prompt, CPU_PREFILL_CHUNK) if backend.device == "cpu" else limits.max_prompt
+        whole = backend.device != "cpu" or getattr(getattr(backend, "long_prefill", None), "whole_prompts", False)
+        self.prefill_chunk = limits.max_prompt if whole else min(limits.max_prompt, CPU_PREFILL_CHUNK)
         self._chat_template: object = None  # loaded on first use of chat
         tokenizer_json = artifact_dir / "tokenizer.json" if self.tokenizer is not None else None
         self.grammars = GrammarFactory(tokenizer_json, vocab, self.eos_token_ids)  # structured output

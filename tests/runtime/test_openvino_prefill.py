@@ -307,6 +307,7 @@ def test_every_batch_loop_feature_with_the_prompts_on_openvino(tiny_artifact, op
     requests, solo, hit_solo = _solo_answers(tiny_artifact)
     with Engine.load(tiny_artifact, prefill="openvino", speculative="ngram", threads=1) as engine:
         engine.backend.long_prefill.min_tokens = 1
+        assert engine.chunk_tokens == engine.manifest.limits.max_prompt > 256  # whole prompts, not the CPU's 256
         together = _run(engine, requests, cancel="cancelled")
         assert sum(openvino_calls) >= len(requests)  # every prompt's row (grouped into calls), none of the steps
         del openvino_calls[:]
