@@ -245,12 +245,12 @@ def check_in_flight_batching(engine, reference, prompts, new, prefill_chunk: int
     ``prefill_chunk`` beside decoding rows, queued requests taking finished rows (whose state and
     KV are compacted with them): each request gets transformers' greedy tokens."""
     expected = [hf_greedy(reference, p, n) for p, n in zip(prompts, new)]
-    engine.prefill_chunk = prefill_chunk
+    saved_chunk, engine.prefill_chunk = engine.prefill_chunk, prefill_chunk
     try:
         with engine.scheduler() as sched:
             handles = [sched.submit(p, max_new_tokens=n) for p, n in zip(prompts, new)]
             results = [h.result(timeout=120) for h in handles]
     finally:
-        engine.prefill_chunk = engine.manifest.limits.max_prompt
+        engine.prefill_chunk = saved_chunk
     for i, (result, tokens) in enumerate(zip(results, expected)):
         assert result.token_ids == tokens, f"{label}request {i}"

@@ -243,13 +243,14 @@ def test_chats_sharing_a_system_prompt_resume_from_its_snapshot_through_the_open
 def test_a_long_prompt_keeps_a_snapshot_at_each_chunks_end(engine, plain):
     _fresh_pool(engine)
     document = [(11 * i + 5) % 300 for i in range(22)]
-    engine.prefill_chunk = 8  # chunks [0, 8), [8, 16), [16, 22): a snapshot at 8, 16 and 22
+    # chunks [0, 8), [8, 16), [16, 22): a snapshot at 8, 16 and 22
+    saved_chunk, engine.prefill_chunk = engine.prefill_chunk, 8
     try:
         engine.generate([document], max_new_tokens=2, sampling=GREEDY)
         question = [*document[:19], 7, 5, 9]  # the same document, another question after position 19
         [got] = engine.generate([question], max_new_tokens=6, sampling=GREEDY)
     finally:
-        engine.prefill_chunk = engine.manifest.limits.max_prompt
+        engine.prefill_chunk = saved_chunk
     assert got.cached_tokens == 16
     [want] = plain.generate([question], max_new_tokens=6, sampling=GREEDY)
     assert got.token_ids == want.token_ids

@@ -161,11 +161,12 @@ def test_every_batch_loop_feature_at_once_gives_each_request_its_solo_answer(eng
     # the constraint holds on every token (a random model may not finish the sentence in 12 tokens)
     assert re.fullmatch(r"[a-z]+( [a-z]*){0,4}\.?", solo["regex"].text), solo["regex"].text
     assert solo["stop"].finish_reason == "stop" and solo["stop"].stop_string == "e"
-    engine.prefill_chunk = 3  # chunked prefills beside decoding rows, on 2 rows for 5 requests
+    # chunked prefills beside decoding rows, on 2 rows for 5 requests
+    saved_chunk, engine.prefill_chunk = engine.prefill_chunk, 3
     try:
         together = _features(engine, FEATURES, cancel=True)
     finally:
-        engine.prefill_chunk = engine.manifest.limits.max_prompt
+        engine.prefill_chunk = saved_chunk
     for name in FEATURES:
         got, want = together[name], solo[name]
         assert (got.token_ids, got.text, got.finish_reason, got.stop_string) == (
