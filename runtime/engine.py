@@ -225,7 +225,7 @@ class StepEngine(KVTransfer):
         session settings, see
         :class:`kvforge.runtime.ort_backend.OrtOptions` (the defaults favour speed: ORT repacks
         the weights into its kernels' layout, once per session). ``spin_stop`` (None: on with a
-        ``draft`` model, for both engines, and with an OpenVINO or int8 ``prefill``, whose second
+        ``draft`` model, for both engines, and with any ``prefill`` but ``"ort"``, whose second
         runtime or session takes turns on the same cores; off otherwise): the intra-op threads stop
         spinning when a run ends (an OpenVINO prefill of 128 tokens right after decode steps: 60-62
         against 67-68 ms, the steps within 1%). ``one_session`` runs decode steps
@@ -265,8 +265,11 @@ class StepEngine(KVTransfer):
         bf16 computes them. ``"int8"`` (CPU, int4 artifacts): prefill calls whose rows have at least 2
         tokens each run a second ORT graph made at load from the prefill graph, its int4 projections
         on ORT's integer GEMM (the same weights in 8 bits, activations rounded to int8 per token):
-        about half the time to first token, at a perplexity cost in the prompt's pass
-        (:mod:`kvforge.runtime.int8_prefill`). ``"ort"``: everything on ORT.
+        about a third of the time to first token, at a perplexity cost in the prompt's pass
+        (:mod:`kvforge.runtime.int8_prefill`). ``"fp32"`` (CPU, int4 artifacts): the same calls on the
+        same graph with its 4-bit projections at ``MatMulNBits``' accuracy level 1 (the int4 weights,
+        float activations: no rounding of the prompt's activations): 0.7x the time to first token
+        on CPUs without AMX, slower with it. ``"ort"``: everything on ORT.
         """
         check.path("artifact_dir", artifact_dir, "the directory written by kvforge compile")
         threads = check.optional_count("threads", threads)
@@ -350,10 +353,11 @@ class StepEngine(KVTransfer):
         step = "verify" if spec is not None else "prefill"
         lazy = tuple(name for name in graph_files if name != step)
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
-        if prefill == "int8":
-            from kvforge.runtime.int8_prefill import Int8Prefill
+        if prefill in ("int8", "fp32"):
+            from kvforge.runtime.int8_prefill import PrefillSession
 
-            backend.long_prefill = Int8Prefill(backend, graph_files["prefill"], preoptimized="prefill" in use_ort)
+            preoptimized = "prefill" in use_ort
+            backend.long_prefill = PrefillSession(backend, graph_files["prefill"], preoptimized, compute=prefill)
         elif prefill != "ort":
             from kvforge.runtime import ov_prefill  # imports OpenVINO when it runs
 

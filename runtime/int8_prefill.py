@@ -52,7 +52,7 @@ import numpy as np
 
 from kvforge.graphs import contract
 
-GRAPH = "prefill.int8"  # the backend's name for the rewritten graph
+GRAPH = "prefill.rewritten"  # the backend's name for the rewritten graph (int8 or fp32)
 MIN_TOKENS = 2  # a prefill call runs here when every row has at least this many tokens
 
 
@@ -192,21 +192,50 @@ def _names_read(nodes) -> set[str]:
     return names
 
 
-class Int8Prefill:
-    """The artifact's prefill graph with its int4 projections on ORT's integer GEMM, a session of
-    ``backend`` (an :class:`~kvforge.runtime.ort_backend.OrtBackend`), for prefill calls whose rows
-    have at least ``min_tokens`` tokens each (see the module docstring)."""
+def float_activations(graph_file: Path) -> tuple[bytes, Path, int]:
+    """``graph_file`` with its 4-bit projections at ``MatMulNBits``' accuracy level 1 (``prefill="fp32"``):
+    the same int4 weights (zero points too), float activations; the 8-bit lm_head keeps its level
+    (at level 1 ORT runs 8-bit blocks on a reference loop: 548 against 20 ms a call). Returns the
+    graph as bytes, the folder its external data paths are relative to (the graph's own) and the
+    number of projections changed."""
+    import onnx
+    from onnx import helper
 
-    def __init__(self, backend, graph_file: Path, preoptimized: bool, min_tokens: int = MIN_TOKENS) -> None:
+    model = onnx.load(str(graph_file), load_external_data=False)
+    count = 0
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "MatMulNBits" or attrs.get("bits") != 4:
+            continue
+        kept = [a for a in node.attribute if a.name != "accuracy_level"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("accuracy_level", 1)])
+        count += 1
+    return model.SerializeToString(), graph_file.parent, count
+
+
+class PrefillSession:
+    """The artifact's prefill graph with its int4 projections on another ORT kernel, a session of
+    ``backend`` (an :class:`~kvforge.runtime.ort_backend.OrtBackend`), for prefill calls whose rows
+    have at least ``min_tokens`` tokens each (see the module docstring). ``compute``: ``"int8"``
+    (:func:`rewrite`: the integer GEMM) or ``"fp32"`` (:func:`float_activations`)."""
+
+    def __init__(
+        self, backend, graph_file: Path, preoptimized: bool, compute: str = "int8", min_tokens: int = MIN_TOKENS
+    ) -> None:
         if not backend.options.prepack:
-            raise ValueError("prefill='int8' packs its int8 weights into ORT's kernels; load it with prepack=True")
+            raise ValueError(f"prefill={compute!r} packs its weights into ORT's kernels; load it with prepack=True")
         # The int8 weights go through a file ORT reads, packs and lets go of (handed from memory, the
         # session would keep them beside its packed copy: 1.39B peak RSS 5.3 against 3.1 GB).
         with tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") as tmp:
-            model, root, count = rewrite(graph_file, Path(tmp) / "int8.data")
+            if compute == "int8":
+                model, root, count = rewrite(graph_file, Path(tmp) / "int8.data")
+            else:
+                model, root, count = float_activations(graph_file)
             if not count:
+                kind = "symmetric 4-bit" if compute == "int8" else "4-bit"
                 raise ValueError(
-                    "prefill='int8' cannot run this artifact: its prefill graph has no symmetric 4-bit projection "
+                    f"prefill={compute!r} cannot run this artifact: its prefill graph has no {kind} projection "
                     "(compile with --quantize int4); load it with prefill='ort' (the default)"
                 )
             backend.add_session(GRAPH, model, graph_file, preoptimized=preoptimized, data_folder=root)
@@ -218,7 +247,7 @@ class Int8Prefill:
         return graph == "prefill" and int(inputs[contract.INPUT_LENGTHS].min()) >= self.min_tokens
 
     def bind(self, graph: str, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
-        """A binding of the int8 graph's session, which the backend runs as any of its own."""
+        """A binding of the rewritten graph's session, which the backend runs as any of its own."""
         return self.backend.bind_session(GRAPH, inputs, outputs)
 
     def close(self) -> None:

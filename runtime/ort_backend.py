@@ -116,7 +116,7 @@ class OrtBackend:
         self.embedding_rows: dict[tuple[str, int, int], EmbeddingRows] = {}
         self._rows_of: dict[str, list[EmbeddingRows]] = {}
         self._rows_lock = threading.Lock()
-        # An OpenVinoPrefill or Int8Prefill that runs prefill calls of many tokens (Engine.load's prefill=)
+        # An OpenVinoPrefill or PrefillSession that runs prefill calls of many tokens (Engine.load's prefill=)
         self.long_prefill = None
         for name in graph_files:
             if name not in lazy:

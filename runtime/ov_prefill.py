@@ -78,7 +78,7 @@ MIN_TOKENS = 32
 INSTALL = "pip install 'kvforge[openvino]'"
 # Engine.load's prefill= choices that run here -> OpenVINO's INFERENCE_PRECISION_HINT.
 PRECISIONS = {"openvino": "f32", "openvino:bf16": "bf16"}
-CHOICES = ("ort", "int8", *PRECISIONS)  # Engine.load(prefill=...) and the CLI's --prefill ("int8": int8_prefill)
+CHOICES = ("ort", "int8", "fp32", *PRECISIONS)  # Engine.load(prefill=...) and --prefill; int8, fp32: int8_prefill
 BLOCK = 32  # positions a KV block of OpenVINO's CPU paged attention holds
 # GroupQueryAttention's attributes the paged translation takes, at the values it takes them
 _PLAIN = {"local_window_size": -1, "softcap": 0.0, "do_rotary": 0, "smooth_softmax": 0}

@@ -489,6 +489,8 @@ def format_report(result: dict[str, Any]) -> str:
     ]
     if s.get("prefill", "ort") == "int8":
         lines.append("  kvforge's prompts of 2+ tokens prefilled on ORT's integer GEMM (--prefill int8)")
+    elif s.get("prefill", "ort") == "fp32":
+        lines.append("  kvforge's prompts of 2+ tokens prefilled with float activations (--prefill fp32)")
     elif s.get("prefill", "ort") != "ort":
         lines.append(f"  kvforge's prompts of 32+ tokens prefilled on OpenVINO (--prefill {s['prefill']})")
     if result["reference"]:

@@ -412,7 +412,8 @@ def _add_prefill(p: argparse.ArgumentParser) -> None:
         default="ort",
         choices=CHOICES,
         help="where prompts are prefilled: ONNX Runtime (default); int8: ONNX Runtime's integer GEMM for an int4 "
-        "artifact's projections (prompts of 2+ tokens, ~half the time to first token, at a perplexity cost); "
+        "artifact's projections (prompts of 2+ tokens, ~a third of the time to first token, at a perplexity cost); "
+        "fp32: float activations on an int4 artifact's projections (0.7x the time on CPUs without AMX, exact); "
         "openvino / openvino:bf16: OpenVINO's CPU plugin at f32 or bf16 (prompts of 32+ tokens; "
         "pip install 'kvforge[openvino]'); decode stays on ONNX Runtime",
     )

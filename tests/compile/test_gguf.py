@@ -208,7 +208,7 @@ def test_greedy_equals_transformers_on_the_gguf_model(gguf_artifact, gguf_refere
     assert_close(logits[0], reference, atol=2e-2, rtol=2e-2)
 
 
-def test_the_int8_prefill_takes_the_q4_0_blocks(gguf_artifact):
+def test_the_int8_prefill_takes_the_q4_0_blocks_and_fp32_every_4_bit_block(gguf_artifact):
     from kvforge.runtime.int8_prefill import GRAPH
 
     out, _ = gguf_artifact
@@ -219,3 +219,6 @@ def test_the_int8_prefill_takes_the_q4_0_blocks(gguf_artifact):
         assert int8.last_bindings["prefill"].graph == GRAPH
         assert_close(got, want, atol=2e-2, rtol=0, what="int8 prefill logits vs the Q4_0 graph's")
         assert np.abs(got - want).max() > 1e-6, "no rounding: the block graph ran"
+    with Engine.load(out, prefill="fp32") as fp32:  # every 4-bit node, Q4_1's zero points too
+        assert fp32.backend.long_prefill.projections > 3
+        assert_close(fp32.prefill([PROMPT]), want, atol=2e-2, rtol=0, what="fp32 prefill logits vs the block graph's")

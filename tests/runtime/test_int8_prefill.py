@@ -3,7 +3,8 @@ weights in 8 bits, activations rounded per token), decode steps on the int4 grap
 tiny Llama and the tiny Qwen3.5 (a hybrid with model state): the rewrite, logits within the
 rounding's tolerance of the int4 graph's, each row independent of its batch (bit-equal to its solo
 run), chunked continuation (the hybrid's state too), one-token calls left on the int4 graph,
-speculative decoding equal to plain decoding, the CLI, and the refusals."""
+speculative decoding equal to plain decoding, the CLI, and the refusals. ``prefill="fp32"`` (the
+same int4 weights at MatMulNBits' accuracy level 1, float activations) beside it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvforge.runtime import Engine
-from kvforge.runtime.int8_prefill import GRAPH, int8_weights, rewrite
+from kvforge.runtime.int8_prefill import GRAPH, float_activations, int8_weights, rewrite
 from tests.helpers import assert_close
 
 # The int8 graph against the int4 graph it was made from: the activations' per-token rounding and the
@@ -135,9 +136,53 @@ def test_artifacts_without_int4_projections_and_unpacked_sessions_are_refused(ll
         "prefill='int8' cannot run this artifact: its prefill graph has no symmetric 4-bit projection "
         "(compile with --quantize int4); load it with prefill='ort' (the default)"
     )
-    refusal = r"^prefill='int8' packs its int8 weights into ORT's kernels; load it with prepack=True$"
-    with pytest.raises(ValueError, match=refusal):
-        Engine.load(llama_int4_artifact, prefill="int8", prepack=False)
+    with pytest.raises(ValueError) as error:
+        Engine.load(llama_artifact, prefill="fp32")
+    assert str(error.value) == (
+        "prefill='fp32' cannot run this artifact: its prefill graph has no 4-bit projection "
+        "(compile with --quantize int4); load it with prefill='ort' (the default)"
+    )
+    for compute in ("int8", "fp32"):
+        refusal = rf"^prefill='{compute}' packs its weights into ORT's kernels; load it with prepack=True$"
+        with pytest.raises(ValueError, match=refusal):
+            Engine.load(llama_int4_artifact, prefill=compute, prepack=False)
+
+
+def test_prefill_fp32_runs_the_int4_weights_with_float_activations(llama_int4_artifact, engines, capsys):
+    import onnx
+    from onnx import helper
+
+    from kvforge.tools.cli import main
+
+    model, root, count = float_activations(llama_int4_artifact / "prefill.onnx")
+    assert root == llama_int4_artifact and count == 8  # the weights are the artifact's own: no new data
+    levels = [
+        ({a.name: helper.get_attribute_value(a) for a in n.attribute}["bits"], a.i)
+        for n in onnx.load_from_string(model).graph.node
+        if n.op_type == "MatMulNBits"
+        for a in n.attribute
+        if a.name == "accuracy_level"
+    ]
+    assert sorted(levels) == [(4, 1)] * 8 + [(8, 4)]  # the 8-bit lm_head keeps its level
+    _, o = engines
+    with Engine.load(llama_int4_artifact, prefill="fp32") as f:
+        got, want = f.prefill([LONG, SECOND]).copy(), o.prefill([LONG, SECOND]).copy()
+        assert _ran_int8(f)  # the rewritten graph's session
+        # the int4 graph rounds activations to int8 a block of 32; this one does not
+        assert 0 < np.abs(got - want).max() <= INT8_ATOL
+        np.testing.assert_array_equal(f.prefill([SECOND])[0], got[1], err_msg="a row alone vs in the batch")
+        token = got[:1].argmax(axis=1)
+        f.prefill([LONG])
+        o.prefill([LONG])
+        assert_close(f.decode(token), o.decode(token), INT8_ATOL, 0, "a decode step after the fp32 prefill")
+        assert f.last_bindings["decode"].graph != GRAPH
+        assert [r.token_ids for r in f.generate([LONG], max_new_tokens=8)] == [
+            r.token_ids for r in o.generate([LONG], max_new_tokens=8)
+        ]
+        text = "The for statement runs the body once for each item."
+        expected = text + f.generate([text], max_new_tokens=8)[0].text + "\n"
+    assert main(["generate", str(llama_int4_artifact), text, "--max-new-tokens", "8", "--prefill", "fp32"]) == 0
+    assert capsys.readouterr().out == expected
 
 
 @pytest.fixture(scope="module")
