@@ -12,10 +12,10 @@ side in a process of its own, the sides taking turns over ``--rounds`` rounds
 * ``kvforge (fp32|int4)``: ``kvforge compile`` of the HF directory at compile's defaults
   (max_batch 4, int4 = symmetric blocks of 32) with ``--max-seq`` (a longer prompt gets the next
   power of two that holds it and the new tokens);
-* ``kvforge (fp32|int4), prefill=int8|openvino|openvino:bf16`` (``--kvforge-prefill``): the same
-  artifact with its prefill calls on ORT's integer GEMM (int4 only; kvforge.runtime.int8_prefill)
-  or its long prefill calls on OpenVINO (``Engine.load(prefill=...)``, kvforge.runtime.ov_prefill),
-  compared with the ``kvforge`` row; the bf16 row is the peer of OV's
+* ``kvforge (fp32|int4), prefill=int8|fp32|openvino|openvino:bf16`` (``--kvforge-prefill``): the
+  same artifact with its prefill calls on ORT's integer GEMM or with float activations (int4 only;
+  kvforge.runtime.int8_prefill) or its long prefill calls on OpenVINO (``Engine.load(prefill=...)``,
+  kvforge.runtime.ov_prefill), compared with the ``kvforge`` row; the bf16 row is the peer of OV's
   defaults row (bf16 execution), not of the matched one;
 * ``OpenVINO GenAI (fp32|int4), f32 execution and KV``: ``openvino_genai.LLMPipeline`` with
   ``INFERENCE_PRECISION_HINT=f32`` and ``KV_CACHE_PRECISION=f32``, kvforge's arithmetic: the
@@ -417,7 +417,7 @@ def run_model(args, model: str, work: Path, ov_python: str, venv: Path) -> Itera
             plan, meta = [], {}
             for precision in precisions:
                 for prefill in kvforge_prefills(args.kvforge_prefill):
-                    if prefill == "int8" and precision != "int4":
+                    if prefill in ("int8", "fp32") and precision != "int4":
                         continue  # the int8 prefill rewrites int4 projections; an fp32 artifact has none
                     label = kvforge_label(precision, prefill)
                     kvforge_job = {**base, "out": str(artifacts[precision]), "prefill": prefill}
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--kvforge-prefill",
         nargs="+",
-        choices=("ort", "int8", "openvino", "openvino:bf16"),
+        choices=("ort", "int8", "fp32", "openvino", "openvino:bf16"),
         default=["ort"],
         help="kvforge rows at Engine.load(prefill=...); the 'ort' row (the default) is always run: the reference",
     )
