@@ -8,7 +8,7 @@ saves in time to first token.
   prefill's rewrite of that node (per-token int8 activations, ``MatMulInteger``), and fp32
   ``MatMul``, in one process.
 * ``quality``: the artifact's score graph (logits at every position) as compiled, and rewritten as
-  the int8 prefill rewrites the prefill graph (:func:`kvforge.runtime.int8_prefill.rewrite`), scored
+  the int8 and fp32 prefills rewrite the prefill graph (:mod:`kvforge.runtime.int8_prefill`), scored
   on the project's quality text (Genesis, KJV: :func:`common.load_text`), ``--tokens`` ids in
   windows of ``--window``, each from an empty cache: perplexity of the prompt's pass on each, and
   how often the two argmaxes agree (teacher-forced).
@@ -105,11 +105,11 @@ def kernels(hidden: int, intermediate: int, kv_dim: int, heads_dim: int, rows: l
 
 
 def quality(artifact: Path, tokens: int, window: int, threads: int) -> dict:
-    """Perplexity of the score graph as compiled and as the int8 prefill rewrites it."""
+    """Perplexity of the score graph as compiled and as the int8 and fp32 prefills rewrite it."""
     from common import load_text
 
     from kvforge.runtime import Engine
-    from kvforge.runtime.int8_prefill import rewrite
+    from kvforge.runtime.int8_prefill import float_activations, rewrite
     from kvforge.tools import perplexity as ppl
 
     result = {}
@@ -119,15 +119,19 @@ def quality(artifact: Path, tokens: int, window: int, threads: int) -> dict:
         logits = {"int4": [engine.score([ids[w.start : w.end]])[0].copy() for w in plan]}
         graph = engine.manifest.graphs["score"]
         source = artifact / (graph.ort_file or graph.file)
-        with tempfile.TemporaryDirectory() as tmp:
-            model, root, _ = rewrite(source, Path(tmp) / "int8.data")
-            engine.backend.add_session("score", model, source, preoptimized=bool(graph.ort_file), data_folder=root)
-        logits["int8"] = [engine.score([ids[w.start : w.end]])[0].copy() for w in plan]
+        for kind in ("int8", "fp32"):
+            with tempfile.TemporaryDirectory() as tmp:
+                made = rewrite(source, Path(tmp) / "int8.data") if kind == "int8" else float_activations(source)
+                model, root, _ = made
+                engine.backend.add_session("score", model, source, preoptimized=bool(graph.ort_file), data_folder=root)
+            logits[kind] = [engine.score([ids[w.start : w.end]])[0].copy() for w in plan]
     for kind, per_window in logits.items():
         nll = np.concatenate([ppl.window_nll(lg, ids, w) for lg, w in zip(per_window, plan)])
         result[f"{kind}_perplexity"] = round(ppl.perplexity(nll), 4)
-    same = [np.mean(a.argmax(-1) == b.argmax(-1)) for a, b in zip(logits["int4"], logits["int8"])]
-    result.update(tokens=len(ids), window=window, argmax_agreement=round(float(np.mean(same)), 4))
+    for kind in ("int8", "fp32"):
+        same = [np.mean(a.argmax(-1) == b.argmax(-1)) for a, b in zip(logits["int4"], logits[kind])]
+        result[f"{kind}_argmax_agreement"] = round(float(np.mean(same)), 4)
+    result.update(tokens=len(ids), window=window)
     print(json.dumps(result), flush=True)
     return result
 

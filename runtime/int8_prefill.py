@@ -41,6 +41,17 @@ packed copy of the int8 weights and of the lm_head; peak RSS SmolLM2-135M 275 ->
 1372 -> 2743 (OpenVINO GenAI: 396, 1949); load writes the int8 weights to a temporary file first
 (``tempfile``'s folder; 1.2 GB at 1.39B). Refused: artifacts with no symmetric 4-bit projection
 (fp32, fp16, ``--quantize int8``), and ``prepack=False``.
+
+``prefill="fp32"``: the same calls run the prefill graph with every 4-bit ``MatMulNBits`` at
+accuracy level 1 (:func:`float_activations`): ORT's fp32 kernel over the same int4 weights, no
+rounding of the prompt's activations at all (the int4 graph, level 4, rounds them to int8 a block
+of 32), so the prompt's pass is the int4 model computed exactly. Whether it is faster depends on
+the CPU: on an Intel Xeon with AVX512-VNNI and no AMX, 2 threads, the projections at 128-1024 tokens
+run in 0.4-0.8x level 4's time, SmolLM2-135M's prompts in 0.67x / 0.77x at 128 / 1024 tokens and a
+1.39B Llama's in 0.82x; on a Xeon with AMX level 1 was 1.11-1.15x slower (benchmarks/FINDINGS.md).
+The prompt's pass scores perplexity 10.18 against the int4 graph's 10.19 (SmolLM2, Genesis). No new
+weights, but the session packs the artifact's int4 blocks again for its kernel (peak RSS SmolLM2 278
+-> 384 MiB, the 1.39B 1375 -> 2262). Refused: artifacts with no 4-bit projection, ``prepack=False``.
 """
 
 from __future__ import annotations
