@@ -111,7 +111,7 @@ def test_artifacts_it_cannot_run_are_refused_at_load(artifact, message, request)
 
 
 def test_bad_choices_are_refused(llama_artifact):
-    choices = "'ort', 'int8', 'openvino', 'openvino:bf16'"
+    choices = "'ort', 'int8', 'fp32', 'openvino', 'openvino:bf16'"
     with pytest.raises(ValueError, match=rf"^prefill='tvm' is not accepted: one of {choices}$"):
         Engine.load(llama_artifact, prefill="tvm")
     with pytest.raises(ValueError, match=r"^prefill='openvino' runs the prefill graph on the CPU, and device='cuda'"):
