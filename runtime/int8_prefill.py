@@ -57,6 +57,7 @@ weights, but the session packs the artifact's int4 blocks again for its kernel (
 from __future__ import annotations
 
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -237,8 +238,10 @@ class PrefillSession:
         if not backend.options.prepack:
             raise ValueError(f"prefill={compute!r} packs its weights into ORT's kernels; load it with prepack=True")
         # The int8 weights go through a file ORT reads, packs and lets go of (handed from memory, the
-        # session would keep them beside its packed copy: 1.39B peak RSS 5.3 against 3.1 GB).
-        with tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") as tmp:
+        # session would keep them beside its packed copy: 1.39B peak RSS 5.3 against 3.1 GB); the
+        # fp32 graph reads the artifact's own weights.
+        temporary = tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") if compute == "int8" else nullcontext()
+        with temporary as tmp:
             if compute == "int8":
                 model, root, count = rewrite(graph_file, Path(tmp) / "int8.data")
             else:

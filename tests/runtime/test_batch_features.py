@@ -207,14 +207,15 @@ def tiny_int4_artifact(tmp_path_factory):
     return out
 
 
-def test_int8_prefill_with_every_batch_loop_feature(tiny_int4_artifact):
-    """``prefill="int8"`` on an int4 compile of the bundled model, with n-gram drafts, the prefix
+@pytest.mark.parametrize("compute", ["int8", "fp32"])
+def test_int8_and_fp32_prefills_with_every_batch_loop_feature(tiny_int4_artifact, compute):
+    """``prefill="int8"`` (and ``"fp32"``) on an int4 compile of the bundled model, with n-gram drafts, the prefix
     cache, a regex row, a seeded sampled row with a logit bias, a stop string, min_tokens, a
     prediction, a cancellation and a later prefix hit in one scheduler batch: each request's answer
     is its solo answer on a plain engine with the same prefill (no prefix cache, no drafts). Prompts
     run the int8 graph, whether admitted together or alone; steps and verify calls the int4 graphs."""
-    requests, solo, hit_solo = _solo_answers(tiny_int4_artifact, prefill="int8")
-    with Engine.load(tiny_int4_artifact, speculative="ngram", threads=1, prefill="int8") as engine:
+    requests, solo, hit_solo = _solo_answers(tiny_int4_artifact, prefill=compute)
+    with Engine.load(tiny_int4_artifact, speculative="ngram", threads=1, prefill=compute) as engine:
         assert engine.prefix_pool is not None
         runs, bind = [], engine.backend.long_prefill.bind
 
@@ -224,7 +225,7 @@ def test_int8_prefill_with_every_batch_loop_feature(tiny_int4_artifact):
 
         engine.backend.long_prefill.bind = spy
         together = _run(engine, requests, cancel="cancelled")
-        assert runs, "no prompt ran the int8 graph"
+        assert runs, f"no prompt ran the {compute} graph"
         for name in requests:
             got, want = _same(together[name], solo[name])
             assert got == want, name
