@@ -109,9 +109,10 @@ def quality(artifact: Path, tokens: int, window: int, threads: int) -> dict:
     from common import load_text
 
     from kvforge.runtime import Engine
-    from kvforge.runtime.int8_prefill import float_activations, rewrite
+    from kvforge.runtime.int8_prefill import activation_ranges, float_activations, rewrite
     from kvforge.tools import perplexity as ppl
 
+    kinds = ("int8", "int8_unsmoothed", "fp32")
     result = {}
     with Engine.load(artifact, threads=threads) as engine:
         ids = engine.tokenizer.encode(load_text(None))[:tokens]
@@ -119,16 +120,19 @@ def quality(artifact: Path, tokens: int, window: int, threads: int) -> dict:
         logits = {"int4": [engine.score([ids[w.start : w.end]])[0].copy() for w in plan]}
         graph = engine.manifest.graphs["score"]
         source = artifact / (graph.ort_file or graph.file)
-        for kind in ("int8", "fp32"):
+        ranges = activation_ranges(engine, "score")  # as Engine.load(prefill="int8") does for the prefill graph
+        for kind in kinds:
             with tempfile.TemporaryDirectory() as tmp:
-                made = rewrite(source, Path(tmp) / "int8.data") if kind == "int8" else float_activations(source)
-                model, root, _ = made
+                if kind == "fp32":
+                    model, root, _ = float_activations(source)
+                else:
+                    model, root, _ = rewrite(source, Path(tmp) / "int8.data", ranges if kind == "int8" else None)
                 engine.backend.add_session("score", model, source, preoptimized=bool(graph.ort_file), data_folder=root)
             logits[kind] = [engine.score([ids[w.start : w.end]])[0].copy() for w in plan]
     for kind, per_window in logits.items():
         nll = np.concatenate([ppl.window_nll(lg, ids, w) for lg, w in zip(per_window, plan)])
         result[f"{kind}_perplexity"] = round(ppl.perplexity(nll), 4)
-    for kind in ("int8", "fp32"):
+    for kind in kinds:
         same = [np.mean(a.argmax(-1) == b.argmax(-1)) for a, b in zip(logits["int4"], logits[kind])]
         result[f"{kind}_argmax_agreement"] = round(float(np.mean(same)), 4)
     result.update(tokens=len(ids), window=window)

@@ -353,12 +353,7 @@ class StepEngine(KVTransfer):
         step = "verify" if spec is not None else "prefill"
         lazy = tuple(name for name in graph_files if name != step)
         backend = OrtBackend(graph_files, options, preoptimized=use_ort, weights_file=shared, lazy=lazy)
-        if prefill in ("int8", "fp32"):
-            from kvforge.runtime.int8_prefill import PrefillSession
-
-            preoptimized = "prefill" in use_ort
-            backend.long_prefill = PrefillSession(backend, graph_files["prefill"], preoptimized, compute=prefill)
-        elif prefill != "ort":
+        if prefill != "ort" and prefill not in ("int8", "fp32"):
             from kvforge.runtime import ov_prefill  # imports OpenVINO when it runs
 
             ov_prefill.check_artifact(manifest, prefill)
@@ -366,6 +361,17 @@ class StepEngine(KVTransfer):
             graph = root / manifest.graphs["prefill"].file
             backend.long_prefill = ov_prefill.OpenVinoPrefill(graph, threads, precision=precision)
         engine = cls(root, manifest, backend, decode_graph=step if one_session else "decode", kv_shared=kv_shared)
+        if prefill in ("int8", "fp32"):
+            from kvforge.runtime import int8_prefill
+
+            try:  # int8: each projection's input smoothed by its ranges over the bundled text
+                ranges = int8_prefill.activation_ranges(engine) if prefill == "int8" and engine.tokenizer else None
+                backend.long_prefill = int8_prefill.PrefillSession(
+                    backend, graph_files["prefill"], "prefill" in use_ort, compute=prefill, ranges=ranges
+                )
+            except BaseException:
+                engine.close()
+                raise
         engine.prefix_pool = PrefixPool(budget, needs_state=manifest.layout.has_state) if budget else None
         if spec is not None:
             try:

@@ -66,6 +66,7 @@ from kvforge.graphs import contract
 
 GRAPH = "prefill.rewritten"  # the backend's name for the rewritten graph (int8 or fp32)
 MIN_TOKENS = 2  # a prefill call runs here when every row has at least this many tokens
+CALIBRATION_TOKENS = 256  # of the bundled text, for the activations' ranges (activation_ranges)
 
 
 def _tensor(init, graph_file: Path) -> np.ndarray:
@@ -83,24 +84,56 @@ def _tensor(init, graph_file: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
 
 
-def int8_weights(blocks: np.ndarray, scales: np.ndarray, k: int, n: int, block_size: int):
+def dequantize(blocks: np.ndarray, scales: np.ndarray, k: int, n: int, block_size: int) -> np.ndarray:
     """A symmetric 4-bit ``MatMulNBits`` weight (``blocks`` ``[N, K/bs, bs/2]`` u8, two codes a byte,
-    low nibble first, zero point 8; ``scales`` one a block) as int8 ``[K, N]`` and a scale per
-    output channel ``[N]``: each channel's dequantized values rounded to ``max|w| / 127`` steps."""
+    low nibble first, zero point 8; ``scales`` one a block) as float32 ``[N, K]``."""
     codes = blocks.reshape(n, -1)
     q = np.stack([codes & 15, codes >> 4], axis=-1).reshape(n, -1)[:, :k].astype(np.float32) - 8
-    w = q * np.repeat(scales.reshape(n, -1).astype(np.float32), block_size, axis=1)[:, :k]  # [N, K]
+    return q * np.repeat(scales.reshape(n, -1).astype(np.float32), block_size, axis=1)[:, :k]
+
+
+def int8_weights(blocks: np.ndarray, scales: np.ndarray, k: int, n: int, block_size: int, smooth=None):
+    """A symmetric 4-bit ``MatMulNBits`` weight (see :func:`dequantize`) as int8 ``[K, N]`` and a
+    scale per output channel ``[N]``: each channel's dequantized values (times ``smooth`` ``[K]``, a
+    factor per input channel, where given) rounded to ``max|w| / 127`` steps."""
+    w = dequantize(blocks, scales, k, n, block_size)  # [N, K]
+    if smooth is not None:
+        w *= smooth[None, :]
     step = np.abs(w).max(axis=1) / 127
     step[step == 0] = 1
     return np.round(w / step[:, None]).astype(np.int8).T.copy(), step.astype(np.float32)
 
 
-def rewrite(graph_file: Path, data_file: Path) -> tuple[bytes, Path, int]:
+def _is_projection(node) -> bool:
+    """Whether ``node`` is a symmetric 4-bit ``MatMulNBits`` (no zero points), what :func:`rewrite` takes."""
+    from onnx import helper
+
+    if node.op_type != "MatMulNBits" or len(node.input) != 3:
+        return False
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "bits"), None) == 4
+
+
+def smoothing(ranges: np.ndarray, weight_ranges: np.ndarray) -> np.ndarray:
+    """SmoothQuant's per-channel factors ``s = sqrt(max|x|) / sqrt(max|w|)`` for one activation
+    (``ranges`` ``[K]``, its calibrated largest magnitude per channel) and the weights that read it
+    (``weight_ranges`` ``[K]``, their largest magnitude per input channel): ``x / s`` and ``s * w``
+    have the same product and both half the activation's spread across channels, so a step per
+    token rounds the quiet channels beside an outlier less coarsely."""
+    s = np.sqrt(np.maximum(ranges, 1e-5)) / np.sqrt(np.maximum(weight_ranges, 1e-5))
+    return s.astype(np.float32)
+
+
+def rewrite(graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | None = None) -> tuple[bytes, Path, int]:
     """``graph_file`` with its symmetric 4-bit projections on the integer GEMM: (the graph as bytes,
     the folder its external data paths are relative to, the number of projections rewritten). The
     new int8 weights and steps are written to ``data_file`` one projection at a time (never all in
     memory); the artifact's own weights stay in its weights file. Load the bytes with ORT's
-    ``session.model_external_initializers_file_folder_path`` set to the folder returned."""
+    ``session.model_external_initializers_file_folder_path`` set to the folder returned.
+
+    ``ranges`` (:func:`activation_ranges`: a projection input's name -> its largest magnitude per
+    channel) smooths each input it names (:func:`smoothing`): its weights are rounded to int8 times
+    the factors, and the input divided by them, inside the RMS norm that makes it where its scale is
+    an initializer no other node reads (no pass of its own), else by one ``Mul``."""
     import os
 
     import onnx
@@ -112,35 +145,65 @@ def rewrite(graph_file: Path, data_file: Path) -> tuple[bytes, Path, int]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 21:  # kvforge exports opset 24; blocked QuantizeLinear is opset 21
         raise ValueError(f"{graph_file.name} imports ONNX opset {opset}; prefill='int8' needs 21 or later (recompile)")
+    projections = [node for node in graph.node if _is_projection(node)]
+
+    def weight(node) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        blocks, scales = (_tensor(inits[name], graph_file) for name in node.input[1:])
+        return blocks, scales, attrs["K"], attrs["N"], attrs["block_size"]
+
+    factors = {}  # a smoothed input -> its factors (one set for all the projections that read it)
+    for x in sorted({node.input[0] for node in projections} & set(ranges or ())):
+        columns = [np.abs(dequantize(*weight(node))).max(axis=0) for node in projections if node.input[0] == x]
+        factors[x] = smoothing(ranges[x], np.max(columns, axis=0))
+    norms = _norm_folds(graph, projections, factors, inits)
+    columns = _column_folds(graph, projections, {x: f for x, f in factors.items() if x not in norms}, inits)
+    folded = set(norms) | {x for x, _, _ in columns.values()}  # divided with no pass of their own
     # One folder above both files: ORT refuses external data outside the folder it is given.
     root = Path(os.path.commonpath([data_file.resolve().parent, graph_file.resolve().parent]))
     location = os.path.relpath(data_file.resolve(), root)
-    nodes, declared, count = [], [], 0
+    nodes, declared, divided = [], [], set()
     with open(data_file, "wb") as data:
+
+        def declare(name: str, array: np.ndarray) -> None:
+            offset = data.tell()
+            data.write(array.tobytes())
+            tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+            tensor.dims.extend(array.shape)
+            tensor.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
+                tensor.external_data.add(key=key, value=value)
+            declared.append(tensor)
+
         for node in graph.node:
-            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            if node.op_type != "MatMulNBits" or attrs.get("bits") != 4 or len(node.input) != 3:
+            if node.output and node.output[0] in norms:  # the norm's scale divided by the factors
+                index = norms[node.output[0]]
+                gamma = _tensor(inits[node.input[index]], graph_file)
+                node.input[index] = f"{node.output[0]}.smoothed_scale"
+                declare(node.input[index], (gamma / factors[node.output[0]]).astype(gamma.dtype))
+            if not _is_projection(node):
                 nodes.append(node)  # not a symmetric 4-bit projection: the graph's own node
                 continue
-            k, n, bs = attrs["K"], attrs["N"], attrs["block_size"]
-            blocks, scales = (_tensor(inits[name], graph_file) for name in node.input[1:])
             p, x, y = f"{node.name}.int8", node.input[0], node.output[0]
-            for name, array in zip((p + ".w", p + ".step"), int8_weights(blocks, scales, k, n, bs)):
-                offset = data.tell()
-                data.write(array.tobytes())
-                tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-                tensor.dims.extend(array.shape)
-                tensor.data_location = TensorProto.EXTERNAL
-                for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
-                    tensor.external_data.add(key=key, value=value)
-                declared.append(tensor)
-            count += 1
+            if x in factors and x not in folded:  # one Mul per smoothed input, before its first reader
+                if x not in divided:
+                    declare(f"{x}.inverse_factors", 1 / factors[x])
+                    nodes.append(helper.make_node("Mul", [x, f"{x}.inverse_factors"], [f"{x}.smoothed"]))
+                    divided.add(x)
+                x = f"{x}.smoothed"
+            blocks, scales, k, n, bs = weight(node)
+            w, step = int8_weights(blocks, scales, k, n, bs, smooth=factors.get(node.input[0]))
+            if node.output[0] in columns:  # its columns [start, stop) are the next product's smoothed input
+                x_next, start, stop = columns[node.output[0]]
+                step[start:stop] /= factors[x_next]
+            declare(p + ".w", w)
+            declare(p + ".step", step)
             nodes += _integer_projection(p, x, y, k)
     for init in graph.initializer:  # the artifact's own external data, now relative to root
         for entry in init.external_data:
             if entry.key == "location":
                 entry.value = os.path.relpath((graph_file.parent / entry.value).resolve(), root)
-    if count:
+    if projections:
         del graph.node[:]
         graph.node.extend(nodes)
         used = _names_read(nodes)
@@ -148,7 +211,74 @@ def rewrite(graph_file: Path, data_file: Path) -> tuple[bytes, Path, int]:
         del graph.initializer[:]
         consts = [numpy_helper.from_array(v, name) for name, v in _CONSTS.items() if name in used]
         graph.initializer.extend([*kept, *consts, *declared])
-    return model.SerializeToString(), root, count
+    return model.SerializeToString(), root, len(projections)
+
+
+# RMS norms whose scale (input at this index) multiplies output 0 last: a smoothing divides it.
+_NORM_SCALE = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2, "RMSNormalization": 1}
+
+
+def _column_folds(graph, projections, factors: dict, inits: dict) -> dict[str, tuple[str, int, int]]:
+    """The smoothed inputs that are an elementwise product (a gated MLP's ``act(gate) * up``, read only
+    by the projections) one of whose operands is a projection's output, or a last-axis ``Split`` of
+    one, read by nothing else: that projection's output name -> (the input, the operand's first and
+    end column in the output). Dividing those columns' steps divides the product by the factors."""
+    from collections import Counter
+
+    from onnx import helper, numpy_helper
+
+    reads = Counter(name for node in graph.node for name in _names_read([node]))
+    by_projections = Counter(node.input[0] for node in projections)
+    made_by = {name: node for node in graph.node for name in node.output}
+    widths = {
+        node.output[0]: helper.get_attribute_value(next(a for a in node.attribute if a.name == "N"))
+        for node in projections
+    }
+    columns = {}
+    for x, factors_x in factors.items():
+        product = made_by.get(x)
+        if product is None or product.op_type != "Mul" or reads[x] != by_projections[x]:
+            continue
+        for operand in product.input:
+            source = made_by.get(operand)
+            if reads[operand] != 1 or source is None:
+                continue
+            if operand in widths:
+                y, start, stop = operand, 0, widths[operand]
+            elif source.op_type == "Split" and source.input[0] in widths and reads[source.input[0]] == 1:
+                axis = next((helper.get_attribute_value(a) for a in source.attribute if a.name == "axis"), 0)
+                if axis != -1 or len(source.input) < 2 or source.input[1] not in inits:
+                    continue
+                sizes = numpy_helper.to_array(inits[source.input[1]]).tolist()
+                index = list(source.output).index(operand)
+                y, start = source.input[0], sum(sizes[:index])
+                stop = start + sizes[index]
+            else:
+                continue
+            if stop - start == len(factors_x) and y not in columns:
+                columns[y] = (x, start, stop)
+                break
+    return columns
+
+
+def _norm_folds(graph, projections, factors: dict, inits: dict) -> dict[str, int]:
+    """The smoothed inputs an RMS norm makes (its output 0, read only by the projections) whose scale is
+    an initializer: input name -> the norm's scale input index. The norm gets a scale of its own (other
+    norms may share the one it reads: ORT merges equal initializers)."""
+    from collections import Counter
+
+    reads = Counter(name for node in graph.node for name in _names_read([node]))
+    by_projections = Counter(node.input[0] for node in projections)
+    outputs = {value.name for value in graph.output}
+    folds = {}
+    for node in graph.node:
+        index = _NORM_SCALE.get(node.op_type)
+        if index is None or len(node.input) <= index or not node.output or node.output[0] not in factors:
+            continue
+        x, scale = node.output[0], node.input[index]
+        if scale in inits and reads[x] == by_projections[x] and x not in outputs:
+            folds[x] = index
+    return folds
 
 
 _CONSTS = {
@@ -204,6 +334,43 @@ def _names_read(nodes) -> set[str]:
     return names
 
 
+def activation_ranges(engine, graph: str = "prefill", tokens: int = CALIBRATION_TOKENS) -> dict[str, np.ndarray]:
+    """Each symmetric 4-bit projection input's largest magnitude per channel in ``engine``'s graph
+    ``graph`` (``"prefill"`` or ``"score"``), over the first ``tokens`` tokens of the bundled text
+    (``kvforge/tools/data/text.txt``; fewer where the engine's prompt calls are shorter): one call into
+    cache row 0 of a session of that graph with those inputs as extra outputs, closed after it. The
+    engine must hold no sequence (it is loading); its row 0 is left empty."""
+    from importlib.resources import files
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    backend, session = engine.backend, f"{graph}.calibration"
+    graph_file = backend.graph_files[graph]
+    model = onnx.load(str(graph_file), load_external_data=False)
+    names = sorted({node.input[0] for node in model.graph.node if _is_projection(node)})
+    model.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in names)
+    text = files("kvforge.tools.data").joinpath("text.txt").read_text(encoding="utf-8")
+    ids = engine.tokenizer.encode(text)[: min(tokens, engine.prefill_chunk)]
+    preoptimized = graph in backend.preoptimized
+    backend.add_session(session, model.SerializeToString(), graph_file, preoptimized, data_folder=graph_file.parent)
+    try:
+        inputs = engine._fill_inputs([ids], [0], len(ids))
+        outputs = engine._outputs(1)
+        if graph == "score":
+            del inputs[contract.INPUT_LENGTHS]
+            outputs[contract.LOGITS] = np.empty((1, len(ids), engine.vocab_size), dtype=outputs[contract.LOGITS].dtype)
+        binding = backend.bind_session(session, inputs, outputs)
+        for name in names:
+            binding.io_binding.bind_output(name, "cpu")
+        backend.run(binding)
+        values = binding.io_binding.get_outputs()[-len(names) :] if names else []
+        return {name: np.abs(v.numpy().reshape(-1, v.shape()[-1])).max(axis=0) for name, v in zip(names, values)}
+    finally:
+        backend.drop_session(session)
+        engine.lengths[0] = 0
+
+
 def float_activations(graph_file: Path) -> tuple[bytes, Path, int]:
     """``graph_file`` with its 4-bit projections at ``MatMulNBits``' accuracy level 1 (``prefill="fp32"``):
     the same int4 weights (zero points too), float activations; the 8-bit lm_head keeps its level
@@ -230,10 +397,17 @@ class PrefillSession:
     """The artifact's prefill graph with its int4 projections on another ORT kernel, a session of
     ``backend`` (an :class:`~kvforge.runtime.ort_backend.OrtBackend`), for prefill calls whose rows
     have at least ``min_tokens`` tokens each (see the module docstring). ``compute``: ``"int8"``
-    (:func:`rewrite`: the integer GEMM) or ``"fp32"`` (:func:`float_activations`)."""
+    (:func:`rewrite`: the integer GEMM, its inputs smoothed by ``ranges`` where given) or ``"fp32"``
+    (:func:`float_activations`)."""
 
     def __init__(
-        self, backend, graph_file: Path, preoptimized: bool, compute: str = "int8", min_tokens: int = MIN_TOKENS
+        self,
+        backend,
+        graph_file: Path,
+        preoptimized: bool,
+        compute: str = "int8",
+        min_tokens: int = MIN_TOKENS,
+        ranges: dict[str, np.ndarray] | None = None,
     ) -> None:
         if not backend.options.prepack:
             raise ValueError(f"prefill={compute!r} packs its weights into ORT's kernels; load it with prepack=True")
@@ -243,7 +417,7 @@ class PrefillSession:
         temporary = tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") if compute == "int8" else nullcontext()
         with temporary as tmp:
             if compute == "int8":
-                model, root, count = rewrite(graph_file, Path(tmp) / "int8.data")
+                model, root, count = rewrite(graph_file, Path(tmp) / "int8.data", ranges)
             else:
                 model, root, count = float_activations(graph_file)
             if not count:
