@@ -15,7 +15,7 @@ saves in time to first token.
 * ``ttft``: ``--prompt-lens`` prompts of random ids through ``Engine.prefill_prompt``, the artifact
   loaded with ``prefill="ort"`` and ``"int8"`` in processes of their own, taking turns over
   ``--rounds`` rounds; median of prompts 2-5 per round, then of the rounds; decode ms a step
-  after each prompt (16 steps) and the worker's peak RSS beside them.
+  after each prompt (16 steps) and the worker's load time and peak RSS beside them.
 
     python -m benchmarks int8-prefill ART --json int8_prefill.json   # ART: an int4 artifact
 
@@ -145,7 +145,9 @@ def _ttft_worker(artifact: str, prefill: str, lengths: list[int], threads: int) 
 
     rng = np.random.default_rng(0)
     result = {"prefill": prefill}
+    start = time.perf_counter()
     with Engine.load(artifact, threads=threads, prefix_cache=0, prefill=prefill) as engine:
+        result["load_s"] = time.perf_counter() - start
         vocab = engine.vocab_size
         for n in lengths:
             times, steps = [], []
