@@ -23,24 +23,37 @@ Q4_1; attention, norms, model state) are the prefill graph's own. The int8 weigh
 file, which the session reads and packs (as it does the artifact's weights file) and which is
 removed once it has.
 
-Quality. A per-token step rounds the channels beside an outlier coarsely: SmolLM2-135M int4 scored
-on Genesis (4,096 tokens, windows of 512) through the score graph rewritten the same way gives
-perplexity 10.62 against the int4 graph's 10.19 (+4.2%; teacher-forced argmax agreement 87%; the
-weights' second rounding alone costs 10.19 -> 10.20). It is the prompt's pass that pays it (its K/V
-and the first token's logits); the generated tokens are the int4 decode step's: a 128-token text
-prompt gave the int4 graph's 64 greedy tokens, a 1024-token one 11 of 64 before the first
-difference (OpenVINO GenAI's int4 against kvforge's: 12 and 9). So it is an option, not the default.
+Smoothing (SmoothQuant's migration, Xiao et al. 2022). A per-token step rounds the channels beside
+an outlier coarsely, and a model's activations have a few channels tens of times the median. At load
+(:func:`activation_ranges`) the prefill graph runs once on 256 tokens of the bundled text
+(``kvforge/tools/data/text.txt``) with each projection's input as an extra output, and each input
+channel gets a factor ``s = sqrt(max|x|) / sqrt(max|w|)`` (:func:`smoothing`): the weights are
+rounded to int8 times ``s`` and the activations divided by it, which halves their spread across
+channels and leaves the product as it was. The division costs no pass where it folds: into the RMS
+norm's scale that makes a q|k|v or gate|up input, and into the up columns' steps of the projection
+whose ``act(gate) * up`` is the down projection's input; elsewhere (the attention output that o_proj
+reads) it is one ``Mul``. (An artifact without a tokenizer is rounded per token, unsmoothed.) TTFT
+is unchanged (SmolLM2 at 128 / 1024 tokens, one process taking turns: 65.8 / 664 ms smoothed against
+67.4 / 661 without); load takes one more session and call (SmolLM2 +0.7 s, the 1.39B +10 s; peak RSS
++80 / +220 MiB while it runs).
+
+Quality. SmolLM2-135M int4 scored on Genesis (4,096 tokens, windows of 512) through the score graph
+rewritten the same way: perplexity 10.31 against the int4 graph's 10.19 (+1.1%; teacher-forced argmax
+agreement 91%), without the smoothing 10.62 (+4.2%, 87%); on 16,384 tokens 16.44 and 16.77 against
+16.20 (+1.5% / +3.6%). The weights' second rounding alone costs 10.19 -> 10.20. It is the prompt's
+pass that pays it (its K/V and the first token's logits); the generated tokens are the int4 decode
+step's. So it is an option, not the default.
 
 Which calls. A prefill call whose every row has at least ``min_tokens`` (2) tokens runs the int8
 graph; decode steps and any call with a one-token row run the artifact's own graphs. A row's result
-does not depend on the other rows' tokens (each token's activations are rounded on their own), but
-a one-token chunk, or a ragged batch with a one-token row, takes the int4 path. With speculative
+does not depend on the other rows' tokens (each token's activations are rounded on their own), but a
+one-token chunk, or a ragged batch with a one-token row, takes the int4 path. With speculative
 decoding the prompts go to the int8 graph and the verify steps stay on the verify graph, as with the
-OpenVINO prefill (:mod:`kvforge.runtime.ov_prefill`). Memory: one more session, holding ORT's
-packed copy of the int8 weights and of the lm_head; peak RSS SmolLM2-135M 275 -> 432 MiB, the 1.39B
-1372 -> 2743 (OpenVINO GenAI: 396, 1949); load writes the int8 weights to a temporary file first
-(``tempfile``'s folder; 1.2 GB at 1.39B). Refused: artifacts with no symmetric 4-bit projection
-(fp32, fp16, ``--quantize int8``), and ``prepack=False``.
+OpenVINO prefill (:mod:`kvforge.runtime.ov_prefill`). Memory: one more session, holding ORT's packed
+copy of the int8 weights and of the lm_head; peak RSS SmolLM2-135M 290 -> 506 MiB, the 1.39B 1387 ->
+2989 with the calibration's session (OpenVINO GenAI: 396, 1948); load writes the int8 weights to a
+temporary file first (``tempfile``'s folder; 1.2 GB at 1.39B). Refused: artifacts with no symmetric
+4-bit projection (fp32, fp16, ``--quantize int8``), and ``prepack=False``.
 
 ``prefill="fp32"``: the same calls run the prefill graph with every 4-bit ``MatMulNBits`` at
 accuracy level 1 (:func:`float_activations`): ORT's fp32 kernel over the same int4 weights, no
