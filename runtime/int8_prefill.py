@@ -170,8 +170,9 @@ def rewrite(graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | N
 
     ``ranges`` (:func:`activation_ranges`: a projection input's name -> its largest magnitude per
     channel) smooths each input it names (:func:`smoothing`): its weights are rounded to int8 times
-    the factors, and the input divided by them, inside the RMS norm that makes it where its scale is
-    an initializer no other node reads (no pass of its own), else by one ``Mul``."""
+    the factors, and the input divided by them with no pass of its own where that folds (the scale
+    of the RMS norm that makes it: :func:`_norm_folds`; the steps of the up columns whose product
+    with ``act(gate)`` it is: :func:`_column_folds`), else by one ``Mul``."""
     import os
 
     import onnx
