@@ -3,7 +3,9 @@ weights in 8 bits, activations rounded per token), decode steps on the int4 grap
 tiny Llama and the tiny Qwen3.5 (a hybrid with model state): the rewrite, logits within the
 rounding's tolerance of the int4 graph's, each row independent of its batch (bit-equal to its solo
 run), chunked continuation (the hybrid's state too), one-token calls left on the int4 graph,
-speculative decoding equal to plain decoding, the CLI, and the refusals. ``prefill="fp32"`` (the
+speculative decoding equal to plain decoding, the CLI, and the refusals; the smoothing (ranges
+measured at load on the bundled text, the same on the prefill and score graphs; folded into norm
+scales and up columns, a Mul elsewhere; an outlier's rounding error cut). ``prefill="fp32"`` (the
 same int4 weights at MatMulNBits' accuracy level 1, float activations) beside it."""
 
 from __future__ import annotations
@@ -326,3 +328,19 @@ def test_load_measures_each_projection_input_on_the_bundled_text(llama_int4_arti
     # Two norms a layer take the factors into their scales, the MLP's product into the up columns'
     # steps; the attention's output (o_proj's input) is divided by a Mul of its own.
     assert count == 8 and len(scales) == 4 and len(muls) == 2
+
+
+def test_the_score_graph_measures_the_same_ranges_as_the_prefill_graph(llama_int4_artifact):
+    import onnx
+
+    from kvforge.runtime.int8_prefill import activation_ranges
+
+    with Engine.load(llama_int4_artifact) as engine:  # the score graph: what int8-prefill's quality part smooths
+        by_node = {}
+        for graph in ("prefill", "score"):
+            ranges = activation_ranges(engine, graph)
+            nodes = onnx.load(engine.backend.graph_files[graph], load_external_data=False).graph.node
+            by_node[graph] = {n.name: ranges[n.input[0]] for n in nodes if n.input and n.input[0] in ranges}
+    assert len(by_node["prefill"]) == 8 and by_node["prefill"].keys() == by_node["score"].keys()
+    for name, want in by_node["prefill"].items():  # the same tokens through the same layers
+        np.testing.assert_allclose(by_node["score"][name], want, rtol=1e-4, atol=1e-5, err_msg=name)
