@@ -330,17 +330,23 @@ def test_load_measures_each_projection_input_on_the_bundled_text(llama_int4_arti
     assert count == 8 and len(scales) == 4 and len(muls) == 2
 
 
-def test_the_score_graph_measures_the_same_ranges_as_the_prefill_graph(llama_int4_artifact):
+def test_the_score_graph_and_chunked_calls_measure_the_prefill_graphs_ranges(llama_int4_artifact):
     import onnx
 
     from kvforge.runtime.int8_prefill import activation_ranges
 
     with Engine.load(llama_int4_artifact) as engine:  # the score graph: what int8-prefill's quality part smooths
         by_node = {}
-        for graph in ("prefill", "score"):
-            ranges = activation_ranges(engine, graph)
+        for graph, chunk in (("prefill", engine.prefill_chunk), ("score", engine.prefill_chunk), ("prefill", 40)):
+            engine.prefill_chunk, saved = chunk, engine.prefill_chunk
+            ranges = activation_ranges(engine, graph)  # 96 tokens (max_seq): one call, or 40 + 40 + 16
+            engine.prefill_chunk = saved
             nodes = onnx.load(engine.backend.graph_files[graph], load_external_data=False).graph.node
-            by_node[graph] = {n.name: ranges[n.input[0]] for n in nodes if n.input and n.input[0] in ranges}
-    assert len(by_node["prefill"]) == 8 and by_node["prefill"].keys() == by_node["score"].keys()
-    for name, want in by_node["prefill"].items():  # the same tokens through the same layers
-        np.testing.assert_allclose(by_node["score"][name], want, rtol=1e-4, atol=1e-5, err_msg=name)
+            by_node[graph, chunk] = {n.name: ranges[n.input[0]] for n in nodes if n.input and n.input[0] in ranges}
+    want = by_node["prefill", engine.prefill_chunk]
+    assert len(want) == 8 and all(got.keys() == want.keys() for got in by_node.values())
+    for (graph, chunk), got in by_node.items():  # the same tokens through the same layers
+        for name, value in want.items():
+            np.testing.assert_allclose(
+                got[name], value, rtol=1e-4, atol=1e-5, err_msg=f"{graph}, chunk {chunk}: {name}"
+            )
