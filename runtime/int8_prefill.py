@@ -35,7 +35,7 @@ whose ``act(gate) * up`` is the down projection's input; elsewhere (the attentio
 reads) it is one ``Mul``. (An artifact without a tokenizer is rounded per token, unsmoothed.) TTFT
 is unchanged (SmolLM2 at 128 / 1024 tokens, one process taking turns: 65.8 / 664 ms smoothed against
 67.4 / 661 without); load takes one more session and call (SmolLM2 +0.7 s, the 1.39B +10 s; peak RSS
-+80 / +220 MiB while it runs).
++80 / +230 MiB).
 
 Quality. SmolLM2-135M int4 scored on Genesis (4,096 tokens, windows of 512) through the score graph
 rewritten the same way: perplexity 10.31 against the int4 graph's 10.19 (+1.1%; teacher-forced argmax
