@@ -266,7 +266,7 @@ class StepEngine(KVTransfer):
         tokens each run a second ORT graph made at load from the prefill graph, its int4 projections on ORT's integer
         GEMM (the same weights in 8 bits, activations rounded to int8 per token after a smoothing
         measured at load on the bundled text): about a third of the time to first token, at a
-        perplexity cost in the prompt's pass (+1.1% on SmolLM2;
+        perplexity cost in the prompt's pass (+1.5-1.8% on SmolLM2;
         :mod:`kvforge.runtime.int8_prefill`). ``"fp32"`` (CPU, int4 artifacts): the same calls on
         the same graph with its 4-bit projections at ``MatMulNBits``' accuracy level 1 (the int4
         weights, float activations: no rounding of the prompt's activations): 0.7x the time to first

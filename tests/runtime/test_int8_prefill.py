@@ -350,3 +350,12 @@ def test_the_score_graph_and_chunked_calls_measure_the_prefill_graphs_ranges(lla
             np.testing.assert_allclose(
                 got[name], value, rtol=1e-4, atol=1e-5, err_msg=f"{graph}, chunk {chunk}: {name}"
             )
+
+
+def test_a_channel_the_calibration_saw_silent_counts_as_a_tenth_of_the_median():
+    from kvforge.runtime.int8_prefill import smoothing
+
+    ranges = np.array([4.0] * 8 + [40.0, 1e-6], np.float32)  # an outlier and a channel the text never moved
+    factors = smoothing(ranges, np.full(10, 0.25, np.float32))
+    np.testing.assert_allclose(factors, np.sqrt([16.0] * 8 + [160.0, 1.6]), rtol=1e-6)
+    # x / s: the silent channel divided by 1.26, not by 0.002 (which would multiply it by ~500)
