@@ -263,9 +263,9 @@ class StepEngine(KVTransfer):
         it pays for int4 artifacts on CPUs with AMX/VNNI). ``"openvino:bf16"``: the same at bfloat16
         (CPUs with AVX512-BF16 or AMX), about twice as fast, the prompt's logits and K/V rounded as
         bf16 computes them. ``"int8"`` (CPU, int4 artifacts): prefill calls whose rows have at least 2
-        tokens each run a second ORT graph made at load from the prefill graph, its int4 projections on ORT's integer
-        GEMM (the same weights in 8 bits, activations rounded to int8 per token after a smoothing
-        measured at load on the bundled text): about a third of the time to first token, at a
+        tokens each run a second ORT graph made at load from the prefill graph, its int4 projections
+        on ORT's integer GEMM (the same weights in 8 bits, activations rounded to int8 per token after
+        a smoothing measured at load on the bundled text): about a third of the time to first token, at a
         perplexity cost in the prompt's pass (+1.5-1.8% on SmolLM2;
         :mod:`kvforge.runtime.int8_prefill`). ``"fp32"`` (CPU, int4 artifacts): the same calls on
         the same graph with its 4-bit projections at ``MatMulNBits``' accuracy level 1 (the int4

@@ -71,6 +71,7 @@ weights, but the session packs the artifact's int4 blocks again for its kernel (
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -200,8 +201,12 @@ def rewrite(graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | N
     for x in sorted({node.input[0] for node in projections} & set(ranges or ())):
         columns = [weight_ranges(*weight(node)) for node in projections if node.input[0] == x]
         factors[x] = smoothing(ranges[x], np.max(columns, axis=0))
-    norms = _norm_folds(graph, projections, factors, inits)
-    columns = _column_folds(graph, projections, {x: f for x, f in factors.items() if x not in norms}, inits)
+    reads = Counter(name for node in graph.node for name in _names_read([node]))  # readers of each name
+    by_projections = Counter(node.input[0] for node in projections)
+    outputs = {value.name for value in graph.output}
+    private = {x for x in factors if reads[x] == by_projections[x] and x not in outputs}  # the projections' alone
+    norms = _norm_folds(graph, private, inits)
+    columns = _column_folds(graph, projections, {x: factors[x] for x in private - set(norms)}, reads, inits)
     folded = set(norms) | {x for x, _, _ in columns.values()}  # divided with no pass of their own
     # One folder above both files: ORT refuses external data outside the folder it is given.
     root = Path(os.path.commonpath([data_file.resolve().parent, graph_file.resolve().parent]))
@@ -262,17 +267,14 @@ def rewrite(graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | N
 _NORM_SCALE = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2, "RMSNormalization": 1}
 
 
-def _column_folds(graph, projections, factors: dict, inits: dict) -> dict[str, tuple[str, int, int]]:
-    """The smoothed inputs that are an elementwise product (a gated MLP's ``act(gate) * up``, read only
-    by the projections) one of whose operands is a projection's output, or a last-axis ``Split`` of
-    one, read by nothing else: that projection's output name -> (the input, the operand's first and
-    end column in the output). Dividing those columns' steps divides the product by the factors."""
-    from collections import Counter
-
+def _column_folds(graph, projections, factors: dict, reads: Counter, inits: dict) -> dict[str, tuple[str, int, int]]:
+    """Of the smoothed inputs ``factors`` names (each read by the projections alone), those that are an
+    elementwise product (a gated MLP's ``act(gate) * up``) one of whose operands is a projection's
+    output, or a last-axis ``Split`` of one, read by nothing else (``reads``: readers per name): that
+    projection's output name -> (the input, the operand's first and end column in the output).
+    Dividing those columns' steps divides the product by the factors."""
     from onnx import helper, numpy_helper
 
-    reads = Counter(name for node in graph.node for name in _names_read([node]))
-    by_projections = Counter(node.input[0] for node in projections)
     made_by = {name: node for node in graph.node for name in node.output}
     widths = {
         node.output[0]: helper.get_attribute_value(next(a for a in node.attribute if a.name == "N"))
@@ -281,7 +283,7 @@ def _column_folds(graph, projections, factors: dict, inits: dict) -> dict[str, t
     columns = {}
     for x, factors_x in factors.items():
         product = made_by.get(x)
-        if product is None or product.op_type != "Mul" or reads[x] != by_projections[x]:
+        if product is None or product.op_type != "Mul":
             continue
         for operand in product.input:
             source = made_by.get(operand)
@@ -305,23 +307,18 @@ def _column_folds(graph, projections, factors: dict, inits: dict) -> dict[str, t
     return columns
 
 
-def _norm_folds(graph, projections, factors: dict, inits: dict) -> dict[str, int]:
-    """The smoothed inputs an RMS norm makes (its output 0, read only by the projections) whose scale is
-    an initializer: input name -> the norm's scale input index. The norm gets a scale of its own (other
-    norms may share the one it reads: ORT merges equal initializers)."""
-    from collections import Counter
-
-    reads = Counter(name for node in graph.node for name in _names_read([node]))
-    by_projections = Counter(node.input[0] for node in projections)
-    outputs = {value.name for value in graph.output}
+def _norm_folds(graph, private: set[str], inits: dict) -> dict[str, int]:
+    """Of the smoothed inputs ``private`` names (each read by the projections alone), those an RMS norm
+    makes (its output 0) whose scale is an initializer: input name -> the norm's scale input index.
+    The norm gets a scale of its own (other norms may share the one it reads: ORT merges equal
+    initializers)."""
     folds = {}
     for node in graph.node:
         index = _NORM_SCALE.get(node.op_type)
-        if index is None or len(node.input) <= index or not node.output or node.output[0] not in factors:
+        if index is None or len(node.input) <= index or not node.output or node.output[0] not in private:
             continue
-        x, scale = node.output[0], node.input[index]
-        if scale in inits and reads[x] == by_projections[x] and x not in outputs:
-            folds[x] = index
+        if node.input[index] in inits:
+            folds[node.output[0]] = index
     return folds
 
 
