@@ -265,8 +265,10 @@ class StepEngine(KVTransfer):
         bf16 computes them. ``"int8"`` (CPU, int4 artifacts): prefill calls whose rows have at least 2
         tokens each run a second ORT graph made at load from the prefill graph, its int4 projections
         on ORT's integer GEMM (the same weights in 8 bits, activations rounded to int8 per token after
-        a smoothing measured at load on the bundled text): about a third of the time to first token, at a
-        perplexity cost in the prompt's pass (+1.5-1.8% on SmolLM2;
+        a smoothing measured on the bundled text at the first such load, then kept in
+        ``$KVFORGE_CACHE/calibration``, default ``~/.cache/kvforge``; ``KVFORGE_CALIBRATION`` names
+        another folder, or ``off`` to measure it at every load): about a third of the time to first
+        token, at a perplexity cost in the prompt's pass (+1.5-1.8% on SmolLM2;
         :mod:`kvforge.runtime.int8_prefill`). ``"fp32"`` (CPU, int4 artifacts): the same calls on
         the same graph with its 4-bit projections at ``MatMulNBits``' accuracy level 1 (the int4
         weights, float activations: no rounding of the prompt's activations): 0.7x the time to first
@@ -366,7 +368,7 @@ class StepEngine(KVTransfer):
             from kvforge.runtime import int8_prefill
 
             try:  # int8: each projection's input smoothed by its ranges over the bundled text
-                ranges = int8_prefill.activation_ranges(engine) if prefill == "int8" and engine.tokenizer else None
+                ranges = int8_prefill.cached_ranges(engine) if prefill == "int8" and engine.tokenizer else None
                 backend.long_prefill = int8_prefill.PrefillSession(
                     backend, graph_files["prefill"], "prefill" in use_ort, compute=prefill, ranges=ranges
                 )

@@ -34,8 +34,10 @@ norm's scale that makes a q|k|v or gate|up input, and into the up columns' steps
 whose ``act(gate) * up`` is the down projection's input; elsewhere (the attention output that o_proj
 reads) it is one ``Mul``. (An artifact without a tokenizer is rounded per token, unsmoothed.) TTFT
 is unchanged (SmolLM2 at 128 / 1024 tokens, one process taking turns: 65.8 / 664 ms smoothed against
-67.4 / 661 without); load takes one more session and call (SmolLM2 +0.7 s, the 1.39B +10 s; peak RSS
-+80 / +230 MiB).
+67.4 / 661 without); an artifact's first such load takes one more session and call (SmolLM2 +0.7 s,
+the 1.39B +10 s; peak RSS +80 / +230 MiB), and keeps the ranges in ``$KVFORGE_CACHE/calibration``
+(:func:`cached_ranges`, keyed by the graph, its weights, the calibration ids, the prompt chunk and
+the versions of kvforge and ONNX Runtime), which later loads read instead.
 
 Quality. SmolLM2-135M int4 scored on Genesis (4,096 tokens, windows of 512) through the score graph
 rewritten the same way: perplexity 10.38 against the int4 graph's 10.19 (+1.8%; teacher-forced
@@ -70,6 +72,10 @@ weights, but the session packs the artifact's int4 blocks again for its kernel (
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import tempfile
 from collections import Counter
 from contextlib import nullcontext
@@ -82,6 +88,8 @@ from kvforge.graphs import contract
 GRAPH = "prefill.rewritten"  # the backend's name for the rewritten graph (int8 or fp32)
 MIN_TOKENS = 2  # a prefill call runs here when every row has at least this many tokens
 CALIBRATION_TOKENS = 256  # of the bundled text, for the activations' ranges (activation_ranges; all ~400: no better)
+
+log = logging.getLogger("kvforge.runtime")
 
 
 def _tensor(init, graph_file: Path) -> np.ndarray:
@@ -375,6 +383,15 @@ def _names_read(nodes) -> set[str]:
     return names
 
 
+def calibration_ids(engine, tokens: int = CALIBRATION_TOKENS) -> list[int]:
+    """The first ``tokens`` ids of the bundled text (``kvforge/tools/data/text.txt``) in ``engine``'s
+    tokenizer, fewer where its cache is shorter."""
+    from importlib.resources import files
+
+    text = files("kvforge.tools.data").joinpath("text.txt").read_text(encoding="utf-8")
+    return engine.tokenizer.encode(text)[: min(tokens, engine.max_seq)]
+
+
 def activation_ranges(engine, graph: str = "prefill", tokens: int = CALIBRATION_TOKENS) -> dict[str, np.ndarray]:
     """Each symmetric 4-bit projection input's largest magnitude per channel in ``engine``'s graph
     ``graph`` (``"prefill"`` or ``"score"``), over the first ``tokens`` tokens of the bundled text
@@ -382,8 +399,6 @@ def activation_ranges(engine, graph: str = "prefill", tokens: int = CALIBRATION_
     engine's prompt chunk into cache row 0 of a session of that graph with those inputs as extra
     outputs, closed after them. The engine must hold no sequence (it is loading); its row 0 is left
     empty."""
-    from importlib.resources import files
-
     import onnx
     from onnx import TensorProto, helper
 
@@ -392,8 +407,7 @@ def activation_ranges(engine, graph: str = "prefill", tokens: int = CALIBRATION_
     model = onnx.load(str(graph_file), load_external_data=False)
     names = sorted({node.input[0] for node in model.graph.node if _is_projection(node)})
     model.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in names)
-    text = files("kvforge.tools.data").joinpath("text.txt").read_text(encoding="utf-8")
-    ids = engine.tokenizer.encode(text)[: min(tokens, engine.max_seq)]
+    ids = calibration_ids(engine, tokens)
     ranges = {}
     preoptimized = graph in backend.preoptimized
     backend.add_session(session, model.SerializeToString(), graph_file, preoptimized, data_folder=graph_file.parent)
@@ -417,6 +431,74 @@ def activation_ranges(engine, graph: str = "prefill", tokens: int = CALIBRATION_
     finally:
         backend.drop_session(session)
         engine.lengths[0] = 0
+
+
+def calibration_folder() -> Path | None:
+    """Where :func:`cached_ranges` keeps ranges: ``$KVFORGE_CALIBRATION`` if set (``off``: nowhere,
+    None), else ``$KVFORGE_CACHE/calibration`` (default ``~/.cache/kvforge/calibration``)."""
+    given = os.environ.get("KVFORGE_CALIBRATION")
+    if given:
+        return None if given == "off" else Path(given)
+    return Path(os.environ.get("KVFORGE_CACHE") or Path.home() / ".cache" / "kvforge") / "calibration"
+
+
+def _calibration_key(engine, ids: list[int]) -> str:
+    """What the ranges depend on: the graph ORT runs (its file's bytes and the weights' hash), the
+    calibration ids (text, tokenizer and count), the engine's prompt chunk, and the versions of
+    kvforge and ONNX Runtime (their kernels round the projections' inputs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import onnxruntime
+
+    try:
+        kvforge_version = version("kvforge")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        kvforge_version = "source"
+    graph_file = engine.backend.graph_files["prefill"]
+    found = {
+        "graph_sha256": hashlib.sha256(Path(graph_file).read_bytes()).hexdigest(),
+        "weights_sha256": engine.manifest.weights.sha256,
+        "ids_sha256": hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest(),
+        "prefill_chunk": engine.prefill_chunk,
+        "kvforge": kvforge_version,
+        "onnxruntime": onnxruntime.__version__,
+    }
+    return hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()
+
+
+def cached_ranges(engine, tokens: int = CALIBRATION_TOKENS, folder: Path | None = None) -> dict[str, np.ndarray]:
+    """:func:`activation_ranges` of ``engine``'s prefill graph, kept in ``folder`` (default
+    :func:`calibration_folder`) under a key of everything they depend on (:func:`_calibration_key`),
+    so that a later load of the same artifact by the same kvforge and ONNX Runtime reads them instead
+    of making the calibration session and running it (the 1.39B: 10 s and 230 MiB of peak RSS). A
+    file that cannot be read is measured again and replaced; a folder that cannot be written leaves
+    the ranges measured at every load (logged once a load, never an error)."""
+    folder = calibration_folder() if folder is None else folder
+    if folder is None:
+        return activation_ranges(engine, tokens=tokens)
+    ids = calibration_ids(engine, tokens)
+    path = folder / f"{_calibration_key(engine, ids)}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            names = [str(name) for name in stored["names"]]
+            return {name: stored[f"r{i}"] for i, name in enumerate(names)}
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # a truncated or foreign file: measure again and replace it
+        log.warning("int8 prefill: the stored calibration %s is unreadable (%s); measuring it again", path, exc)
+    ranges = activation_ranges(engine, tokens=tokens)
+    names, written = sorted(ranges), None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
+            written = Path(handle.name)
+            np.savez(handle, names=np.array(names), **{f"r{i}": ranges[name] for i, name in enumerate(names)})
+        os.replace(written, path)  # whole or absent: loads running at once each write their own file
+    except OSError as exc:
+        log.warning("int8 prefill: cannot keep the calibration in %s (%s); it is measured at every load", folder, exc)
+        if written is not None:
+            written.unlink(missing_ok=True)
+    return ranges
 
 
 def float_activations(graph_file: Path) -> tuple[bytes, Path, int]:

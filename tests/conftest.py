@@ -26,6 +26,16 @@ except ImportError:  # the fuzz file skips itself without hypothesis
     pass
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibration_folder(tmp_path_factory) -> Path:
+    """The int8 prefill's stored calibrations (``kvforge.runtime.int8_prefill.cached_ranges``) go to
+    a folder of the session, set in the environment so that servers started as processes use it too:
+    the suite writes nothing into the user's ``~/.cache/kvforge``."""
+    folder = tmp_path_factory.mktemp("calibration")
+    os.environ["KVFORGE_CALIBRATION"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> Path:
     return make_llama(tmp_path_factory.mktemp("llama"))

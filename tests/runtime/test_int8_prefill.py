@@ -359,3 +359,51 @@ def test_a_channel_the_calibration_saw_silent_counts_as_a_tenth_of_the_median():
     factors = smoothing(ranges, np.full(10, 0.25, np.float32))
     np.testing.assert_allclose(factors, np.sqrt([16.0] * 8 + [160.0, 1.6]), rtol=1e-6)
     # x / s: the silent channel divided by 1.26, not by 0.002 (which would multiply it by ~500)
+
+
+def test_a_second_load_reads_the_stored_calibration(llama_int4_artifact, tmp_path, monkeypatch):
+    from kvforge.runtime import int8_prefill
+
+    monkeypatch.setenv("KVFORGE_CALIBRATION", str(tmp_path))
+    with Engine.load(llama_int4_artifact, prefill="int8") as first:
+        want = first.prefill([LONG]).copy()  # a view of the engine's logits buffer
+        measured = int8_prefill.activation_ranges(first)
+    [stored] = tmp_path.glob("*.npz")
+    with np.load(stored) as f:
+        assert sorted(measured) == [str(n) for n in f["names"]]
+        for i, name in enumerate(f["names"]):
+            np.testing.assert_array_equal(f[f"r{i}"], measured[str(name)])
+
+    def measuring(*args, **kwargs):
+        raise AssertionError("the second load measured the ranges again")
+
+    monkeypatch.setattr(int8_prefill, "activation_ranges", measuring)
+    with Engine.load(llama_int4_artifact, prefill="int8") as second:
+        np.testing.assert_array_equal(second.prefill([LONG]), want)  # the same smoothing, bit for bit
+        assert _ran_int8(second)
+
+
+def test_an_unreadable_or_unwritable_calibration_is_measured_again(engines, tmp_path, monkeypatch, caplog):
+    from kvforge.runtime.int8_prefill import activation_ranges, cached_ranges
+
+    engine = engines[1]
+    want = activation_ranges(engine)
+    (tmp_path / "ok").mkdir()
+    cached_ranges(engine, folder=tmp_path / "ok")
+    [stored] = (tmp_path / "ok").glob("*.npz")
+    stored.write_bytes(stored.read_bytes()[:100])  # truncated
+    with caplog.at_level("WARNING", logger="kvforge.runtime"):
+        got = cached_ranges(engine, folder=tmp_path / "ok")
+    assert "is unreadable" in caplog.text and got.keys() == want.keys()
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    assert [p.name for p in (tmp_path / "ok").iterdir()] == [stored.name] and stored.stat().st_size > 100  # replaced
+
+    (tmp_path / "file").write_text("not a folder")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvforge.runtime"):
+        got = cached_ranges(engine, folder=tmp_path / "file" / "calibration")
+    assert "it is measured at every load" in caplog.text and got.keys() == want.keys()
+
+    monkeypatch.setenv("KVFORGE_CALIBRATION", "off")
+    monkeypatch.setenv("KVFORGE_CACHE", str(tmp_path / "cache"))
+    assert cached_ranges(engine).keys() == want.keys() and not (tmp_path / "cache").exists()
