@@ -78,6 +78,7 @@ import logging
 import os
 import tempfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -175,7 +176,9 @@ def smoothing(ranges: np.ndarray, weight_ranges: np.ndarray) -> np.ndarray:
     return s.astype(np.float32)
 
 
-def rewrite(graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | None = None) -> tuple[bytes, Path, int]:
+def rewrite(
+    graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | None = None, threads: int | None = None
+) -> tuple[bytes, Path, int]:
     """``graph_file`` with its symmetric 4-bit projections on the integer GEMM: (the graph as bytes,
     the folder its external data paths are relative to, the number of projections rewritten). The
     new int8 weights and steps are written to ``data_file`` one projection at a time (never all in
@@ -186,9 +189,8 @@ def rewrite(graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | N
     channel) smooths each input it names (:func:`smoothing`): its weights are rounded to int8 times
     the factors, and the input divided by them with no pass of its own where that folds (the scale
     of the RMS norm that makes it: :func:`_norm_folds`; the steps of the up columns whose product
-    with ``act(gate)`` it is: :func:`_column_folds`), else by one ``Mul``."""
-    import os
-
+    with ``act(gate)`` it is: :func:`_column_folds`), else by one ``Mul``. ``threads``: projections
+    converted at once (numpy lets go of the GIL in its loops; default: the CPU's cores)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -205,70 +207,82 @@ def rewrite(graph_file: Path, data_file: Path, ranges: dict[str, np.ndarray] | N
         blocks, scales = (_tensor(inits[name], graph_file) for name in node.input[1:])
         return blocks, scales, attrs["K"], attrs["N"], attrs["block_size"]
 
-    factors = {}  # a smoothed input -> its factors (one set for all the projections that read it)
-    for x in sorted({node.input[0] for node in projections} & set(ranges or ())):
-        columns = [weight_ranges(*weight(node)) for node in projections if node.input[0] == x]
-        factors[x] = smoothing(ranges[x], np.max(columns, axis=0))
-    reads = Counter(name for node in graph.node for name in _names_read([node]))  # readers of each name
-    by_projections = Counter(node.input[0] for node in projections)
-    outputs = {value.name for value in graph.output}
-    private = {x for x in factors if reads[x] == by_projections[x] and x not in outputs}  # the projections' alone
-    norms = _norm_folds(graph, private, inits)
-    columns = _column_folds(graph, projections, {x: factors[x] for x in private - set(norms)}, reads, inits)
-    folded = set(norms) | {x for x, _, _ in columns.values()}  # divided with no pass of their own
-    # One folder above both files: ORT refuses external data outside the folder it is given.
-    root = Path(os.path.commonpath([data_file.resolve().parent, graph_file.resolve().parent]))
-    location = os.path.relpath(data_file.resolve(), root)
-    nodes, declared, divided = [], [], set()
-    with open(data_file, "wb") as data:
+    pool = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1)
+    try:
+        smoothed = sorted({node.input[0] for node in projections} & set(ranges or ()))
+        readers = [node for node in projections if node.input[0] in (ranges or {})]
+        widest = {}  # a smoothed input -> its weights' largest magnitude per channel, over all its readers
+        for node, column in zip(readers, pool.map(lambda node: weight_ranges(*weight(node)), readers)):
+            x = node.input[0]
+            widest[x] = np.maximum(widest[x], column) if x in widest else column
+        factors = {x: smoothing(ranges[x], widest[x]) for x in smoothed}  # one set for all its readers
+        reads = Counter(name for node in graph.node for name in _names_read([node]))  # readers of each name
+        by_projections = Counter(node.input[0] for node in projections)
+        outputs = {value.name for value in graph.output}
+        private = {x for x in factors if reads[x] == by_projections[x] and x not in outputs}  # the projections' alone
+        norms = _norm_folds(graph, private, inits)
+        columns = _column_folds(graph, projections, {x: factors[x] for x in private - set(norms)}, reads, inits)
+        folded = set(norms) | {x for x, _, _ in columns.values()}  # divided with no pass of their own
+        # One folder above both files: ORT refuses external data outside the folder it is given.
+        root = Path(os.path.commonpath([data_file.resolve().parent, graph_file.resolve().parent]))
+        location = os.path.relpath(data_file.resolve(), root)
+        nodes, declared, divided = [], [], set()
+        with open(data_file, "wb") as data:
 
-        def declare(name: str, array: np.ndarray) -> None:
-            offset = data.tell()
-            data.write(array.tobytes())
-            tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-            tensor.dims.extend(array.shape)
-            tensor.data_location = TensorProto.EXTERNAL
-            for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
-                tensor.external_data.add(key=key, value=value)
-            declared.append(tensor)
+            def declare(name: str, array: np.ndarray) -> None:
+                offset = data.tell()
+                data.write(array.tobytes())
+                tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+                tensor.dims.extend(array.shape)
+                tensor.data_location = TensorProto.EXTERNAL
+                for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
+                    tensor.external_data.add(key=key, value=value)
+                declared.append(tensor)
 
-        for node in graph.node:
-            if node.output and node.output[0] in norms:  # the norm's scale divided by the factors
-                index = norms[node.output[0]]
-                gamma = _tensor(inits[node.input[index]], graph_file)
-                node.input[index] = f"{node.output[0]}.smoothed_scale"
-                declare(node.input[index], (gamma / factors[node.output[0]]).astype(gamma.dtype))
-            if not _is_projection(node):
-                nodes.append(node)  # not a symmetric 4-bit projection: the graph's own node
-                continue
-            p, x, y = f"{node.name}.int8", node.input[0], node.output[0]
-            if x in factors and x not in folded:  # one Mul per smoothed input, before its first reader
-                if x not in divided:
-                    declare(f"{x}.inverse_factors", 1 / factors[x])
-                    nodes.append(helper.make_node("Mul", [x, f"{x}.inverse_factors"], [f"{x}.smoothed"]))
-                    divided.add(x)
-                x = f"{x}.smoothed"
-            blocks, scales, k, n, bs = weight(node)
-            w, step = int8_weights(blocks, scales, k, n, bs, smooth=factors.get(node.input[0]))
-            if node.output[0] in columns:  # its columns [start, stop) are the next product's smoothed input
-                x_next, start, stop = columns[node.output[0]]
-                step[start:stop] /= factors[x_next]
-            declare(p + ".w", w)
-            declare(p + ".step", step)
-            nodes += _integer_projection(p, x, y, k)
-    for init in graph.initializer:  # the artifact's own external data, now relative to root
-        for entry in init.external_data:
-            if entry.key == "location":
-                entry.value = os.path.relpath((graph_file.parent / entry.value).resolve(), root)
-    if projections:
-        del graph.node[:]
-        graph.node.extend(nodes)
-        used = _names_read(nodes)
-        kept = [init for init in graph.initializer if init.name in used]  # not the int4 blocks replaced
-        del graph.initializer[:]
-        consts = [numpy_helper.from_array(v, name) for name, v in _CONSTS.items() if name in used]
-        graph.initializer.extend([*kept, *consts, *declared])
-    return model.SerializeToString(), root, len(projections)
+            def converted(node) -> tuple[np.ndarray, np.ndarray]:
+                blocks, scales, k, n, bs = weight(node)
+                return int8_weights(blocks, scales, k, n, bs, smooth=factors.get(node.input[0]))
+
+            weights = pool.map(converted, projections)  # in the graph's order, a few at a time
+            for node in graph.node:
+                if node.output and node.output[0] in norms:  # the norm's scale divided by the factors
+                    index = norms[node.output[0]]
+                    gamma = _tensor(inits[node.input[index]], graph_file)
+                    node.input[index] = f"{node.output[0]}.smoothed_scale"
+                    declare(node.input[index], (gamma / factors[node.output[0]]).astype(gamma.dtype))
+                if not _is_projection(node):
+                    nodes.append(node)  # not a symmetric 4-bit projection: the graph's own node
+                    continue
+                p, x, y = f"{node.name}.int8", node.input[0], node.output[0]
+                if x in factors and x not in folded:  # one Mul per smoothed input, before its first reader
+                    if x not in divided:
+                        declare(f"{x}.inverse_factors", 1 / factors[x])
+                        nodes.append(helper.make_node("Mul", [x, f"{x}.inverse_factors"], [f"{x}.smoothed"]))
+                        divided.add(x)
+                    x = f"{x}.smoothed"
+                k = next(a.i for a in node.attribute if a.name == "K")
+                w, step = next(weights)
+                if node.output[0] in columns:  # its columns [start, stop) are the next product's smoothed input
+                    x_next, start, stop = columns[node.output[0]]
+                    step[start:stop] /= factors[x_next]
+                declare(p + ".w", w)
+                declare(p + ".step", step)
+                nodes += _integer_projection(p, x, y, k)
+        for init in graph.initializer:  # the artifact's own external data, now relative to root
+            for entry in init.external_data:
+                if entry.key == "location":
+                    entry.value = os.path.relpath((graph_file.parent / entry.value).resolve(), root)
+        if projections:
+            del graph.node[:]
+            graph.node.extend(nodes)
+            used = _names_read(nodes)
+            kept = [init for init in graph.initializer if init.name in used]  # not the int4 blocks replaced
+            del graph.initializer[:]
+            consts = [numpy_helper.from_array(v, name) for name, v in _CONSTS.items() if name in used]
+            graph.initializer.extend([*kept, *consts, *declared])
+        return model.SerializeToString(), root, len(projections)
+    finally:  # an error: the queued conversions dropped, the running ones waited for
+        pool.shutdown(cancel_futures=True)
 
 
 # RMS norms whose scale (input at this index) multiplies output 0 last: a smoothing divides it.
@@ -547,7 +561,7 @@ class PrefillSession:
         temporary = tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") if compute == "int8" else nullcontext()
         with temporary as tmp:
             if compute == "int8":
-                model, root, count = rewrite(graph_file, Path(tmp) / "int8.data", ranges)
+                model, root, count = rewrite(graph_file, Path(tmp) / "int8.data", ranges, backend.options.threads)
             else:
                 model, root, count = float_activations(graph_file)
             if not count:
