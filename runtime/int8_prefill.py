@@ -19,9 +19,10 @@ them by at most half an 8-bit step), so the prompt's pass computes the same mode
 steps: what differs is the rounding of the activations (per token, where the int4 kernel rounds a
 block of 32 channels) and the weights' second rounding (a GGUF file's Q4_0 blocks are such
 projections too). Other nodes (the 8-bit lm_head, blocks with zero points: ``--asymmetric``, GGUF
-Q4_1; attention, norms, model state) are the prefill graph's own. The int8 weights go to a temporary
-file, which the session reads and packs (as it does the artifact's weights file) and which is
-removed once it has.
+Q4_1; attention, norms, model state) are the prefill graph's own. The int8 weights are converted a
+projection per thread on the engine's threads (the 1.39B's in 5.4 s at 2 threads, 11.8 s before) into
+a temporary file, which the session reads and packs (as it does the artifact's weights file) and
+which is removed once it has.
 
 Smoothing (SmoothQuant's migration, Xiao et al. 2022). A per-token step rounds the channels beside
 an outlier coarsely, and a model's activations have a few channels tens of times the median. At load
