@@ -72,6 +72,17 @@ def test_every_symmetric_int4_projection_is_rewritten(llama_int4_artifact, tmp_p
     assert {t.data_type for t in int8.values()} == {onnx.TensorProto.INT8, onnx.TensorProto.FLOAT}
 
 
+def test_the_rewrite_is_the_same_on_one_thread_or_several(llama_int4_artifact, engines, tmp_path):
+    from kvforge.runtime.int8_prefill import activation_ranges
+
+    ranges = activation_ranges(engines[1])  # smoothed: the weights' ranges are converted on the threads too
+    data, made = tmp_path / "int8.data", []
+    for threads in (1, 3):
+        model, _, count = rewrite(llama_int4_artifact / "prefill.onnx", data, ranges, threads)
+        made.append((model, data.read_bytes()))
+    assert count == 8 and made[0] == made[1]  # the graph and the int8 data, byte for byte
+
+
 def test_a_prefill_runs_int8_near_the_int4_graph_and_each_row_as_alone(engines):
     q, o = engines
     got, want = q.prefill([LONG, SECOND]).copy(), o.prefill([LONG, SECOND]).copy()
