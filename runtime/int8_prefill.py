@@ -78,9 +78,10 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,7 @@ from kvforge.graphs import contract
 GRAPH = "prefill.rewritten"  # the backend's name for the rewritten graph (int8 or fp32)
 MIN_TOKENS = 2  # a prefill call runs here when every row has at least this many tokens
 CALIBRATION_TOKENS = 256  # of the bundled text, for the activations' ranges (activation_ranges; all ~400: no better)
+CALIBRATION_DAYS = 90  # a stored calibration no load has read for this long is removed (cached_ranges)
 
 log = logging.getLogger("kvforge.runtime")
 
@@ -487,7 +489,8 @@ def cached_ranges(engine, tokens: int = CALIBRATION_TOKENS, folder: Path | None 
     so that a later load of the same artifact by the same kvforge and ONNX Runtime reads them instead
     of making the calibration session and running it (the 1.39B: 10 s and 230 MiB of peak RSS). A
     file that cannot be read is measured again and replaced; a folder that cannot be written leaves
-    the ranges measured at every load (logged once a load, never an error)."""
+    the ranges measured at every load (logged once a load, never an error). Each write removes the
+    files no load has read for ``CALIBRATION_DAYS`` (:func:`_prune`)."""
     folder = calibration_folder() if folder is None else folder
     if folder is None:
         return activation_ranges(engine, tokens=tokens)
@@ -496,7 +499,10 @@ def cached_ranges(engine, tokens: int = CALIBRATION_TOKENS, folder: Path | None 
     try:
         with np.load(path, allow_pickle=False) as stored:
             names = [str(name) for name in stored["names"]]
-            return {name: stored[f"r{i}"] for i, name in enumerate(names)}
+            ranges = {name: stored[f"r{i}"] for i, name in enumerate(names)}
+        with suppress(OSError):
+            os.utime(path)  # read now: kept another CALIBRATION_DAYS
+        return ranges
     except FileNotFoundError:
         pass
     except Exception as exc:  # a truncated or foreign file: measure again and replace it
@@ -509,11 +515,24 @@ def cached_ranges(engine, tokens: int = CALIBRATION_TOKENS, folder: Path | None 
             written = Path(handle.name)
             np.savez(handle, names=np.array(names), **{f"r{i}": ranges[name] for i, name in enumerate(names)})
         os.replace(written, path)  # whole or absent: loads running at once each write their own file
+        _prune(folder)
     except OSError as exc:
         log.warning("int8 prefill: cannot keep the calibration in %s (%s); it is measured at every load", folder, exc)
         if written is not None:
             written.unlink(missing_ok=True)
     return ranges
+
+
+def _prune(folder: Path) -> None:
+    """Remove the stored calibrations no load has read for ``CALIBRATION_DAYS`` (those of artifacts
+    deleted, or of kvforge and ONNX Runtime versions upgraded from), and temporary files a load that
+    died left behind a day ago."""
+    now = time.time()
+    for file in folder.iterdir():
+        age = {".npz": CALIBRATION_DAYS * 86400, ".tmp": 86400}.get(file.suffix)
+        with suppress(OSError):
+            if age is not None and now - file.stat().st_mtime > age:
+                file.unlink()
 
 
 def float_activations(graph_file: Path) -> tuple[bytes, Path, int]:

@@ -418,3 +418,22 @@ def test_an_unreadable_or_unwritable_calibration_is_measured_again(engines, tmp_
     monkeypatch.setenv("KVFORGE_CALIBRATION", "off")
     monkeypatch.setenv("KVFORGE_CACHE", str(tmp_path / "cache"))
     assert cached_ranges(engine).keys() == want.keys() and not (tmp_path / "cache").exists()
+
+
+def test_a_write_removes_calibrations_unread_for_90_days_and_a_read_keeps_its_own(engines, tmp_path):
+    import os
+    import time
+
+    from kvforge.runtime.int8_prefill import CALIBRATION_DAYS, cached_ranges
+
+    day, now = 86400, time.time()
+    old, recent, stale, note = (tmp_path / n for n in ("old.npz", "recent.npz", "x.tmp", "notes.txt"))
+    for file, age in ((old, CALIBRATION_DAYS + 1), (recent, CALIBRATION_DAYS - 1), (stale, 2), (note, 999)):
+        file.write_bytes(b"x")
+        os.utime(file, (now - age * day, now - age * day))
+    cached_ranges(engines[1], folder=tmp_path)  # nothing stored for this artifact: measured, written, pruned
+    [mine] = [f for f in tmp_path.glob("*.npz") if f.name != "recent.npz"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([mine.name, "recent.npz", "notes.txt"])
+    os.utime(mine, (now - 30 * day, now - 30 * day))
+    cached_ranges(engines[1], folder=tmp_path)  # read: its time moves to now
+    assert mine.stat().st_mtime > now - 60
