@@ -502,11 +502,17 @@ def cached_ranges(engine, tokens: int = CALIBRATION_TOKENS, folder: Path | None 
             ranges = {name: stored[f"r{i}"] for i, name in enumerate(names)}
         with suppress(OSError):
             os.utime(path)  # read now: kept another CALIBRATION_DAYS
+        log.info("int8 prefill: the activations' ranges read from %s", path)
         return ranges
     except FileNotFoundError:
         pass
     except Exception as exc:  # a truncated or foreign file: measure again and replace it
         log.warning("int8 prefill: the stored calibration %s is unreadable (%s); measuring it again", path, exc)
+    log.info(
+        "int8 prefill: measuring the activations' ranges on %d tokens of the bundled text (kept in %s)",
+        len(ids),
+        folder,
+    )
     ranges = activation_ranges(engine, tokens=tokens)
     names, written = sorted(ranges), None
     try:
@@ -581,7 +587,13 @@ class PrefillSession:
         temporary = tempfile.TemporaryDirectory(prefix="kvforge-int8-prefill-") if compute == "int8" else nullcontext()
         with temporary as tmp:
             if compute == "int8":
+                start = time.perf_counter()
                 model, root, count = rewrite(graph_file, Path(tmp) / "int8.data", ranges, backend.options.threads)
+                log.info(
+                    "int8 prefill: %d projections' weights rounded to int8 in %.1f s",
+                    count,
+                    time.perf_counter() - start,
+                )
             else:
                 model, root, count = float_activations(graph_file)
             if not count:

@@ -791,6 +791,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             return 0
         serve_ray(settings, replicas=args.replicas, replica_cpus=args.replica_cpus, **cluster)
         return 0
+    runner.log_like_uvicorn(args.log_level)  # from here: the load's own lines in the server's layout
     if args.prefill_workers is not None or args.decode_workers is not None:
         server = _disaggregated(args)
     else:

@@ -372,7 +372,7 @@ def test_a_channel_the_calibration_saw_silent_counts_as_a_tenth_of_the_median():
     # x / s: the silent channel divided by 1.26, not by 0.002 (which would multiply it by ~500)
 
 
-def test_a_second_load_reads_the_stored_calibration(llama_int4_artifact, tmp_path, monkeypatch):
+def test_a_second_load_reads_the_stored_calibration(llama_int4_artifact, tmp_path, monkeypatch, caplog):
     from kvforge.runtime import int8_prefill
 
     monkeypatch.setenv("KVFORGE_CALIBRATION", str(tmp_path))
@@ -389,7 +389,8 @@ def test_a_second_load_reads_the_stored_calibration(llama_int4_artifact, tmp_pat
         raise AssertionError("the second load measured the ranges again")
 
     monkeypatch.setattr(int8_prefill, "activation_ranges", measuring)
-    with Engine.load(llama_int4_artifact, prefill="int8") as second:
+    with caplog.at_level("INFO", logger="kvforge.runtime"), Engine.load(llama_int4_artifact, prefill="int8") as second:
+        assert f"ranges read from {stored}" in caplog.text and "8 projections' weights rounded to int8" in caplog.text
         np.testing.assert_array_equal(second.prefill([LONG]), want)  # the same smoothing, bit for bit
         assert _ran_int8(second)
 
