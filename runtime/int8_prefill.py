@@ -92,6 +92,7 @@ GRAPH = "prefill.rewritten"  # the backend's name for the rewritten graph (int8 
 MIN_TOKENS = 2  # a prefill call runs here when every row has at least this many tokens
 CALIBRATION_TOKENS = 256  # of the bundled text, for the activations' ranges (activation_ranges; all ~400: no better)
 CALIBRATION_DAYS = 90  # a stored calibration no load has read for this long is removed (cached_ranges)
+CALIBRATION_METHOD = 1  # part of a stored calibration's key: bump it when activation_ranges measures differently
 
 log = logging.getLogger("kvforge.runtime")
 
@@ -461,8 +462,9 @@ def calibration_folder() -> Path | None:
 
 def _calibration_key(engine, ids: list[int]) -> str:
     """What the ranges depend on: the graph ORT runs (its file's bytes and the weights' hash), the
-    calibration ids (text, tokenizer and count), the engine's prompt chunk, and the versions of
-    kvforge and ONNX Runtime (their kernels round the projections' inputs)."""
+    calibration ids (text, tokenizer and count), the engine's prompt chunk, how they are measured
+    (``CALIBRATION_METHOD``), and the versions of kvforge and ONNX Runtime (their kernels round the
+    projections' inputs)."""
     from importlib.metadata import PackageNotFoundError, version
 
     import onnxruntime
@@ -477,6 +479,7 @@ def _calibration_key(engine, ids: list[int]) -> str:
         "weights_sha256": engine.manifest.weights.sha256,
         "ids_sha256": hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest(),
         "prefill_chunk": engine.prefill_chunk,
+        "method": CALIBRATION_METHOD,  # a source tree's version stays put while the measurement changes
         "kvforge": kvforge_version,
         "onnxruntime": onnxruntime.__version__,
     }
