@@ -69,7 +69,9 @@ from common import load_text
 LLAMA_CPP_VERSION = "0.3.36"
 CACHE = Path(os.environ.get("KVFORGE_PEERS_CACHE", Path.home() / ".cache" / "kvforge" / "peers"))
 # `make smollm2` puts both here ($KVFORGE_CACHE/smollm2, default ~/.cache/kvforge/smollm2).
-SMOLLM2 = Path(os.environ.get("KVFORGE_CACHE") or Path.home() / ".cache" / "kvforge") / "smollm2"
+# (kvforge.graphs.environment.cache_root's rule, spelled out: this file also runs in the llama.cpp venv,
+# which has no kvforge)
+SMOLLM2 = Path(os.environ.get("KVFORGE_CACHE") or "~/.cache/kvforge").expanduser() / "smollm2"
 SMOLLM2_GGUF = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HF = SMOLLM2 / "hf"
 SIDES = ("llamacpp", "gguf", "kvforge", "genai")

@@ -10,10 +10,18 @@ The CUDA probe uses ``cuda-python`` (``cuda.bindings.runtime``); it has **not ye
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 SETUP = 'pip install "kvforge[gpu]"'
 BUILD_HINT = "run `kvforge build OUT` on the target GPU"
+
+
+def cache_root() -> Path:
+    """kvforge's own files on this machine (the real SmolLM2 of ``make smollm2``, the int8 prefill's
+    stored calibrations): ``$KVFORGE_CACHE``, default ``~/.cache/kvforge``."""
+    return Path(os.environ.get("KVFORGE_CACHE") or "~/.cache/kvforge").expanduser()
 
 
 class DeviceUnavailableError(ValueError):

@@ -457,7 +457,9 @@ def calibration_folder() -> Path | None:
     given = os.environ.get("KVFORGE_CALIBRATION")
     if given:
         return None if given == "off" else Path(given)
-    return Path(os.environ.get("KVFORGE_CACHE") or Path.home() / ".cache" / "kvforge") / "calibration"
+    from kvforge.graphs.environment import cache_root
+
+    return cache_root() / "calibration"
 
 
 def _calibration_key(engine, ids: list[int]) -> str:

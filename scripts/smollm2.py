@@ -19,7 +19,6 @@ other (``kvforge compile <cache>/hf -o OUT``), and so does the GGUF file itself,
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -32,8 +31,9 @@ QUESTION = "What is the capital of France?"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVFORGE_CACHE") or Path.home() / ".cache" / "kvforge"
-    return Path(root).expanduser() / "smollm2"
+    from kvforge.graphs.environment import cache_root
+
+    return cache_root() / "smollm2"
 
 
 def sha256(path: Path) -> str:

@@ -416,8 +416,12 @@ def test_an_unreadable_or_unwritable_calibration_is_measured_again(engines, tmp_
         got = cached_ranges(engine, folder=tmp_path / "file" / "calibration")
     assert "it is measured at every load" in caplog.text and got.keys() == want.keys()
 
-    monkeypatch.setenv("KVFORGE_CALIBRATION", "off")
+    from kvforge.runtime.int8_prefill import calibration_folder
+
+    monkeypatch.delenv("KVFORGE_CALIBRATION")
     monkeypatch.setenv("KVFORGE_CACHE", str(tmp_path / "cache"))
+    assert calibration_folder() == tmp_path / "cache" / "calibration"  # kvforge's cache root, as `make smollm2`'s
+    monkeypatch.setenv("KVFORGE_CALIBRATION", "off")
     assert cached_ranges(engine).keys() == want.keys() and not (tmp_path / "cache").exists()
 
 
