@@ -260,12 +260,22 @@ def _shrink_mamba2(d: dict) -> None:
         return
 
 
+# Sizes a config's __post_init__ derives from others: to_dict() writes them out and from_dict() sets
+# them back over the derived ones, so a shrunk config would keep the default's (Zamba2's attention
+# width, twice the hidden size: 5120).
+_DERIVED = {
+    "zamba2": ("attention_hidden_size", "attention_head_dim", "mamba_headdim", "kv_channels", "num_query_groups"),
+}
+
+
 def tiny_config(model_type: str):
     """The tiny config of one family: its config class's defaults, shrunk."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
     tiny = shrink(config_class().to_dict())
+    for key in _DERIVED.get(model_type, ()):
+        tiny.pop(key, None)
     for _ in range(len(_TOKEN_KEYS)):
         try:
             return config_class.from_dict(tiny)

@@ -66,11 +66,6 @@ _MAMBA_MIXER = re.compile(r"^class (\w*(?<!2)MambaMixer)\(", re.MULTILINE)
 _MAMBA_HOOK = 'use_kernel_forward_from_hub("mamba_scan_forward")'
 # State families whose state kvforge keeps elsewhere, refused for what else they need (by model_type)
 _STATE_FAMILY_REFUSALS = {
-    "zamba2": (
-        "its shared transformer blocks run one attention module (layer_idx -1) at several layers, each use "
-        "with its own KV passed per call as layer_idx, which kvforge's attention function, keyed by the "
-        "module's layer_idx, cannot tell apart (its Mamba2 layers alone would export)"
-    ),
     # The three below keep states kvforge's contract has kinds for ([B, H, D, D], [B, D], [B, C, K-1]);
     # what stops them is that transformers computes their recurrence inline, behind no kernel hook.
     "minimax": (
@@ -170,12 +165,6 @@ def refusal(config: dict, model_class: type) -> str | None:
             f"its Mamba mixers ({', '.join(mixers)}) call transformers' selective scan directly (per head, from a "
             "zero state, and update the state in place in decode), not through the mamba_scan_forward kernel hook "
             "where kvforge swaps in its chunked scan"
-            + (
-                "; and its hybrid layers run a shared attention block and a Mamba mixer at one layer index (KV and "
-                "a state in one layer, which the state contract's per-layer entries cannot hold)"
-                if "HybridLayer(" in source
-                else ""
-            )
         )
     layer_types = config.get("layer_types") or config.get("layers_block_type") or []
     other = sorted({t for t in layer_types if isinstance(t, str) and _NON_ATTENTION_LAYER.search(t)})
@@ -286,6 +275,7 @@ def probe_layers(model: torch.nn.Module, num_layers: int) -> list[LayerShapes]:
     ``layer_idx``, the shapes each layer passes to the attention function. Raises
     :class:`ProbeError` when a layer never calls it or calls it twice (shared or missing caches)."""
     records: dict = {}  # layer_idx -> [(kv_heads, key_dim, value_dim, query_heads, window)], "unhandled" -> names
+    lowering.shared_layers(model)  # a shared attention module records under each call's layer
     with torch.no_grad(), lowering.active(records):
         decoder_of(model)(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(3)[None], use_cache=False)
     unhandled = sorted(records.pop("unhandled", ()))

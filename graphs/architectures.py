@@ -213,6 +213,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "muP multipliers are transformers' own; logits multiplied by lm_head_multiplier",
         ),
         ArchSpec(
+            "Zamba2ForCausalLM",
+            state="mamba2",
+            ssm_attrs=("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv"),
+            notes="Mamba2 layers and hybrid layers (a Mamba2 state and KV each): one shared attention block "
+            "(weights tied across the layers that run it, per-layer LoRA adapters) told its layer per call "
+            "(kvforge.graphs.lowering.shared_layers)",
+        ),
+        ArchSpec(
             "GptOssForCausalLM",
             experts_implementation=_MOE,
             notes="attention sinks (s_aux: one softmax logit per head), alternating sliding windows, "

@@ -51,6 +51,7 @@ buffer), not of the graph.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -571,6 +572,48 @@ def active(state: LayerCaches | dict) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+# The layer a shared attention module runs at in this call (:func:`shared_layers`).
+_CALL_LAYER: ContextVar[int | None] = ContextVar("kvforge_call_layer", default=None)
+
+
+def _shared(module: torch.nn.Module) -> bool:
+    """A module whose ``layer_idx`` names no one layer (Zamba2's shared attention block: -1), run
+    at several layers and told which in each call by its forward's ``layer_idx`` argument."""
+    layer = getattr(module, "layer_idx", 0)
+    if isinstance(layer, int) and layer >= 0:
+        return False
+    return "layer_idx" in inspect.signature(type(module).forward).parameters
+
+
+def _take_layer(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    bound = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs)
+    layer = bound.arguments.get("layer_idx")
+    _CALL_LAYER.set(int(layer) if layer is not None else None)
+
+
+def shared_layers(model: torch.nn.Module) -> int:
+    """Tell the attention function the layer of each call of a shared attention module of
+    ``model`` (:func:`_shared`: one module, one set of weights, run at several layers, each use
+    with its own KV under the ``layer_idx`` its caller passes): a forward pre-hook, PyTorch's own
+    extension point, records that argument for :func:`call_layer`. Idempotent; returns how many
+    modules are shared."""
+    shared = [m for m in model.modules() if _shared(m)]
+    for module in shared:
+        if not getattr(module, "_kvforge_layer_hook", False):
+            module.register_forward_pre_hook(_take_layer, with_kwargs=True)
+            module._kvforge_layer_hook = True
+    return len(shared)
+
+
+def call_layer(module: torch.nn.Module) -> int | None:
+    """The layer whose KV an attention call of ``module`` uses: its ``layer_idx``, or for a shared
+    module (:func:`shared_layers`) the one its forward was called with."""
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int) and layer >= 0:
+        return layer
+    return _CALL_LAYER.get() if _shared(module) else layer
+
+
 def kvforge_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -589,8 +632,8 @@ def kvforge_attention(
     """transformers attention function (registered as ``"kvforge"``).
 
     Receives post-RoPE ``query [B, H_q, S, D_k]``, ``key [B, H_kv, S, D_k]`` and
-    ``value [B, H_kv, S, D_v]`` of layer ``module.layer_idx``, and the layer's ``sliding_window``
-    and ``softcap`` as transformers passes them to every attention implementation, and its
+    ``value [B, H_kv, S, D_v]`` of layer :func:`call_layer` (``module.layer_idx``), and the layer's
+    ``sliding_window`` and ``softcap`` as transformers passes them to every attention implementation, and its
     attention sinks ``s_aux [H_q]`` where the family has them (GPT-OSS, Granite-SWA, MiMo-V2's
     sliding layers; None elsewhere: :func:`reference.attention`); returns
     ``([B, S, H_q, D_v], None)`` as transformers expects. The mask transformers built is ignored:
@@ -614,7 +657,9 @@ def kvforge_attention(
     if state is None:
         raise RuntimeError("the kvforge attention runs only inside a kvforge export wrapper")
     kvforge_caches = state
-    layer = module.layer_idx
+    layer = call_layer(module)
+    if layer not in kvforge_caches.past:
+        raise RuntimeError(f"the kvforge attention was called by layer {layer}, which the model's layout gives no KV")
     past_key, past_value = kvforge_caches.past[layer]
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     value_dim, width = value.shape[-1], past_key.shape[-1]
@@ -671,7 +716,7 @@ def _probe(
 ) -> tuple[torch.Tensor, None]:
     """Record ``(kv_heads, key_dim, value_dim, query_heads, sliding_window or None)`` under the
     layer's index and compute plain causal attention (no cache) so that the forward goes on."""
-    layer = getattr(module, "layer_idx", None)
+    layer = call_layer(module)
     window = int(sliding_window) if sliding_window else None
     records.setdefault(layer, []).append((key.shape[1], key.shape[-1], value.shape[-1], query.shape[1], window))
     seq = query.shape[2]

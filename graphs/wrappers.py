@@ -51,6 +51,7 @@ class _CausalLMGraph(torch.nn.Module):
         super().__init__()
         self.model = model
         self.spec = spec
+        lowering.shared_layers(model)  # Zamba2's shared attention block: its layer comes with each call
         self.layout = layout if layout is not None and layout.has_state else None  # None: every layer attends
         # 8-bit KV: the pasts end with each layer's key and value scales (contract order)
         self.kv_int8 = layout is not None and layout.quantized_kv

@@ -284,6 +284,27 @@ CASES: list[tuple[str, str, str, dict]] = [
         {"head_dim": 16, **MAMBA2_HYBRID, "mamba_d_ssm": 128, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
     ),
     (
+        "zamba2",
+        "Zamba2ForCausalLM",
+        "Zamba2Config",
+        # Mamba2 layers and hybrid ones (a Mamba2 mixer after the shared attention block, which two
+        # blocks of tied weights with per-layer LoRA adapters take turns running: one module, layer_idx -1)
+        {
+            "num_hidden_layers": 5,
+            "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+            "n_mamba_heads": 8,
+            "mamba_d_state": 16,
+            "mamba_ngroups": 2,
+            "chunk_size": 8,
+            "num_mem_blocks": 2,
+            "use_shared_attention_adapter": True,
+            "adapter_rank": 8,
+            "use_mem_rope": True,
+            # as every published Zamba2: transformers' key/value adapters are sized for all heads
+            "num_key_value_heads": 4,
+        },
+    ),
+    (
         "gpt-oss-sinks-window",
         "GptOssForCausalLM",
         "GptOssConfig",

@@ -59,7 +59,6 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
         ("Qwen4ExpForCausalLM", "qwen4_exp_text", r"sparse attention whose indexer \(Qwen4ExpTextQSAIndexer\)"),
         ("InklingForCausalLM", "inkling_text", r"learned relative-position bias to the scores \(position_bias"),
         ("ZambaForCausalLM", "zamba", r"Mamba mixers \(ZambaMambaMixer\) call transformers' selective scan directly"),
-        ("Zamba2ForCausalLM", "zamba2", r"shared transformer blocks run one attention module \(layer_idx -1\)"),
         ("Gemma3ForConditionalGeneration", "gemma3", "multimodal model"),
         ("BartForCausalLM", "bart", "decoder half of an encoder-decoder model"),
         ("BertLMHeadModel", "bert", r"encoder \(masked-LM\) family"),
@@ -226,6 +225,33 @@ def test_the_shape_probe_names_tensors_the_attention_does_not_implement():
     assert records["unhandled"] == set() and out.shape == (1, 3, 4, 8)
     lowering.kvforge_attention(module, q, k, k, None, bias_table=torch.zeros(4), kvforge_probe=records)
     assert records["unhandled"] == {"bias_table"}
+
+
+def test_a_shared_attention_module_is_keyed_by_the_layer_each_call_names():
+    # Zamba2: one attention module (layer_idx -1) run at several layers, each call naming its layer;
+    # the probe records each call under that layer, and a module with its own layer keeps it.
+    class Shared(torch.nn.Module):
+        layer_idx = -1
+
+        def forward(self, q, layer_idx, k=None):
+            return lowering.kvforge_attention(self, q, k, k, None)[0]
+
+    class Own(torch.nn.Module):
+        layer_idx = 2
+
+        def forward(self, q, k):
+            return lowering.kvforge_attention(self, q, k, k, None)[0]
+
+    model = torch.nn.ModuleDict({"shared": Shared(), "own": Own()})
+    assert lowering.shared_layers(model) == 1 and lowering.shared_layers(model) == 1  # idempotent: one hook
+    records: dict = {}
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    with lowering.active(records):
+        model["shared"](q, 3, k=k)
+        model["shared"](q, layer_idx=0, k=k)
+        model["own"](q, k)
+    assert sorted(r for r in records if r != "unhandled") == [0, 2, 3]
+    assert all(len(records[r]) == 1 for r in (0, 2, 3))
 
 
 def test_a_head_before_the_output_embeddings_is_read_from_the_forward_source():

@@ -1,14 +1,16 @@
 """Mamba2 (SSD) families end to end on the runtime: Mamba2 itself (every layer a Mamba2 mixer, no KV
-at all; the ``gqa`` lowering, whose scan is ONNX Runtime's ``LinearAttention``) and Granite 4
+at all; the ``gqa`` lowering, whose scan is ONNX Runtime's ``LinearAttention``), Granite 4
 (``granitemoehybrid``: Mamba2 layers beside an attention layer, MoE MLPs; the portable ``onnx``
-lowering, the scan in standard ops). Each artifact records a conv and a float32 recurrent state
-per Mamba2 layer and KV only for the layer that attends; its graphs hold no loop; prefill and
-teacher-forced decode logits are within fp32 tolerance of transformers; greedy output equals
-transformers' generate for a ragged batch and at both ends of ``max_seq`` (a 1-token prompt run
-to a full row, a full-length prompt); chunked prefill (chunks shorter and longer than
-transformers' ``chunk_size`` of 8) equals one-shot prefill; in-flight batching with more requests
-than rows gives every request its solo result; prompt-lookup drafting and the prefix cache (a
-chat's next turn resuming from a state snapshot) give the tokens of a plain engine.
+lowering, the scan in standard ops) and Zamba2 (Mamba2 layers, and hybrid layers that run one
+shared attention block, each with its own KV, before their mixer; ``gqa``). Each artifact records
+a conv and a float32 recurrent state per Mamba2 layer and KV only for the layers that attend; its
+graphs hold no loop; prefill and teacher-forced decode logits are within fp32 tolerance of
+transformers; greedy output equals transformers' generate for a ragged batch and at both ends of
+``max_seq`` (a 1-token prompt run to a full row, a full-length prompt); chunked prefill (chunks
+shorter and longer than transformers' ``chunk_size`` of 8) equals one-shot prefill; in-flight
+batching with more requests than rows gives every request its solo result; prompt-lookup drafting
+and the prefix cache (a chat's next turn resuming from a state snapshot) give the tokens of a plain
+engine; ``compare`` reads every state and KV layer within tolerance of transformers' cache.
 Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_families.py."""
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from tests.helpers import (
 ATOL, RTOL = 2e-4, 2e-4  # fp32, as tests/runtime/test_families.py
 PROMPTS = [[3, 17, 201, 33, 90, 4, 150, 77, 12, 9, 101, 64, 5, 88, 23, 41, 9, 200, 7], [7, 5, 9, 250, 31]]
 MAX_SEQ = 40
-CASES = ("mamba2", "granitemoehybrid")
-LOWERINGS = {"mamba2": "gqa", "granitemoehybrid": "onnx"}
+CASES = ("mamba2", "granitemoehybrid", "zamba2")
+LOWERINGS = {"mamba2": "gqa", "granitemoehybrid": "onnx", "zamba2": "gqa"}
 
 
 def _compile(case: str, root) -> tuple:
@@ -67,7 +69,9 @@ def family(request, mamba2_models):
 
 
 def test_manifest_records_mamba2_states_and_kv_only_where_layers_attend(mamba2_models):
-    expected = {"mamba2": ([], [0, 1]), "granitemoehybrid": ([1], [0, 2, 3])}
+    # zamba2: its hybrid layers keep KV (the shared attention block's, one cache per layer that runs
+    # it) and a Mamba2 state each
+    expected = {"mamba2": ([], [0, 1]), "granitemoehybrid": ([1], [0, 2, 3]), "zamba2": ([1, 3, 4], [0, 1, 2, 3, 4])}
     for case, (attention, stateful) in expected.items():
         artifact, _ = mamba2_models[case]
         manifest = mf.read(artifact)
