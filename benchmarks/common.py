@@ -189,7 +189,8 @@ class ModelShape:
     benchmark still tries, and reports compile's refusal as the reason). ``baseline``: the name of
     the full-attention shape of the same dimensions its prefill is compared with (hidden size,
     layers, heads, MLP, vocabulary); ``matched``: the full-attention shape of the same parameter
-    count (the baseline's MLP widened by what the hybrid's mixers hold beyond attention's)."""
+    count (the baseline's MLP widened by what the hybrid's mixers hold beyond attention's).
+    ``hybrid``: a shape with state layers that ``hybrid_bench.py`` measures without twins."""
 
     model_type: str
     config: dict[str, Any]
@@ -197,6 +198,7 @@ class ModelShape:
     needs: str | None = None
     baseline: str | None = None
     matched: str | None = None
+    hybrid: bool = False
 
 
 MODEL_SHAPES = {
@@ -335,6 +337,35 @@ MODEL_SHAPES = {
             tie_word_embeddings=True,
         ),
         "granite-4.0-h-350m with attention in every layer",
+    ),
+    # Zyphra's Zamba2-1.2B outline: 38 layers of 2048, Mamba2 mixers (64 heads of 64, state 128, one
+    # group) and 6 hybrid layers that run one shared attention block (32 heads of 128 over the hidden
+    # state concatenated with the embeddings, LoRA adapters of rank 128 per layer, RoPE) before their
+    # mixer; vocab 32000, tied (the hybrid layers' positions and the MLP width assumed).
+    "zamba2-1.2b": ModelShape(
+        "zamba2",
+        dict(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=38,
+            layers_block_type=["hybrid" if i % 6 == 5 else "mamba" for i in range(38)],
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            n_mamba_heads=64,
+            mamba_d_state=128,
+            mamba_ngroups=1,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=True,
+            adapter_rank=128,
+            use_mem_rope=True,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        "Zyphra Zamba2-1.2B's outline (hybrid layer positions and MLP width assumed)",
+        hybrid=True,
     ),
 }
 # The twins of the hybrids' parameter counts: the Gated DeltaNet's projections (Q, K, V, Z: 8.4M a

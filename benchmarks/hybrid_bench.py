@@ -2,11 +2,11 @@
 against transformers in the same run, and its prefill against a full-attention Llama of the same size.
 
 For ``--shape`` (a name of ``common.MODEL_SHAPES`` with twins: ``lfm2-350m``, ``qwen3.5-0.8b``,
-``granite-4.0-h-350m``), its ``baseline`` (the same hidden size, layers, heads, MLP and vocabulary,
-attention in every layer) and its ``matched`` twin (the baseline with its MLP widened to the
-hybrid's parameter count: Qwen3.5's Gated DeltaNet projections hold twice an attention layer's, so
-the same-dimension twin has 14% fewer parameters), each a random float32 model built here (nothing
-is downloaded):
+``granite-4.0-h-350m``; or without: ``zamba2-1.2b``), its ``baseline`` (the same hidden size,
+layers, heads, MLP and vocabulary, attention in every layer) and its ``matched`` twin (the
+baseline with its MLP widened to the hybrid's parameter count: Qwen3.5's Gated DeltaNet
+projections hold twice an attention layer's, so the same-dimension twin has 14% fewer
+parameters), each a random float32 model built here (nothing is downloaded):
 
 1. compile it (``--max-batch 1``, ``--max-seq`` the longest prompt + new tokens, ``--dtype``,
    ``--quantize``; a shape whose compile is refused is reported with compile's reason);
@@ -209,7 +209,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    hybrids = sorted(name for name, shape in common.MODEL_SHAPES.items() if shape.baseline)
+    hybrids = sorted(name for name, shape in common.MODEL_SHAPES.items() if shape.baseline or shape.hybrid)
     p.add_argument("--shape", choices=hybrids, default="lfm2-350m")
     p.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 2048])
     p.add_argument(
@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
             say(f"{args.shape} is refused ({hybrid['refused']}); needs: {shape.needs or '?'}")
         else:
             hybrid["report"] = bench(hybrid, args, [] if args.no_reference else args.reference_lens)
-            if not args.no_baseline:
+            if not args.no_baseline and shape.baseline is None:
+                say(f"{args.shape} has no full-attention twins: its prefill is not compared")
+            elif not args.no_baseline:
                 baseline, matched = (compile_shape(name, work, args) for name in (shape.baseline, shape.matched))
                 for twin in (baseline, matched):
                     if "refused" not in twin:

@@ -66,8 +66,9 @@ _MAMBA_MIXER = re.compile(r"^class (\w*(?<!2)MambaMixer)\(", re.MULTILINE)
 _MAMBA_HOOK = 'use_kernel_forward_from_hub("mamba_scan_forward")'
 # State families whose state kvforge keeps elsewhere, refused for what else they need (by model_type)
 _STATE_FAMILY_REFUSALS = {
-    # The three below keep states kvforge's contract has kinds for ([B, H, D, D], [B, D], [B, C, K-1]);
-    # what stops them is that transformers computes their recurrence inline, behind no kernel hook.
+    # MiniMax, RecurrentGemma and RWKV keep states kvforge's contract has kinds for ([B, H, D, D], [B, D],
+    # [B, C, K-1]), xLSTM's would be a new kind; what stops them all is that transformers computes their
+    # recurrence inline, behind no kernel hook.
     "minimax": (
         "its lightning-attention layers (MiniMaxLightningAttention) run their linear-attention recurrence "
         "inline, in Python loops over blocks and, once a state exists, over every token, behind no kernel hook "
@@ -79,6 +80,13 @@ _STATE_FAMILY_REFUSALS = {
         "rg_lru.recurrent_states) that forward reads and overwrites, not in the cache passed to forward, and the "
         "RG-LRU loops over tokens in Python behind no kernel hook: kvforge can neither bind those states as graph "
         "inputs nor trace a dynamic sequence length without patching transformers"
+    ),
+    "xlstm": (
+        "its mLSTM blocks keep a matrix memory per head (C [Dqk, Dv], n [Dqk], m) that the decoder passes to "
+        "each block and copies back into its own xLSTMCache.rnn_state, not a transformers cache, and run it "
+        "through kernel functions bound in the backend's constructor (wrap_chunkwise_arbitrary_sequence_length: "
+        "Python branches on the sequence length, no per-row lengths), behind no kernel hook: kvforge can neither "
+        "bind that memory as graph inputs nor trace a dynamic sequence length without patching transformers"
     ),
     "rwkv": (
         "its WKV recurrence on the CPU (rwkv_linear_attention_cpu) loops over tokens in Python behind no kernel "

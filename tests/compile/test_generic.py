@@ -56,6 +56,7 @@ def test_unlisted_family_failing_parity_is_refused(tmp_path, monkeypatch):
         ("RwkvForCausalLM", "rwkv", r"WKV recurrence on the CPU \(rwkv_linear_attention_cpu\) loops over tokens"),
         ("MiniMaxForCausalLM", "minimax", r"lightning-attention layers \(MiniMaxLightningAttention\) run"),
         ("RecurrentGemmaForCausalLM", "recurrent_gemma", r"module attributes \(conv1d_state, rg_lru"),
+        ("xLSTMForCausalLM", "xlstm", r"mLSTM blocks keep a matrix memory per head .* xLSTMCache.rnn_state"),
         ("Qwen4ExpForCausalLM", "qwen4_exp_text", r"sparse attention whose indexer \(Qwen4ExpTextQSAIndexer\)"),
         ("InklingForCausalLM", "inkling_text", r"learned relative-position bias to the scores \(position_bias"),
         ("ZambaForCausalLM", "zamba", r"Mamba mixers \(ZambaMambaMixer\) call transformers' selective scan directly"),
