@@ -213,25 +213,30 @@ def optimize_exported(model) -> None:
 
 
 def transpose_weights_lazily(model) -> dict[str, str]:
-    """Replace each ``Transpose`` of a 2-D initializer that it alone reads (a ``Linear``'s
-    ``[out, in]`` weight, exported as ``MatMul(x, Transpose(W))``) by an initializer that holds the
+    """Replace the ``Transpose`` s of a 2-D initializer that only they read (a ``Linear``'s ``[out,
+    in]`` weight, exported as ``MatMul(x, Transpose(W))``) by one initializer that holds the
     transposed ``[in, out]`` weight, computed only when read (the weights file writes it, one
-    tensor at a time). The same graph as onnxscript's constant folding makes of it (it always folds
-    such a Transpose, whatever its size), under the same value name, but the folded weights are not
-    all copied in memory at once during export. In place; returns {new initializer's name: the
-    weight's name} (:func:`kvforge.compile.replicate.replicate` binds copies of layers by it)."""
+    tensor at a time). The same graph as onnxscript's constant folding makes of a weight read once
+    (it always folds such a Transpose, whatever its size), under the same value name, but the
+    folded weights are not all copied in memory at once during export. A weight several layers
+    share (Zamba2's one attention block, run at each hybrid layer) is read by a Transpose per use,
+    which the constant folding leaves (and quantization after it, which takes only constant
+    weights, with it): here its uses all read one transposed initializer. In place; returns {new
+    initializer's name: the weight's name} (:func:`kvforge.compile.replicate.replicate` binds
+    copies of layers by it)."""
     graph = model.graph
     replaced = {}
     for node in list(graph):
+        if node.graph is None:  # a reader of a weight folded above
+            continue
         weight = node.inputs[0] if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
         if weight is None or weight.const_value is None or not weight.is_initializer():
             continue
-        perm = node.attributes.get("perm")
         source = weight.const_value
+        readers = [use.node for use in weight.uses()]
         if (
             len(source.shape) != 2
-            or (perm is not None and list(perm.as_ints()) != [1, 0])
-            or len(weight.uses()) != 1
+            or not all(_swaps_two_axes(reader) for reader in readers)
             or weight.is_graph_output()
             or source.dtype.bitwidth < 8
         ):
@@ -239,12 +244,21 @@ def transpose_weights_lazily(model) -> dict[str, str]:
         out = node.outputs[0]
         lazy = replicate.transposed_lazily(source, out.name)
         folded = ir.Value(name=out.name, shape=lazy.shape, type=weight.type, const_value=lazy)
-        graph.remove(node, safe=False)
-        out.replace_all_uses_with(folded, replace_graph_outputs=True)
+        for reader in readers:
+            graph.remove(reader, safe=False)
+            reader.outputs[0].replace_all_uses_with(folded, replace_graph_outputs=True)
         graph.initializers.pop(weight.name)
         graph.register_initializer(folded)
         replaced[folded.name] = weight.name
     return replaced
+
+
+def _swaps_two_axes(node) -> bool:
+    """``node`` is a ``Transpose`` of a 2-D tensor (perm [1, 0] or none)."""
+    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return False
+    perm = node.attributes.get("perm")
+    return perm is None or list(perm.as_ints()) == [1, 0]
 
 
 def _drop_stale_weights(module: torch.nn.Module) -> None:

@@ -81,13 +81,39 @@ def quantize(
     skipped = set(exclude or [])
     for model in models.values():
         heads = set() if head == "float" else set(_lm_head_as_matmul(model))
+        done: dict = {}  # (weight, bits) -> the quantized node made for it: a shared weight is quantized once
         for node in list(model.graph):
             if node.name in skipped or not _constant_matmul(node):
                 continue
             bits = QUANTIZE_BITS[head if node.name in heads else scheme]
             settings = dict(bits=bits, block_size=block_size, is_symmetric=symmetric, accuracy_level=4)
-            _quantize_node(model, node, MatMulNBitsQuantizer, settings)
+            key = (node.inputs[1], bits)
+            if key in done:
+                _reuse(model, node, done[key])
+            else:
+                done[key] = _quantize_node(model, node, MatMulNBitsQuantizer, settings)
     return dict(models)
+
+
+def _reuse(model: ir.Model, node: ir.Node, quantized: ir.Node | None) -> None:
+    """Replace ``node`` (a MatMul of a weight another node already read) by a copy of ``quantized``,
+    the MatMulNBits made for that node, reading the same quantized initializers (Zamba2's shared
+    attention block: one weight, a MatMul at each layer that runs it); None: it stayed a MatMul."""
+    if quantized is None:
+        return
+    x, weight, y = node.inputs[0], node.inputs[1], node.outputs[0]
+    attributes = [ir.Attr(a.name, a.type, a.value) for a in quantized.attributes.values()]
+    inputs = [x, *quantized.inputs[1:]]
+    name = f"{node.name}_Q{quantized.attributes['bits'].value}"
+    replacement = ir.Node(quantized.domain, quantized.op_type, inputs, attributes, name=name, num_outputs=1)
+    replacement.outputs[0].name, replacement.outputs[0].type = y.name + "_q", y.type
+    replacement.outputs[0].shape = y.shape
+    model.graph.insert_before(node, replacement)
+    y.replace_all_uses_with(replacement.outputs[0], replace_graph_outputs=True)
+    model.graph.remove(node, safe=True)
+    replacement.outputs[0].name = y.name
+    if not weight.uses() and not weight.is_graph_output():
+        model.graph.initializers.pop(weight.name, None)
 
 
 def _constant_matmul(node: ir.Node) -> bool:
@@ -95,11 +121,11 @@ def _constant_matmul(node: ir.Node) -> bool:
     return weight is not None and weight.const_value is not None and len(weight.const_value.shape) == 2
 
 
-def _quantize_node(model: ir.Model, node: ir.Node, quantizer_class, settings: dict) -> None:
+def _quantize_node(model: ir.Model, node: ir.Node, quantizer_class, settings: dict) -> ir.Node | None:
     """ORT's quantizer on a model of this one MatMul, spliced back in place of the node: one
     float weight in memory at a time (a lazy weight is read here, its quantized bytes kept), never
     the whole float model serialized. The same bytes as the quantizer run on the whole graph: it
-    quantizes each MatMul on its own."""
+    quantizes each MatMul on its own. Returns the node made (None: the quantizer left it)."""
     x, weight = node.inputs[0], node.inputs[1]
     y = node.outputs[0]
     x_in = ir.Value(name=x.name, type=x.type, shape=x.shape)
@@ -116,7 +142,7 @@ def _quantize_node(model: ir.Model, node: ir.Node, quantizer_class, settings: di
     del proto, quantizer
     [new] = list(quantized.graph)
     if new.op_type == "MatMul":
-        return  # the quantizer left it (a shape it does not quantize)
+        return None  # the quantizer left it (a shape it does not quantize)
     inputs = []
     for value in new.inputs:
         if value is None:
@@ -141,6 +167,7 @@ def _quantize_node(model: ir.Model, node: ir.Node, quantizer_class, settings: di
     replacement.outputs[0].name = y.name
     if not weight.uses() and not weight.is_graph_output():
         model.graph.initializers.pop(weight.name, None)
+    return replacement
 
 
 def _import_quantizer():
