@@ -285,6 +285,11 @@ def load_model(
     layout = state_layout(spec, model.config, str(DTYPES[dtype]).removeprefix("torch."))
     if spec.state == "mamba":  # transformers' token-by-token scan -> kvforge's chunked one (graphs/mamba.py)
         mamba.use_chunked_scan(model)
+    if spec.state == "conv":  # LFM2's short convolution: kvforge's, with its one-token branch (graphs/state.py)
+        from kvforge.graphs import kernel_swap
+        from kvforge.graphs import state as export_state
+
+        kernel_swap.kernelize(model, export_state.CONV_KERNELS)
     if any(e.kind == "gated_delta" for e in layout.states):  # transformers' delta rule kernels do not trace
         from kvforge.graphs import gated_delta
 

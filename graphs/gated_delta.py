@@ -359,8 +359,8 @@ _PAIRS = (
     },
     {"chunk_kda": ExportChunkGatedDeltaRule, "fused_recurrent_kda": ExportRecurrentKda},
 )
-# swapped where a family's layers register it; transformers' own runs where not
-_CONV = {"causal_conv1d_forward": export_state.ExportCausalConv1dForward}
+# the causal convolution: swapped where a family's layers register it; transformers' own runs where not
+_CONV = export_state.CONV_KERNELS
 
 
 def use_export_kernels(model: torch.nn.Module) -> None:

@@ -295,10 +295,13 @@ class ChunkedMambaScan(torch.nn.Module):
 
 def use_chunked_scan(model: torch.nn.Module) -> None:
     """Swap :class:`ChunkedMambaScan` into every Mamba mixer of ``model`` (a transformers model of
-    a family whose mixers call ``mamba_scan_forward``) with ``kernels.kernelize`` and a mapping of
-    that name alone; the model's other kernel hooks keep their forwards. Raises when no mixer
-    took it (a transformers version whose mixers no longer expose the hook)."""
-    swapped = kernel_swap.kernelize(model, {KERNEL_NAME: ChunkedMambaScan})[KERNEL_NAME]
+    a family whose mixers call ``mamba_scan_forward``), and kvforge's causal convolution
+    (:data:`kvforge.graphs.state.CONV_KERNELS`: one node whose one-token branch is products over
+    the window, where ORT's depthwise ``Conv`` runs a channel at a time) where the mixers call
+    ``causal_conv1d_forward``, with ``kernels.kernelize`` and a mapping of those names alone; the
+    model's other kernel hooks keep their forwards. Raises when no mixer took the scan (a
+    transformers version whose mixers no longer expose the hook)."""
+    swapped = kernel_swap.kernelize(model, {KERNEL_NAME: ChunkedMambaScan, **state.CONV_KERNELS})[KERNEL_NAME]
     if not swapped:
         raise RuntimeError(
             f"no layer of {type(model).__name__} exposes transformers' {KERNEL_NAME!r} kernel hook, where kvforge "

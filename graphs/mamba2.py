@@ -210,6 +210,11 @@ class Mamba2Scan(torch.nn.Module):
 
 def kernelize(model: torch.nn.Module) -> int:
     """Put :class:`Mamba2Scan` in place of ``mamba2_scan_forward`` in every Mamba2 mixer of
-    ``model`` (in place, through the ``kernels`` package's mapping; every other kernel-hub
-    function keeps transformers' own forward). Returns how many mixers took it."""
-    return kernel_swap.kernelize(model, {SCAN_FUNCTION: Mamba2Scan})[SCAN_FUNCTION]
+    ``model``, and :class:`kvforge.graphs.state.ExportCausalConv1dForward` in place of its causal
+    convolution, ``causal_conv1d_forward``, where the family calls it (in place, through the
+    ``kernels`` package's mapping; every other kernel-hub function keeps transformers' own
+    forward). The convolution then exports as one node whose one-token branch is ``K`` products
+    and a sum per channel, where ORT's depthwise ``Conv`` runs a channel at a time: 10.3 ms of a
+    116 ms one-token call of a random Zamba2-1.2B outline's 38 mixers (benchmarks/FINDINGS.md).
+    Returns how many mixers took the scan."""
+    return kernel_swap.kernelize(model, {SCAN_FUNCTION: Mamba2Scan, **state.CONV_KERNELS})[SCAN_FUNCTION]

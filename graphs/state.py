@@ -196,3 +196,8 @@ class ExportCausalConv1dForward(torch.nn.Module):
         if activation is not None:
             out = ACT2FN[activation](out)
         return out.to(hidden_states.dtype)
+
+
+# transformers' hub name of the causal convolution every linear-attention family calls (Gated
+# DeltaNet, KDA, Mamba2, ...) -> kvforge's, for :func:`kvforge.graphs.kernel_swap.kernelize`
+CONV_KERNELS = {"causal_conv1d_forward": ExportCausalConv1dForward}

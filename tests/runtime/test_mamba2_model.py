@@ -4,13 +4,14 @@ at all; the ``gqa`` lowering, whose scan is ONNX Runtime's ``LinearAttention``),
 lowering, the scan in standard ops) and Zamba2 (Mamba2 layers, and hybrid layers that run one
 shared attention block, each with its own KV, before their mixer; ``gqa``). Each artifact records
 a conv and a float32 recurrent state per Mamba2 layer and KV only for the layers that attend; its
-graphs hold no loop; prefill and teacher-forced decode logits are within fp32 tolerance of
-transformers; greedy output equals transformers' generate for a ragged batch and at both ends of
-``max_seq`` (a 1-token prompt run to a full row, a full-length prompt); chunked prefill (chunks
-shorter and longer than transformers' ``chunk_size`` of 8) equals one-shot prefill; in-flight
-batching with more requests than rows gives every request its solo result; prompt-lookup drafting
-and the prefix cache (a chat's next turn resuming from a state snapshot) give the tokens of a plain
-engine; ``compare`` reads every state and KV layer within tolerance of transformers' cache.
+graphs hold no loop (an ``If`` per mixer's convolution, on the call's length); prefill and
+teacher-forced decode logits are within fp32 tolerance of transformers; greedy output equals
+transformers' generate for a ragged batch and at both ends of ``max_seq`` (a 1-token prompt run
+to a full row, a full-length prompt); chunked prefill (chunks shorter and longer than
+transformers' ``chunk_size`` of 8) equals one-shot prefill; in-flight batching with more requests
+than rows gives every request its solo result; prompt-lookup drafting and the prefix cache (a
+chat's next turn resuming from a state snapshot) give the tokens of a plain engine; ``compare``
+reads every state and KV layer within tolerance of transformers' cache.
 Bamba, Nemotron-H and Falcon-H1 run the same checks in tests/runtime/test_families.py."""
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def test_manifest_records_mamba2_states_and_kv_only_where_layers_attend(mamba2_m
         assert inputs[-2:] == [f"past_state.{stateful[-1]}.conv", f"past_state.{stateful[-1]}.recurrent"]
         for name in ("prefill", "decode"):
             ops = [n.op_type for n in onnx.load(str(artifact / f"{name}.onnx"), load_external_data=False).graph.node]
-            assert not {"Loop", "Scan", "If"} & set(ops), case
+            assert not {"Loop", "Scan"} & set(ops), case
+            # each mixer's causal convolution: an If on the call's length (one token: K products and a
+            # sum per channel; more: a Conv over the valid positions)
+            assert ops.count("If") == len(stateful), (case, name)
             # gqa: each Mamba2 layer's scan is one ORT LinearAttention; onnx: standard ops only
             assert ops.count("LinearAttention") == (len(stateful) if LOWERINGS[case] == "gqa" else 0), (case, name)
 

@@ -1,19 +1,19 @@
-"""A hybrid family end to end on the runtime (LFM2: short-convolution layers with a conv state
-beside an attention layer): the artifact records its state entries and KV only for the layer
-that attends; its graphs lower the conv to a grouped ``Conv`` over the state and the chunk, with
-no loop; chunked prefill equals one-shot prefill; greedy output equals transformers' generate at
-both ends of ``max_seq`` (a 1-token prompt run to a full row, a full-length prompt); in-flight
-batching with more requests than rows (rows finish at different steps, survivors are compacted,
-a chunked prefill is moved) gives every request its solo result; every batch-loop feature a
-hybrid runs (a regex-constrained row, seeded sampling with a logit bias, a stop string, a
-cancellation, chunked prefills, a prefix-cache hit on a state snapshot, n-gram drafts) on at once
-gives each request its solo answer; a session continues a row's state turn by turn and
-re-prefills after a rewind; the features a state still keeps out refuse up front, naming the
-state layers (shared KV, the GPU backends, a ragged score call; the prefix cache, KV blocks,
-saved sessions and the hand-off carry the state: tests/runtime/test_state_blocks.py;
-speculative decoding keeps each row's state at its accepted tokens:
-tests/runtime/test_state_speculative.py); the memory plan counts KV for the attention layer only
-and the state bytes beside it; inspect reports the state; the OpenAI server completes on it;
+"""A hybrid family end to end on the runtime (LFM2: short-convolution layers with a conv state beside
+an attention layer): the artifact records its state entries and KV only for the layer that attends;
+its graphs lower the conv to an ``If`` on the call's length (one token: products over the window;
+more: a grouped ``Conv`` over the state and the chunk), with no loop; chunked prefill equals
+one-shot prefill; greedy output equals transformers' generate at both ends of ``max_seq`` (a 1-token
+prompt run to a full row, a full-length prompt); in-flight batching with more requests than rows
+(rows finish at different steps, survivors are compacted, a chunked prefill is moved) gives every
+request its solo result; every batch-loop feature a hybrid runs (a regex-constrained row, seeded
+sampling with a logit bias, a stop string, a cancellation, chunked prefills, a prefix-cache hit on a
+state snapshot, n-gram drafts) on at once gives each request its solo answer; a session continues a
+row's state turn by turn and re-prefills after a rewind; the features a state still keeps out refuse
+up front, naming the state layers (shared KV, the GPU backends, a ragged score call; the prefix
+cache, KV blocks, saved sessions and the hand-off carry the state:
+tests/runtime/test_state_blocks.py; speculative decoding keeps each row's state at its accepted
+tokens: tests/runtime/test_state_speculative.py); the memory plan counts KV for the attention layer
+only and the state bytes beside it; inspect reports the state; the OpenAI server completes on it;
 compare finds it exact (prefill, decode, perplexity, padded batches)."""
 
 from __future__ import annotations
@@ -62,9 +62,11 @@ def test_manifest_records_the_state_and_kv_only_where_layers_attend(lfm2_artifac
     assert "past_key_values.0.key" not in inputs and "past_key_values.1.key" in inputs
     assert inputs[-3:] == ["past_state.0.conv", "past_state.2.conv", "past_state.3.conv"]
     graph = onnx.load(str(lfm2_artifact / "prefill.onnx"), load_external_data=False).graph
-    convs = [n for n in graph.node if n.op_type == "Conv"]
-    assert len(convs) == 3 and all(a.i == 64 for n in convs for a in n.attribute if a.name == "group")
-    assert not {"Loop", "Scan"} & {n.op_type for n in graph.node}
+    branches = [n for n in graph.node if n.op_type == "If"]
+    convs = [c for n in branches for a in n.attribute if a.g.node for c in a.g.node if c.op_type == "Conv"]
+    assert len(branches) == 3 and len(convs) == 3
+    assert all(a.i == 64 for n in convs for a in n.attribute if a.name == "group")
+    assert not {"Loop", "Scan", "Conv"} & {n.op_type for n in graph.node}
 
 
 def test_chunked_prefill_equals_one_shot_prefill(engine):
