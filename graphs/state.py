@@ -21,12 +21,12 @@ Semantics (checked against :func:`kvforge.graphs.reference.conv_update` and tran
   (``input_lengths`` in prefill; padding after them never reaches it).
 
 The conv lowers to standard ONNX: ``Concat`` of the past state and the chunk, a depthwise
-``Conv`` (``group = C``) over it (prefill and decode alike: decode is the one-token chunk), and
-``GatherElements`` of each row's last ``K-1`` inputs for the new state. Where a family's mixer runs
-transformers' ``causal_conv1d_forward`` hook (the Gated DeltaNet and KDA families:
-:func:`kvforge.graphs.gated_delta.use_export_kernels`), :class:`ExportCausalConv1dForward` takes
-its place and convolves through :func:`depthwise_conv`, whose ONNX lowering branches on the
-window: one token, ``K`` products and a sum per channel; more, the ``Conv``.
+``Conv`` (``group = C``) over it, and ``GatherElements`` of each row's last ``K-1`` inputs for the
+new state. Every state family's mixer runs transformers' ``causal_conv1d_forward`` hook (LFM2,
+the Gated DeltaNet and KDA families, Mamba, Mamba2), where :class:`ExportCausalConv1dForward` takes
+its place (:data:`CONV_KERNELS`, swapped in by compile's loader) and convolves through
+:func:`depthwise_conv`, whose ONNX lowering branches on the window: one token, ``K`` products and
+a sum per channel; more, the ``Conv`` over the valid positions.
 """
 
 from __future__ import annotations
