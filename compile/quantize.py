@@ -101,11 +101,16 @@ def _reuse(model: ir.Model, node: ir.Node, quantized: ir.Node | None) -> None:
     attention block: one weight, a MatMul at each layer that runs it); None: it stayed a MatMul."""
     if quantized is None:
         return
-    x, weight, y = node.inputs[0], node.inputs[1], node.outputs[0]
-    attributes = [ir.Attr(a.name, a.type, a.value) for a in quantized.attributes.values()]
-    inputs = [x, *quantized.inputs[1:]]
     name = f"{node.name}_Q{quantized.attributes['bits'].value}"
-    replacement = ir.Node(quantized.domain, quantized.op_type, inputs, attributes, name=name, num_outputs=1)
+    _splice(model, node, quantized, [node.inputs[0], *quantized.inputs[1:]], name)
+
+
+def _splice(model: ir.Model, node: ir.Node, like: ir.Node, inputs: list, name: str) -> ir.Node:
+    """Put a node of ``like``'s op and attributes, reading ``inputs``, in place of the MatMul
+    ``node`` (its output keeps its name); drop the float weight once nothing reads it."""
+    weight, y = node.inputs[1], node.outputs[0]
+    attributes = [ir.Attr(a.name, a.type, a.value) for a in like.attributes.values()]
+    replacement = ir.Node(like.domain, like.op_type, inputs, attributes, name=name, num_outputs=1)
     replacement.outputs[0].name, replacement.outputs[0].type = y.name + "_q", y.type
     replacement.outputs[0].shape = y.shape
     model.graph.insert_before(node, replacement)
@@ -114,6 +119,7 @@ def _reuse(model: ir.Model, node: ir.Node, quantized: ir.Node | None) -> None:
     replacement.outputs[0].name = y.name
     if not weight.uses() and not weight.is_graph_output():
         model.graph.initializers.pop(weight.name, None)
+    return replacement
 
 
 def _constant_matmul(node: ir.Node) -> bool:
@@ -157,17 +163,7 @@ def _quantize_node(model: ir.Model, node: ir.Node, quantizer_class, settings: di
             inputs.append(own)
     for domain, version in quantized.opset_imports.items():
         model.opset_imports.setdefault(domain, version)
-    attributes = [ir.Attr(a.name, a.type, a.value) for a in new.attributes.values()]
-    replacement = ir.Node(new.domain, new.op_type, inputs, attributes, name=new.name, num_outputs=1)
-    replacement.outputs[0].name, replacement.outputs[0].type = y.name + "_q", y.type
-    replacement.outputs[0].shape = y.shape
-    model.graph.insert_before(node, replacement)
-    y.replace_all_uses_with(replacement.outputs[0], replace_graph_outputs=True)
-    model.graph.remove(node, safe=True)
-    replacement.outputs[0].name = y.name
-    if not weight.uses() and not weight.is_graph_output():
-        model.graph.initializers.pop(weight.name, None)
-    return replacement
+    return _splice(model, node, new, inputs, new.name)
 
 
 def _import_quantizer():

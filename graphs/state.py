@@ -167,8 +167,9 @@ class ExportCausalConv1dForward(torch.nn.Module):
     causal depthwise conv of a linear-attention layer, reading and updating its conv state): the
     same result. Under export (an :class:`ExportStateCache`) the window the cache hands back holds
     the past ``K-1`` inputs, then the chunk's, so the chunk's outputs are the conv's valid positions
-    (:func:`depthwise_conv`), where transformers pads both ends and slices; with transformers' own
-    cache (or none) the window is padded on the left as transformers does."""
+    (:func:`depthwise_conv`), where transformers pads both ends and slices. Outside an export (any
+    other cache, or none) it hands the call back to transformers' own function, unchanged: a
+    model's own forward (compile's parity reference) stays transformers' code."""
 
     can_torch_compile = True
 
@@ -182,17 +183,15 @@ class ExportCausalConv1dForward(torch.nn.Module):
         state_idx: int = 0,
         **kwargs,
     ) -> torch.Tensor:
+        if not isinstance(cache, ExportStateCache):  # not exporting: transformers' function, as if never swapped
+            return type(self).forward(
+                self, conv1d, hidden_states, cache, layer_idx, activation=activation, state_idx=state_idx, **kwargs
+            )
         from transformers.activations import ACT2FN
 
-        width, seq = conv1d.kernel_size[0], hidden_states.shape[-1]
-        window = hidden_states
-        if cache is not None:
-            window = cache.update_conv_state(hidden_states, layer_idx, state_idx=state_idx, conv_kernel_size=width)
-        exported = isinstance(cache, ExportStateCache)
-        if not exported:
-            window = F.pad(window, (width - 1, 0))
+        width = conv1d.kernel_size[0]
+        window = cache.update_conv_state(hidden_states, layer_idx, state_idx=state_idx, conv_kernel_size=width)
         out = torch.ops.kvforge.depthwise_conv(window.to(conv1d.weight.dtype), conv1d.weight, conv1d.bias)
-        out = out if exported else out[..., -seq:]
         if activation is not None:
             out = ACT2FN[activation](out)
         return out.to(hidden_states.dtype)

@@ -26,7 +26,7 @@ import torch
 
 from kvforge.graphs import architectures, contract, reference
 from kvforge.graphs import manifest as mf
-from kvforge.graphs.state import ExportStateCache
+from kvforge.graphs.state import ExportCausalConv1dForward, ExportStateCache
 
 
 def _conv_inputs(batch=2, channels=6, kernel=4, seq=5, seed=0):
@@ -668,7 +668,9 @@ def test_the_chunked_scan_is_swapped_in_through_transformers_kernel_hook_alone()
     mamba.use_chunked_scan(ours)
     mixer = ours.backbone.layers[0].mixer
     assert mixer._kernel_funcs[mamba.KERNEL_NAME].forward.__func__ is mamba.ChunkedMambaScan.forward
-    assert "forward" not in vars(mixer._kernel_funcs["causal_conv1d_forward"])  # the other hooks keep theirs
+    # the causal convolution takes kvforge's too (graphs/state.py CONV_KERNELS); the other hooks keep theirs
+    assert mixer._kernel_funcs["causal_conv1d_forward"].forward.__func__ is ExportCausalConv1dForward.forward
+    assert "forward" not in vars(mixer._kernel_funcs["selective_scan_fn"])
     assert "forward" not in vars(theirs.backbone.layers[0].mixer._kernel_funcs[mamba.KERNEL_NAME])  # per model
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     with torch.no_grad():
