@@ -11,6 +11,11 @@ transformers' kernels. No transformers global is patched.
 
 ``kernels`` checks each layer: no ``__init__``, no members beyond ``can_torch_compile`` /
 ``has_backward``, and a ``forward`` with the parameters of the function it replaces.
+
+One call per model: ``kernels.kernelize`` puts transformers' forward back on every hook its
+mapping does not name, so a second call would undo the first's swaps (a Mamba2 family's scan
+undone by a later swap of its convolution alone). Each family swaps all its kernels in one call;
+a second call on the same model is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ def kernelize(model: torch.nn.Module, layers: Mapping[str, type[torch.nn.Module]
     from kernels import Mode, use_kernel_mapping
     from kernels import kernelize as kernels_kernelize
 
+    if getattr(model, "_kvforge_kernelized", None):
+        raise RuntimeError(
+            f"{type(model).__name__} already runs kvforge's {', '.join(model._kvforge_kernelized)}; a second "
+            "kernelize would put transformers' forward back on them: swap every kernel in one call"
+        )
+
     repositories = {name: InProcessRepository(layer) for name, layer in layers.items()}
     device = next(model.parameters()).device.type
     mapping = {name: {device: repository} for name, repository in repositories.items()}
@@ -54,6 +65,7 @@ def kernelize(model: torch.nn.Module, layers: Mapping[str, type[torch.nn.Module]
             kernels_kernelize(model, mode=Mode.INFERENCE, device=device)
     finally:
         logger.setLevel(level)
+    model._kvforge_kernelized = tuple(layers)
     counts = dict.fromkeys(layers, 0)
     for module in model.modules():
         for wrapper in getattr(module, "_kernel_funcs", {}).values():

@@ -633,9 +633,9 @@ def kvforge_attention(
 
     Receives post-RoPE ``query [B, H_q, S, D_k]``, ``key [B, H_kv, S, D_k]`` and
     ``value [B, H_kv, S, D_v]`` of layer :func:`call_layer` (``module.layer_idx``), and the layer's
-    ``sliding_window`` and ``softcap`` as transformers passes them to every attention implementation, and its
-    attention sinks ``s_aux [H_q]`` where the family has them (GPT-OSS, Granite-SWA, MiMo-V2's
-    sliding layers; None elsewhere: :func:`reference.attention`); returns
+    ``sliding_window`` and ``softcap`` as transformers passes them to every attention
+    implementation, and its attention sinks ``s_aux [H_q]`` where the family has them (GPT-OSS,
+    Granite-SWA, MiMo-V2's sliding layers; None elsewhere: :func:`reference.attention`); returns
     ``([B, S, H_q, D_v], None)`` as transformers expects. The mask transformers built is ignored:
     the cache-aware mask comes from ``kvforge_caches``. Where the cache's head size ``D`` is larger
     than ``D_k`` or ``D_v`` (multi-head latent attention: ``D_v < D_k``), the heads are zero-padded

@@ -671,6 +671,8 @@ def test_the_chunked_scan_is_swapped_in_through_transformers_kernel_hook_alone()
     # the causal convolution takes kvforge's too (graphs/state.py CONV_KERNELS); the other hooks keep theirs
     assert mixer._kernel_funcs["causal_conv1d_forward"].forward.__func__ is ExportCausalConv1dForward.forward
     assert "forward" not in vars(mixer._kernel_funcs["selective_scan_fn"])
+    with pytest.raises(RuntimeError, match="a second kernelize would put transformers' forward back"):
+        mamba.use_chunked_scan(ours)  # kernels.kernelize resets every hook its mapping leaves out
     assert "forward" not in vars(theirs.backbone.layers[0].mixer._kernel_funcs[mamba.KERNEL_NAME])  # per model
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     with torch.no_grad():
