@@ -17,7 +17,8 @@ default non-overlapping), each window from an empty cache:
 
 kvforge rows (compiled here at compile's defaults, max_batch 4, max_seq 512, unless cached in
 ``--work-dir``): fp32, fp16, int8, int4 at block sizes 16/32/64/128 (symmetric), int4 block 32
-asymmetric, int4 block 32 with the lm_head in int4 or left fp32 (compile's default: int8). Each row
+asymmetric, int4 block 32 with the lm_head in int4 or left fp32 (compile's default: int8) or its
+8-bit blocks at 64 or 128 (the default: 128 where they divide the hidden size). Each row
 also gets an indicative decode step (batch 1, after a 128-token prompt; median of ``--steps``
 steps, this process, this machine's load) and the MiB of weights a decode step reads, to weigh
 quality against speed. On a loaded machine ``--ab-rounds N`` times the kvforge rows' decode steps
@@ -59,6 +60,8 @@ KVFORGE_ROWS: dict[str, list[str]] = {
     "kvforge int4 b32 asym": ["--quantize", "int4", "--asymmetric"],
     "kvforge int4 b32 sym, lm_head int4": ["--quantize", "int4", "--lm-head", "int4"],
     "kvforge int4 b32 sym, lm_head fp32": ["--quantize", "int4", "--no-quantize-lm-head"],
+    "kvforge int4 b32 sym, lm_head int8 b64": ["--quantize", "int4", "--lm-head-block-size", "64"],
+    "kvforge int4 b32 sym, lm_head int8 b128": ["--quantize", "int4", "--lm-head-block-size", "128"],
     # compiled from the GGUF file itself: its Q4_1/Q8_0 blocks kept as MatMulNBits (no second rounding)
     GGUF_ROW: [],
 }

@@ -92,6 +92,7 @@ class CompileOptions:
     symmetric: bool = True  # quantize: symmetric blocks (False: a zero point per block)
     quantize_lm_head: bool = True  # quantize: the lm_head too (False: it stays in the model's dtype)
     lm_head: str | None = None  # quantize: "int4" | "int8" | "float"; None: the scheme's (quantize.DEFAULT_LM_HEAD)
+    lm_head_block_size: int | None = None  # quantize: the lm_head's blocks; None: quantize.lm_head_blocks' rule
     kv_dtype: str = "float"  # contract.KV_DTYPES: "int8" = 8-bit KV rows with a float32 scale each
 
     def lm_head_precision(self) -> str:
@@ -125,6 +126,9 @@ class CompileOptions:
             )
         if self.lm_head is not None:
             quantize_stage.check_lm_head(self.lm_head, self.quantize, self.quantize_lm_head)
+        if self.lm_head_block_size is not None:
+            head = self.lm_head_precision() if self.quantize else None
+            quantize_stage.check_lm_head_block_size(self.lm_head_block_size, self.quantize, head)
         self._check_kv_dtype()
 
     def _check_kv_dtype(self) -> None:
@@ -178,6 +182,7 @@ def compile_model(
     symmetric: bool = True,
     quantize_lm_head: bool = True,
     lm_head: str | None = None,
+    lm_head_block_size: int | None = None,
     kv_dtype: str = "float",
     progress: Progress | None = stderr_progress,
 ) -> mf.Manifest:
@@ -196,7 +201,9 @@ def compile_model(
     ("int4" | "int8", blocks of ``block_size``) makes MatMul weights ``MatMulNBits`` (ORT only),
     with symmetric blocks unless ``symmetric=False`` (a zero point per block), the lm_head included
     unless ``quantize_lm_head=False``; ``lm_head`` ("int4" | "int8" | "float") gives the lm_head its
-    own precision (default int8, under int4 too: quantize.DEFAULT_LM_HEAD; docs/performance.md measures each).
+    own precision (default int8, under int4 too: quantize.DEFAULT_LM_HEAD; docs/performance.md measures each),
+    in blocks of ``lm_head_block_size`` (None: 128 where that divides its input width, else ``block_size``:
+    quantize.lm_head_blocks).
     ``kv_dtype`` "int8" keeps the KV cache in 8 bits (a float32 scale per cached row and head,
     :mod:`kvforge.graphs.contract`; CPU target, ``onnx`` or ``exact`` lowering, ``onnx`` by default;
     not for families whose layers keep a state); "float" (default) keeps it in ``dtype``.
@@ -264,6 +271,7 @@ def compile_model(
         symmetric=symmetric,
         quantize_lm_head=quantize_lm_head,
         lm_head=lm_head,
+        lm_head_block_size=None if lm_head_block_size is None else int(lm_head_block_size),
         kv_dtype=kv_dtype,
     )
     options.check()  # before a Hub download or a GGUF conversion
@@ -464,6 +472,10 @@ def _compile_into(
         stages.end(str(times))
         stages.start("quantize", f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size})")
         exclude = kept.exclude if kept else []
+        if options.lm_head_precision() != "float":  # the block size the manifest records
+            width = quantize_stage.lm_head_width(general)
+            blocks = quantize_stage.lm_head_blocks(options.block_size, options.lm_head_block_size, width)
+            options = dataclasses.replace(options, lm_head_block_size=blocks)
         general = quantize_stage.quantize(
             {GENERAL: general},
             options.quantize,
@@ -471,6 +483,7 @@ def _compile_into(
             exclude,
             symmetric=options.symmetric,
             lm_head=options.lm_head_precision(),
+            lm_head_block_size=options.lm_head_block_size,
         )[GENERAL]
         stages.start("write", "writing one shared weights file and deriving the graphs")
     else:
@@ -723,6 +736,8 @@ def _quantization(options: CompileOptions, source: source_stage.Source, kept) ->
             "lm_head": options.dtype if options.lm_head_precision() == "float" else options.lm_head_precision(),
             "embedding": options.dtype,
         }
+        if options.lm_head_block_size is not None:
+            record["lm_head_block_size"] = options.lm_head_block_size
     if kept and kept.nodes:
         record = record or {"scheme": "gguf", "op": "com.microsoft.MatMulNBits", "embedding": options.dtype}
         record["gguf"] = kept.record(source.gguf.name)

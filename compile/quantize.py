@@ -34,6 +34,12 @@ LM_HEADS = ("int4", "int8", "float")  # "float": a Gemm in the model's dtype
 # layout too): on SmolLM2, Genesis, perplexity 10.19 against 10.99 with an int4 lm_head (an fp32 one:
 # 10.18), for +14 MiB read per step (80 -> 94) and ~0.8 ms (benchmarks/README.md, the lm_head table).
 DEFAULT_LM_HEAD = {"int4": "int8", "int8": "int8"}
+# A quantized lm_head's blocks where its input width is a multiple (else --block-size's). ORT's x86
+# kernel keeps an fp32 scale and an fp32 block sum beside each block: 10 bits a weight at 8-bit
+# blocks of 32, 8.5 at 128, and the lm_head of a large vocabulary is the largest matrix a step reads
+# (Qwen3.5-0.8B: 254M of 752M weights). Step ×0.94 on Qwen3.5-0.8B's shape, ×0.97 LFM2-350M's,
+# perplexity +0.09% (SmolLM2, 16k tokens of Genesis): docs/performance.md, the lm_head's blocks.
+LM_HEAD_BLOCK_SIZE = 128
 
 
 def check_lm_head(lm_head: str, scheme: str | None, quantize_lm_head: bool = True) -> None:
@@ -49,6 +55,44 @@ def check_lm_head(lm_head: str, scheme: str | None, quantize_lm_head: bool = Tru
         raise ValueError(f"--no-quantize-lm-head keeps the lm_head float, but --lm-head is {lm_head}; drop one of them")
 
 
+def check_block_size(block_size: int, what: str = "") -> int:
+    """``block_size``, or ValueError if ``MatMulNBits`` cannot take it (a power of two >= 16)."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"{what}block size must be a power of two >= 16, got {block_size}")
+    return block_size
+
+
+def check_lm_head_block_size(block_size: int, scheme: str | None, precision: str | None) -> None:
+    """Refuse a lm_head block size that is not one, or that has no quantized lm_head to apply to."""
+    if scheme is None:
+        raise ValueError(
+            "--lm-head-block-size sets the lm_head's blocks under --quantize, and there is none; "
+            "add --quantize int4 (or int8), or drop it"
+        )
+    if precision == "float":
+        raise ValueError(
+            "--lm-head-block-size sets a quantized lm_head's blocks, and the lm_head stays float; drop one of them"
+        )
+    check_block_size(block_size, "lm_head ")
+
+
+def lm_head_blocks(block_size: int, lm_head_block_size: int | None, width: int | None) -> int:
+    """The block size of a quantized lm_head whose input is ``width`` wide: ``lm_head_block_size``
+    when given, else :data:`LM_HEAD_BLOCK_SIZE` where it divides ``width`` and is larger than
+    ``block_size`` (the other projections'), else ``block_size`` (no padded block)."""
+    if lm_head_block_size is not None:
+        return lm_head_block_size
+    if width and width % LM_HEAD_BLOCK_SIZE == 0:
+        return max(block_size, LM_HEAD_BLOCK_SIZE)
+    return block_size
+
+
+def lm_head_width(model: ir.Model) -> int | None:
+    """The input width of ``model``'s lm_head (the Gemm kvforge exports it as), None without one."""
+    widths = {weight.const_value.shape[1] for _, weight in _lm_head_gemms(model)}
+    return widths.pop() if len(widths) == 1 else None
+
+
 def lm_head_precision(scheme: str, lm_head: str | None) -> str:
     """The lm_head's precision under ``scheme``: ``lm_head`` when given, else the scheme's default."""
     return lm_head or DEFAULT_LM_HEAD[scheme]
@@ -62,32 +106,37 @@ def quantize(
     *,
     symmetric: bool = True,
     lm_head: str | None = None,
+    lm_head_block_size: int | None = None,
 ) -> dict[str, ir.Model]:
     """Quantize the MatMul weights of every graph to ``scheme`` ("int4" or "int8"), except the
     nodes named in ``exclude`` (a GGUF Q4_1 projection's block-minimum MatMul: already exact):
     symmetric blocks (``symmetric=False``: a zero point per block, ORT's asymmetric MatMulNBits).
     The lm_head (the Gemm kvforge exports it as) to ``lm_head``: "int4" or "int8" (a MatMulNBits
-    of those bits, same blocks), "float" (it stays a Gemm in the model's dtype), None: the scheme's
-    own (:data:`DEFAULT_LM_HEAD`). In place: returns the same models, each MatMul node replaced as
-    it is quantized (one node at a time, each at its own bits)."""
+    of those bits), "float" (it stays a Gemm in the model's dtype), None: the scheme's own
+    (:data:`DEFAULT_LM_HEAD`); in blocks of ``lm_head_block_size`` (None: :func:`lm_head_blocks`'s).
+    In place: returns the same models, each MatMul node replaced as it is quantized (one node at a
+    time, each at its own bits and blocks)."""
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZE_BITS)}")
     if lm_head is not None:
         check_lm_head(lm_head, scheme)
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
+    check_block_size(block_size)
+    if lm_head_block_size is not None:
+        check_block_size(lm_head_block_size, "lm_head ")
     head = lm_head_precision(scheme, lm_head)
     MatMulNBitsQuantizer = _import_quantizer()
     skipped = set(exclude or [])
     for model in models.values():
         heads = set() if head == "float" else set(_lm_head_as_matmul(model))
-        done: dict = {}  # (weight, bits) -> the quantized node made for it: a shared weight is quantized once
+        done: dict = {}  # (weight, bits, block) -> the quantized node made for it: a shared weight is quantized once
         for node in list(model.graph):
             if node.name in skipped or not _constant_matmul(node):
                 continue
-            bits = QUANTIZE_BITS[head if node.name in heads else scheme]
-            settings = dict(bits=bits, block_size=block_size, is_symmetric=symmetric, accuracy_level=4)
-            key = (node.inputs[1], bits)
+            is_head = node.name in heads
+            bits = QUANTIZE_BITS[head if is_head else scheme]
+            block = lm_head_blocks(block_size, lm_head_block_size, node.inputs[1].shape[0]) if is_head else block_size
+            settings = dict(bits=bits, block_size=block, is_symmetric=symmetric, accuracy_level=4)
+            key = (node.inputs[1], bits, block)
             if key in done:
                 _reuse(model, node, done[key])
             else:
@@ -179,6 +228,19 @@ def _import_quantizer():
     return MatMulNBitsQuantizer
 
 
+def _lm_head_gemms(model: ir.Model):
+    """``(node, weight)`` of each ``Gemm(x, W, transB=1)`` with a constant ``W`` (the lm_head)."""
+    for node in list(model.graph):
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        weight = node.inputs[1]
+        if attrs.get("transB", 0) != 1 or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
+            continue
+        if weight is not None and weight.const_value is not None:
+            yield node, weight
+
+
 def _lm_head_as_matmul(model: ir.Model) -> list[str]:
     """Rewrite ``Gemm(x, W, transB=1)`` with a constant ``W [V, H]`` (how kvforge exports the
     lm_head, to avoid a transposed copy) into ``MatMul(x, W^T)``, which ORT's quantizer turns into
@@ -187,15 +249,7 @@ def _lm_head_as_matmul(model: ir.Model) -> list[str]:
     import numpy as np
 
     made = []
-    for node in list(model.graph):
-        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-            continue
-        attrs = {k: a.value for k, a in node.attributes.items()}
-        weight = node.inputs[1]
-        if attrs.get("transB", 0) != 1 or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
-            continue
-        if weight is None or weight.const_value is None:
-            continue
+    for node, weight in _lm_head_gemms(model):
         source, name = weight.const_value, f"{weight.name}.T"
         lazy = ir.LazyTensor(
             lambda source=source, name=name: ir.Tensor(np.ascontiguousarray(source.numpy().T), name=name),

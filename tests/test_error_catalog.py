@@ -349,6 +349,23 @@ def _(c):
     return raised(lambda: compile_model(c.model_dir, c.tmp / "out", quantize="int4", lm_head="bf16", progress=None))
 
 
+@trigger("lm-head-blocks-needs-quantize")
+def _(c):
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", lm_head_block_size=64, progress=None))
+
+
+@trigger("lm-head-blocks-float")
+def _(c):
+    options = dict(quantize="int4", lm_head="float", lm_head_block_size=64, progress=None)
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", **options))
+
+
+@trigger("lm-head-block-size")
+def _(c):
+    options = dict(quantize="int4", lm_head_block_size=100, progress=None)
+    return raised(lambda: compile_model(c.model_dir, c.tmp / "out", **options))
+
+
 @trigger("max-prompt-range")
 def _(c):
     return raised(lambda: compile_model(c.model_dir, c.tmp / "out", max_seq=96, max_prompt=200, progress=None))

@@ -107,6 +107,13 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         "--no-quantize-lm-head (docs/performance.md weighs each one's perplexity against its decode step)",
     )
     p.add_argument(
+        "--lm-head-block-size",
+        type=int,
+        default=None,
+        help="--quantize: the quantized lm_head's block size (default: 128 where it divides the lm_head's input "
+        "width, which reads 15%% fewer bytes at 8 bits; else --block-size's)",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=["float", "int8"],
         default="float",
@@ -179,6 +186,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         symmetric=args.symmetric,
         quantize_lm_head=args.quantize_lm_head,
         lm_head=args.lm_head,
+        lm_head_block_size=args.lm_head_block_size,
         kv_dtype=args.kv_dtype,
         progress=None if args.quiet else stderr_progress,
     )
