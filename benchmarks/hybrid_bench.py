@@ -111,6 +111,7 @@ def bench(side: dict[str, Any], args: argparse.Namespace, reference_lens: list[i
             repeat=args.repeat,
             warmup=args.warmup,
             threads=args.threads,
+            prefill=args.prefill,
         )
         say(f"bench {side['name']} (prompts {lens}, transformers: {reference}, load {os.getloadavg()})")
         return run_bench(side["artifact"], side["model_dir"] if reference else None, options)
@@ -224,6 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantize", choices=["int4", "int8"], default=None)
+    p.add_argument(
+        "--prefill",
+        choices=["ort", "int8", "fp32"],
+        default="ort",
+        help="Engine.load(prefill=...) for kvforge's prompts (int8, fp32: int4 artifacts; default ort)",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
     p.add_argument("--no-baseline", action="store_true", help="skip the full-attention twins")
     p.add_argument("--work-dir", type=Path, default=None, help="models and artifacts (default: a temp dir, removed)")
@@ -258,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                 "repeat": args.repeat,
                 "dtype": args.dtype,
                 "quantize": args.quantize,
+                "prefill": args.prefill,
                 "batch": 1,
             },
             "load_before": [round(x, 2) for x in load_before],
