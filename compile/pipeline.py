@@ -470,12 +470,14 @@ def _compile_into(
     packing_stage.pack_projections({GENERAL: general})  # q/k/v and gate/up: one MatMul each, stored packed
     if options.quantize:
         stages.end(str(times))
-        stages.start("quantize", f"quantizing MatMul weights to {options.quantize} (blocks of {options.block_size})")
-        exclude = kept.exclude if kept else []
-        if options.lm_head_precision() != "float":  # the block size the manifest records
-            width = quantize_stage.lm_head_width(general)
+        width = quantize_stage.lm_head_width(general)  # None: no lm_head to quantize (a GGUF's kept blocks)
+        if options.lm_head_precision() != "float" and width is not None:  # the blocks the manifest records
             blocks = quantize_stage.lm_head_blocks(options.block_size, options.lm_head_block_size, width)
             options = dataclasses.replace(options, lm_head_block_size=blocks)
+        head = f", the lm_head's {options.lm_head_block_size}" if options.lm_head_block_size else ""
+        blocks_said = f"blocks of {options.block_size}{head}"
+        stages.start("quantize", f"quantizing MatMul weights to {options.quantize} ({blocks_said})")
+        exclude = kept.exclude if kept else []
         general = quantize_stage.quantize(
             {GENERAL: general},
             options.quantize,

@@ -37,8 +37,9 @@ DEFAULT_LM_HEAD = {"int4": "int8", "int8": "int8"}
 # A quantized lm_head's blocks where its input width is a multiple (else --block-size's). ORT's x86
 # kernel keeps an fp32 scale and an fp32 block sum beside each block: 10 bits a weight at 8-bit
 # blocks of 32, 8.5 at 128, and the lm_head of a large vocabulary is the largest matrix a step reads
-# (Qwen3.5-0.8B: 254M of 752M weights). Step ×0.94 on Qwen3.5-0.8B's shape, ×0.97 LFM2-350M's,
-# perplexity +0.09% (SmolLM2, 16k tokens of Genesis): docs/performance.md, the lm_head's blocks.
+# (Qwen3.5-0.8B: 254M of 752M weights). Int4 step ×0.91 on Qwen3.5-0.8B's shape, ×0.97 on LFM2-350M's
+# and Granite-4.0-H-350M's; perplexity +0.09% (SmolLM2, 16k tokens of Genesis), +0.00% (kvforge-tiny):
+# docs/performance.md, "The lm_head's blocks".
 LM_HEAD_BLOCK_SIZE = 128
 
 
