@@ -349,6 +349,23 @@ def _state_lines(state: list[dict], max_batch: int) -> list[str]:
     return lines
 
 
+def _quantization_lines(q: dict[str, Any] | None) -> list[str]:
+    """One line saying how the weights are quantized (none for a float artifact)."""
+    if not q:
+        return []
+    if q.get("scheme") == "gguf":
+        kept = f"a GGUF file's own blocks ({q['gguf'].get('file')}), {q.get('op')}"
+        return [f"  weights: {kept}; embedding {q.get('embedding')}"]
+    blocks = f"blocks of {q.get('block_size')}, {'symmetric' if q.get('symmetric', True) else 'asymmetric'}"
+    head = q.get("lm_head")
+    if q.get("lm_head_block_size"):
+        head = f"{head} in blocks of {q['lm_head_block_size']}"
+    level = f", accuracy level {q['accuracy_level']}" if "accuracy_level" in q else ""
+    line = f"  weights: {q.get('scheme')} {q.get('op')} ({blocks}{level}); lm_head {head}"
+    line += f"; embedding {q['embedding']}" if q.get("embedding") else ""
+    return [line + (f"; GGUF blocks kept from {q['gguf'].get('file')}" if q.get("gguf") else "")]
+
+
 def format_report(result: dict[str, Any]) -> str:
     lines = [f"kvforge inspect: {result['path']}"]
     m = result["manifest"]
@@ -362,6 +379,7 @@ def format_report(result: dict[str, Any]) -> str:
             + (f" + scales {kv.get('scale_shape')} {kv.get('scale_dtype')}" if kv.get("dtype") == "int8" else "")
             + f" = {_size(kv.get('bytes', 0))}",
             *_state_lines(m.get("state") or [], lim["max_batch"]),
+            *_quantization_lines(m.get("quantization")),
             f"  compiled by kvforge {m['kvforge_version']} at {m['created_utc']} from {m['source_path']}",
             "  versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
         ]

@@ -206,3 +206,25 @@ def test_inspect_a_hybrid_shows_its_state_entries(lfm2_artifact, tmp_path, capsy
     assert "  state (conv) of layers [0, 2, 3], KV only for layers that attend; state = 3.0 KiB" in printed
     assert "    conv: conv [64, 2] float32 per row, layers [0, 2, 3]" in printed
     assert "    past_state.*.conv              float32   [batch, 64, 2]  x3" in printed
+
+
+def test_inspect_says_how_the_weights_are_quantized(llama_int4_artifact, llama_artifact, capsys):
+    """The printed report gives an int4 artifact's blocks, its lm_head's precision and blocks, and
+    the embedding's dtype (the tiny Llama's hidden 64: 128 does not divide it, so the lm_head keeps
+    32); a float artifact prints no such line; a record from before the lm_head's own blocks and a
+    GGUF's kept blocks read as they are."""
+    assert main(["inspect", str(llama_int4_artifact)]) == 0
+    assert (
+        "  weights: int4 com.microsoft.MatMulNBits (blocks of 32, symmetric, accuracy level 4); "
+        "lm_head int8 in blocks of 32; embedding float32\n"
+    ) in capsys.readouterr().out
+    assert main(["inspect", str(llama_artifact)]) == 0
+    assert "  weights: " not in capsys.readouterr().out
+    older = {"scheme": "int4", "block_size": 32, "op": "MatMulNBits", "symmetric": True, "lm_head": "quantized"}
+    assert inspect_artifact._quantization_lines(older) == [
+        "  weights: int4 MatMulNBits (blocks of 32, symmetric); lm_head quantized"
+    ]
+    gguf = {"scheme": "gguf", "op": "MatMulNBits", "embedding": "float32", "gguf": {"file": "m.gguf"}}
+    assert inspect_artifact._quantization_lines(gguf) == [
+        "  weights: a GGUF file's own blocks (m.gguf), MatMulNBits; embedding float32"
+    ]
