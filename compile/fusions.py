@@ -18,8 +18,10 @@ from the shape of its own query. Three passes, each exact:
    ``[B, S, H * D]`` projection viewed as heads, rotated, and flattened back — becomes the 3-D
    form of ``RotaryEmbedding`` (``num_heads`` attribute) on ``y`` itself: the same rotation of
    each head with the model's own cos/sin. Only a full, non-interleaved rotary whose input and
-   output are ``[B, S, H * D]`` matches; a partial rotary (a ``Concat`` after the rotation) or a
-   norm between the view and the transpose (Qwen3's q/k norms) does not, and stays as it was.
+   output are ``[B, S, H * D]`` matches; a partial rotary (a ``Concat`` after the rotation) does
+   not, and stays as it was. Where a per-head norm sits between the view and the transpose
+   (Qwen3's, LFM2's, OLMo2's q/k norms), :class:`NormedRotary3D` takes the rest: the normed heads
+   ``[B, S, H, D]`` flattened and rotated in 3-D, the two transposes gone.
 3. :func:`remove_noop_reshapes`: a ``Reshape`` (or chain of them) whose output has exactly the
    shape of its source (``v``'s ``[B, S, H * D]`` -> ``[B, S, H, D]`` -> ``[B, S, H * D]``, and the
    attention output's way back to ``o_proj``) is replaced by that source.
@@ -35,10 +37,11 @@ _SWAP_HEADS = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
 
 
 def fuse_attention_glue(model: ir.Model) -> dict[str, int]:
-    """Apply the three passes to ``model`` in place; returns how often each fired."""
+    """Apply the passes to ``model`` in place; returns how often each fired."""
     counts = {"length_shapes": share_length_shapes(model.graph)}
     CommonSubexpressionEliminationPass()(model)
     counts["rotary_3d"] = Rotary3D.rule().apply_to_model(model)
+    counts["normed_rotary_3d"] = NormedRotary3D.rule().apply_to_model(model)
     _name_rotaries(model.graph)
     counts["noop_reshapes"] = remove_noop_reshapes(model.graph)
     RemoveUnusedNodesPass()(model)
@@ -103,6 +106,37 @@ class Rotary3D(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, y, cos, sin, view, **_):
         return op.RotaryEmbedding(y, cos, sin, interleaved=0, num_heads=view.shape[2])
+
+
+class NormedRotary3D(pattern.RewriteRuleClassBase):
+    """``Reshape(Transpose(RotaryEmbedding(Transpose(x), cos, sin)), [B, S, H*D])`` for ``x``
+    ``[B, S, H, D]`` (the heads after a per-head norm) -> ``RotaryEmbedding(Reshape(x, [B, S, H*D]),
+    cos, sin, num_heads=H)``: each head rotated by the same cos/sin, in the layout the attention
+    reads, without the two transposes (4 per layer: a decode step's q and k, at any length)."""
+
+    def pattern(self, op, x, cos, sin, flat_shape):
+        heads = op.Transpose(x, perm=_SWAP_HEADS, _outputs=["heads"])
+        rotated = op.RotaryEmbedding(heads, cos, sin, _outputs=["rotated"])
+        return op.Reshape(op.Transpose(rotated, perm=_SWAP_HEADS), flat_shape, _outputs=["flat"])
+
+    def check(self, context, x, heads, rotated, flat, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        shape = heads.shape  # [B, H, S, D]
+        if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in (shape[1], shape[3])):
+            return result.fail("the heads are not [B, H, S, D] with static H and D", heads)
+        if flat.shape is None or len(flat.shape) != 3 or flat.shape[2] != shape[1] * shape[3]:
+            return result.fail("the flattened result is not [B, S, H * D]", flat)
+        if not _same_dims([flat.shape[0], flat.shape[1]], [shape[0], shape[2]]):
+            return result.fail("the flattened result's batch and length are not the heads'", flat)
+        attrs = rotated.producer().attributes
+        if attrs.get_int("interleaved", 0) or attrs.get_int("rotary_embedding_dim", 0) or "num_heads" in attrs:
+            return result.fail("not a full, non-interleaved 4-D rotary", rotated)
+        if len([v for v in rotated.producer().inputs if v is not None]) != 3:
+            return result.fail("a rotary with position_ids of its own", rotated)
+        return result
+
+    def rewrite(self, op, x, cos, sin, flat_shape, heads, **_):
+        return op.RotaryEmbedding(op.Reshape(x, flat_shape), cos, sin, interleaved=0, num_heads=heads.shape[1])
 
 
 def _name_rotaries(graph: ir.Graph) -> None:

@@ -1,7 +1,8 @@
 """The attention-glue rules of the ORT graphs (kvforge.compile.fusions) remove the reshape/transpose
-pairs around ``GroupQueryAttention`` and compute the lengths once per graph on a Llama, leave a
-q/k-norm (Qwen3) and a partial-rotary (GPT-NeoX) layer's structure alone, and in every case give
-the logits and caches of the graph without them (within 1e-5)."""
+pairs around ``GroupQueryAttention`` and compute the lengths once per graph on a Llama, rotate a
+q/k-norm (Qwen3) layer's normed heads in 3-D without its transposes, leave a partial-rotary
+(GPT-NeoX) layer's structure alone, and in every case give the logits and caches of the graph
+without them (within 1e-5)."""
 
 from __future__ import annotations
 
@@ -100,15 +101,34 @@ def test_llama_attention_reads_projections_directly_and_lengths_once(cases):
     _assert_same_outputs(before, after, dims)
 
 
-@pytest.mark.parametrize("family", ["qwen3-qk-norm", "gpt-neox"])
-def test_qk_norm_and_partial_rotary_are_left_alone(cases, family):
-    """Qwen3 normalizes q/k per head between the view and the transpose; GPT-NeoX rotates a quarter
-    of each head and concatenates the rest: the 3-D rotary rule must not match either."""
-    model_dir, dims = cases[family]
+def test_partial_rotary_is_left_alone(cases):
+    """GPT-NeoX rotates a quarter of each head and concatenates the rest: neither 3-D rotary rule
+    may match it."""
+    model_dir, dims = cases["gpt-neox"]
     before, after, counts = _fused(model_dir)
-    assert counts["rotary_3d"] == 0
+    assert counts["rotary_3d"] == 0 and counts["normed_rotary_3d"] == 0
     assert _ops(after)["RotaryEmbedding"] == _ops(before)["RotaryEmbedding"]
     assert _ops(after)["ReduceMax"] == 1  # the lengths are still computed once
+    _assert_same_outputs(before, after, dims)
+
+
+def test_qk_norm_heads_are_rotated_in_3d_without_transposes(cases):
+    """Qwen3 normalizes q/k per head between the view and the transpose, so the view is not the
+    projection's: the normed heads are flattened and rotated in 3-D instead (NormedRotary3D), and
+    the four transposes of each layer go, with the same logits and caches."""
+    model_dir, dims = cases["qwen3-qk-norm"]
+    before, after, counts = _fused(model_dir)
+    n = dims.num_layers
+    assert counts["rotary_3d"] == 0 and counts["normed_rotary_3d"] == 2 * n
+    ops_before, ops_after = _ops(before), _ops(after)
+    assert ops_before["Transpose"] >= 4 * n and ops_after["Transpose"] == 0, (ops_before, ops_after)
+    assert ops_after["RotaryEmbedding"] == ops_before["RotaryEmbedding"] == 2 * n
+    for node in after.graph:
+        if node.op_type == "RotaryEmbedding":  # 3-D, on the normed heads flattened
+            assert node.attributes.get_int("num_heads") in (dims.num_heads, dims.num_kv_heads)
+            assert node.inputs[0].producer().op_type == "Reshape"
+            assert node.name.endswith(("/rotary_q", "/rotary_k"))
+    assert ops_after["ReduceMax"] == 1
     _assert_same_outputs(before, after, dims)
 
 
