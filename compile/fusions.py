@@ -99,10 +99,8 @@ class Rotary3D(pattern.RewriteRuleClassBase):
             return result.fail("the view does not split y's last dim into heads", view)
         if flat.shape is None or not _same_dims(flat.shape, y.shape):
             return result.fail("the flattened result is not y's shape", flat)
-        attrs = rotated.producer().attributes
-        if attrs.get_int("interleaved", 0) or attrs.get_int("rotary_embedding_dim", 0) or "num_heads" in attrs:
-            return result.fail("not a full, non-interleaved 4-D rotary", rotated)
-        return result
+        reason = _not_a_plain_4d_rotary(rotated)
+        return result.fail(reason, rotated) if reason else result
 
     def rewrite(self, op, y, cos, sin, view, **_):
         return op.RotaryEmbedding(y, cos, sin, interleaved=0, num_heads=view.shape[2])
@@ -128,15 +126,23 @@ class NormedRotary3D(pattern.RewriteRuleClassBase):
             return result.fail("the flattened result is not [B, S, H * D]", flat)
         if not _same_dims([flat.shape[0], flat.shape[1]], [shape[0], shape[2]]):
             return result.fail("the flattened result's batch and length are not the heads'", flat)
-        attrs = rotated.producer().attributes
-        if attrs.get_int("interleaved", 0) or attrs.get_int("rotary_embedding_dim", 0) or "num_heads" in attrs:
-            return result.fail("not a full, non-interleaved 4-D rotary", rotated)
-        if len([v for v in rotated.producer().inputs if v is not None]) != 3:
-            return result.fail("a rotary with position_ids of its own", rotated)
-        return result
+        reason = _not_a_plain_4d_rotary(rotated)
+        return result.fail(reason, rotated) if reason else result
 
     def rewrite(self, op, x, cos, sin, flat_shape, heads, **_):
         return op.RotaryEmbedding(op.Reshape(x, flat_shape), cos, sin, interleaved=0, num_heads=heads.shape[1])
+
+
+def _not_a_plain_4d_rotary(rotated: ir.Value) -> str | None:
+    """Why the rotary making ``rotated`` cannot be rewritten to the 3-D form with the same cos/sin
+    (None: it can): both rules' condition."""
+    node = rotated.producer()
+    attrs = node.attributes
+    if attrs.get_int("interleaved", 0) or attrs.get_int("rotary_embedding_dim", 0) or "num_heads" in attrs:
+        return "not a full, non-interleaved 4-D rotary"
+    if len([v for v in node.inputs if v is not None]) != 3:
+        return "a rotary with position_ids of its own"
+    return None
 
 
 def _name_rotaries(graph: ir.Graph) -> None:
