@@ -45,6 +45,13 @@ class LoadedModel:
     streamed: Any = None
 
 
+def tensor_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers at their dtypes, counting those on the meta
+    device (a streamed layer's) as if loaded: what dropping the model can give back, at most."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def read_config(model_dir: str | Path) -> tuple[dict, list[Path]]:
     """``config.json`` and the weight files of a model directory, or a :class:`ModelDirError`."""
     path = Path(model_dir)

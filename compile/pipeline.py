@@ -29,7 +29,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
-import gc
 import os
 import shutil
 import sys
@@ -420,6 +419,7 @@ def _compile_into(
     if options.kv_dtype != "float":
         loaded = _with_kv_dtype(loaded, options.kv_dtype)
     dims, loaded_spec, layout = loaded.dims, loaded.spec, loaded.state_layout
+    model_bytes = load_stage.tensor_bytes(loaded.model)  # what each collection below can give back
     if loaded.streamed is not None:
         say(
             f"layers {loaded.streamed.keep}..{loaded.streamed.total - 1} stay in the checkpoint: read one "
@@ -443,7 +443,7 @@ def _compile_into(
             say(f"{e}: loading the whole model")
             del loaded
             heap.unfreeze()
-            gc.collect()
+            heap.collect(model_bytes)
             loaded = load_stage.load_model(model_dir, options.dtype, options.trust_remote_code, options.max_seq)
             if options.kv_dtype != "float":
                 loaded = _with_kv_dtype(loaded, options.kv_dtype)
@@ -465,7 +465,7 @@ def _compile_into(
         loaded.streamed.rebind(general, loaded.model)
     del loaded
     heap.unfreeze()  # the model's cycles must be collectable again
-    gc.collect()
+    heap.collect(model_bytes)
     kept = _keep_gguf_blocks(source, general, options, stages, str(times))  # before packing: it packs its own
     packing_stage.pack_projections({GENERAL: general})  # q/k/v and gate/up: one MatMul each, stored packed
     if options.quantize:
@@ -495,7 +495,7 @@ def _compile_into(
         quantize_stage.never_one_row(general)
     weights = SharedWeights(tmp)
     weights.externalize(general)
-    gc.collect()
+    heap.collect(model_bytes)
     heap.trim()
     heap.freeze_survivors()  # the torch model and the weights are gone: later collections skip the rest
     for name in names:
@@ -598,11 +598,12 @@ def _reference(
     except parity_stage.ReferenceSwitchError:
         pass
     separate = load_stage.load_reference(model_dir, dtype, trust_remote_code=trust_remote_code)
+    dropped = load_stage.tensor_bytes(separate)
     try:
         return parity_stage.reference(separate, loaded.dims)
     finally:
         del separate
-        gc.collect()
+        heap.collect(dropped)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
