@@ -63,8 +63,8 @@ def test_tensor_bytes_counts_parameters_buffers_and_meta_layers():
 
 
 def test_a_tiny_models_compile_runs_no_full_collection(llama_dir, tmp_path, monkeypatch):
-    """A model of a few KiB: compile's three explicit collections (each ~0.6 s in a process that
-    imported torch, more in a test worker) are skipped; the artifact is complete."""
+    """A model of a few KiB: compile's explicit collections (two here; each 0.6 s on average in a
+    test worker) are skipped; the artifact is complete."""
     from kvforge.compile import compile_model
 
     calls = []
